@@ -1,0 +1,111 @@
+"""`kvstore` CLI entry point. Errors are one clear line and a non-zero exit code."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.cli.run import directory_app, up, worker_app
+from kvstore.client import DirectoryClient
+from kvstore.core.errors import KVStoreError
+from kvstore.core.sizes import format_size
+
+app = typer.Typer(help="kvstore: a tiered KV-cache store for LLM inference.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
+app.add_typer(directory_app, name="directory")
+app.add_typer(worker_app, name="worker")
+app.add_typer(db_app, name="db")
+app.command()(up)
+
+Url = Annotated[str, typer.Option(envvar="KVSTORE_URL", help="directory URL")]
+Output = Annotated[str, typer.Option(help="table or json")]
+console = Console()
+
+
+def one_line_errors(command):
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KVStoreError as exc:
+            Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+            raise typer.Exit(1) from None
+    return wrapper
+
+
+@app.command()
+@one_line_errors
+def tiers(url: Url = "http://127.0.0.1:8700", output: Output = "table") -> None:
+    """Capacity and usage of every tier of every worker."""
+    rows = DirectoryClient(url).tiers()
+    if output == "json":
+        print(json.dumps([r.model_dump() for r in rows], indent=2))
+        return
+    table = Table("worker", "kind", "capacity", "used", "blocks", "page", "watermarks")
+    for r in rows:
+        table.add_row(r.worker, r.kind, format_size(r.capacity_bytes), format_size(r.used_bytes),
+                      str(r.num_blocks), format_size(r.page_bytes), f"{r.low_watermark:.2f}/{r.high_watermark:.2f}")
+    console.print(table)
+
+
+@app.command()
+@one_line_errors
+def workers(url: Url = "http://127.0.0.1:8700", output: Output = "table") -> None:
+    """Registered storage workers."""
+    rows = DirectoryClient(url).workers()
+    if output == "json":
+        print(json.dumps([r.model_dump(exclude={"agent_metadata"}) for r in rows], indent=2))
+        return
+    table = Table("name", "state", "epoch", "pid", "url", "agent", "last heartbeat")
+    for r in rows:
+        table.add_row(r.name, r.state, str(r.epoch), str(r.pid), r.control_url, r.agent_name,
+                      f"{r.last_heartbeat:.1f}")
+    console.print(table)
+
+
+@app.command()
+@one_line_errors
+def lookup(namespace_id: str, token_ids: Annotated[str, typer.Argument(help="comma-separated token ids")],
+           url: Url = "http://127.0.0.1:8700") -> None:
+    """How many leading tokens of a prompt the store holds."""
+    try:
+        tokens = [int(t) for t in token_ids.split(",") if t.strip()]
+    except ValueError:
+        raise KVStoreError("invalid", "token ids must be comma-separated integers") from None
+    result = DirectoryClient(url).lookup_tokens(namespace_id, tokens)
+    print(json.dumps(result.model_dump()))
+
+
+@app.command()
+@one_line_errors
+def stats(url: Url = "http://127.0.0.1:8700") -> None:
+    """Blocks, reservations, leases and pins."""
+    print(json.dumps(DirectoryClient(url).stats().model_dump(), indent=2))
+
+
+@db_app.command("upgrade")
+@one_line_errors
+def db_upgrade(database_url: Annotated[str, typer.Option(envvar="KVSTORE_DATABASE_URL")]
+               = "sqlite:///var/directory.db") -> None:
+    """Run the alembic migrations up to the newest revision."""
+    from kvstore.directory import db
+
+    db.upgrade(database_url)
+    print("schema is at head")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Commands that run services: `up`, `directory serve`, `worker serve`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+
+from kvstore.core.errors import KVStoreError
+from kvstore.core.sizes import parse_size
+
+log = logging.getLogger("kvstore")
+directory_app = typer.Typer(help="The directory service.", no_args_is_help=True)
+worker_app = typer.Typer(help="A storage worker.", no_args_is_help=True)
+
+Host = Annotated[str, typer.Option(help="address to bind")]
+Size = Annotated[str, typer.Option(help="bytes, e.g. 512MiB")]
+
+
+def _size(text: str, flag: str) -> int:
+    try:
+        return parse_size(text)
+    except KVStoreError as exc:
+        raise typer.BadParameter(exc.message, param_hint=flag) from None
+
+
+@directory_app.command("serve")
+def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
+                    data_dir: Annotated[Path, typer.Option(help="SQLite file lives here")] = Path("var"),
+                    database_url: Annotated[str | None, typer.Option(envvar="KVSTORE_DATABASE_URL",
+                                                                     help="SQLAlchemy URL")] = None,
+                    lease_ttl: float = 30.0) -> None:
+    """Run the directory (FastAPI) on HOST:PORT."""
+    import uvicorn
+
+    from kvstore.directory.app import create_app
+    from kvstore.directory.settings import DirectorySettings
+
+    _logging()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    url = database_url or f"sqlite:///{(data_dir / 'directory.db').resolve()}"
+    settings = DirectorySettings(database_url=url, lease_ttl_s=lease_ttl)
+    log.info("directory on http://%s:%d, database %s", host, port, _redact(url))
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+
+
+@worker_app.command("serve")
+def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL")] = "http://127.0.0.1:8700",
+                 name: Annotated[str, typer.Option(help="worker name")] = "worker-0",
+                 host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="control port; 0 = any")] = 0,
+                 dram_bytes: Size = "512MiB", page_bytes: Size = "64KiB") -> None:
+    """Run a storage worker: allocate and register its DRAM arena, then serve."""
+    from kvstore.worker.server import StorageWorker
+    from kvstore.worker.settings import WorkerSettings
+
+    _logging()
+    settings = WorkerSettings(directory_url=directory_url, name=name, host=host, port=port,
+                              dram_bytes=_size(dram_bytes, "--dram-bytes"), page_bytes=_size(page_bytes, "--page-bytes"))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        worker = StorageWorker(settings)
+        worker.start()
+    except KVStoreError as exc:
+        log.error("worker cannot start: %s", exc)
+        raise typer.Exit(1) from None
+    worker.run(stop)
+    worker.close()
+    log.info("worker %s stopped", name)
+    os._exit(0)  # skip interpreter teardown: see NIXL.md pitfall 3
+
+
+def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directory port")] = 8700,
+       data_dir: Annotated[Path, typer.Option(help="state lives here")] = Path("var"),
+       dram_bytes: Size = "512MiB", page_bytes: Size = "64KiB",
+       lease_ttl: Annotated[float, typer.Option(help="seconds")] = 30.0) -> None:
+    """Run the embedded stack: the directory on SQLite and one storage worker."""
+    _logging()
+    _size(dram_bytes, "--dram-bytes"), _size(page_bytes, "--page-bytes")
+    url = f"http://{host}:{port}"
+    exe = [sys.executable, "-m", "kvstore.cli.main"]
+    children = [subprocess.Popen(exe + ["directory", "serve", "--host", host, "--port", str(port),
+                                        "--data-dir", str(data_dir), "--lease-ttl", str(lease_ttl)])]
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if not _wait_healthy(url, children[0], stop):
+            raise typer.Exit(1)
+        children.append(subprocess.Popen(exe + ["worker", "serve", "--directory-url", url, "--name", "worker-0",
+                                                "--host", host, "--dram-bytes", dram_bytes,
+                                                "--page-bytes", page_bytes]))
+        log.info("kvstore up: directory %s, data dir %s; Ctrl-C stops", url, data_dir.resolve())
+        while not stop.wait(0.5):
+            if any(c.poll() is not None for c in children):
+                log.error("a kvstore process exited; stopping the stack")
+                raise typer.Exit(1)
+    finally:
+        _stop_all(children)
+
+
+def _wait_healthy(url: str, child: subprocess.Popen, stop: threading.Event, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stop.is_set():
+        if child.poll() is not None:
+            log.error("the directory exited with code %s", child.returncode)
+            return False
+        try:
+            if httpx.get(url + "/healthz", timeout=1).is_success:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def _stop_all(children: list[subprocess.Popen]) -> None:
+    for child in reversed(children):
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in reversed(children):
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    log.info("kvstore stopped")
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "alembic.runtime.plugins"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

@@ -1,0 +1,55 @@
+"""Typed client of the directory's /v1 HTTP API."""
+
+from __future__ import annotations
+
+from kvstore.client.http import JsonHttp
+from kvstore.core import specs
+from kvstore.core.keys import Namespace
+
+
+class DirectoryClient(JsonHttp):
+    def register_namespace(self, namespace: Namespace) -> str:
+        body = {"namespace": namespace.to_dict()}
+        return self.call_raw("POST", "/v1/namespaces", body)["namespace_id"]
+
+    def register_worker(self, body: specs.WorkerRegistration) -> specs.Registered:
+        return self.call("POST", "/v1/workers", body, specs.Registered)
+
+    def heartbeat(self, worker: str, epoch: int) -> None:
+        self.call_raw("POST", f"/v1/workers/{worker}/heartbeat", specs.Heartbeat(epoch=epoch))
+
+    def worker(self, name: str) -> specs.WorkerInfo:
+        return specs.WorkerInfo.model_validate(self.call_raw("GET", f"/v1/workers/{name}"))
+
+    def workers(self) -> list[specs.WorkerInfo]:
+        return [specs.WorkerInfo.model_validate(w) for w in self.call_raw("GET", "/v1/workers")]
+
+    def prepare_store(self, body: specs.PrepareStore) -> specs.StorePrepared:
+        return self.call("POST", "/v1/store/prepare", body, specs.StorePrepared)
+
+    def complete_store(self, body: specs.CompleteStore) -> specs.StoreCompleted:
+        return self.call("POST", "/v1/store/complete", body, specs.StoreCompleted)
+
+    def abort_store(self, token: str) -> None:
+        self.call_raw("POST", "/v1/store/abort", specs.TokenBody(token=token))
+
+    def lookup(self, namespace_id: str, hashes: list[str]) -> specs.LookupResult:
+        body = specs.LookupRequest(namespace_id=namespace_id, hashes=hashes)
+        return self.call("POST", "/v1/lookup", body, specs.LookupResult)
+
+    def lookup_tokens(self, namespace_id: str, token_ids: list[int]) -> specs.TokenLookupResult:
+        body = specs.TokenLookupRequest(namespace_id=namespace_id, token_ids=token_ids)
+        return self.call("POST", "/v1/lookup/tokens", body, specs.TokenLookupResult)
+
+    def prepare_load(self, body: specs.PrepareLoad) -> specs.LoadPrepared:
+        return self.call("POST", "/v1/load/prepare", body, specs.LoadPrepared)
+
+    def complete_load(self, body: specs.CompleteLoad) -> specs.LoadCompleted:
+        return self.call("POST", "/v1/load/complete", body, specs.LoadCompleted)
+
+    def tiers(self) -> list[specs.TierUsage]:
+        return [specs.TierUsage.model_validate(t) for t in self.call_raw("GET", "/v1/tiers")]
+
+    def stats(self) -> specs.Stats:
+        return specs.Stats.model_validate(self.call_raw("GET", "/v1/admin/stats"))
+

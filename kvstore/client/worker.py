@@ -1,0 +1,14 @@
+"""Typed client of a storage worker's control endpoint (directory -> worker)."""
+
+from __future__ import annotations
+
+from kvstore.client.http import JsonHttp
+from kvstore.core import specs
+
+
+class WorkerControlClient(JsonHttp):
+    def allocate(self, body: specs.AllocRequest) -> specs.AllocResult:
+        return self.call("POST", "/v1/alloc", body, specs.AllocResult)
+
+    def free(self, body: specs.FreeRequest) -> None:
+        self.call_raw("POST", "/v1/free", body)

@@ -1,0 +1,205 @@
+"""The engine-side store client.
+
+Calls, in the order an engine makes them:
+    client = KVStoreClient(url, namespace)      # registers namespace, NIXL agent, staging buffer once
+    client.lookup(token_ids) -> hit tokens      # pure read
+    client.load(token_ids) -> (kv, n)           # prepare_load -> NIXL READ -> verify -> complete_load
+    client.save(token_ids, kv) -> tokens held   # prepare_store -> NIXL WRITE -> complete_store
+    client.close()
+
+`save_blocks` / `load_blocks` are the same protocol for engines that keep KV in
+the store's block layout in memory they registered with `register_buffer`
+(zero copy); `save` / `load` pack and unpack through the staging buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvstore.client import DirectoryClient
+from kvstore.connector import layout
+from kvstore.connector.layout import LayerKV
+from kvstore.connector.peers import Peers
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.keys import Namespace, block_hashes, checksum
+from kvstore.core.memory import HostBuffer
+from kvstore.transfer import Agent, Transfer
+
+log = logging.getLogger(__name__)
+DEFAULT_STAGING_BYTES = 128 << 20
+
+
+class KVStoreClient:
+    def __init__(self, url: str, namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 name: str | None = None, timeout_s: float = 60.0) -> None:
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.directory = DirectoryClient(url, timeout_s=timeout_s)
+        self.namespace_id = self.directory.register_namespace(namespace)
+        assert self.namespace_id == namespace.namespace_id, "directory computed another namespace id"
+        self.agent = Agent(name or f"kvstore-client-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
+        self.peers = Peers(self.agent, self.directory)
+        self.slots = max(1, staging_bytes // namespace.block_nbytes)
+        self.staging = HostBuffer(self.slots * namespace.block_nbytes)
+        self.register_buffer(self.staging.array)
+
+    # ---- tensors ----------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of `token_ids` the store can serve (a multiple of block_tokens)."""
+        hashes = [h.hex() for h in block_hashes(self.namespace, token_ids)]
+        if not hashes:
+            return 0
+        return self.directory.lookup(self.namespace_id, hashes).num_hit_blocks * self.namespace.block_tokens
+
+    def save(self, token_ids: Sequence[int], kv: LayerKV) -> int:
+        """Store every full block of `token_ids` not yet stored; returns the leading tokens now held."""
+        tokens = np.asarray(token_ids)
+        layout.check_kv(self.namespace, kv, tokens.size)
+        hashes = block_hashes(self.namespace, tokens)
+        held = 0
+        for first in range(0, len(hashes), self.slots):
+            chunk = hashes[first : first + self.slots]
+            views = self._staging_views(len(chunk))
+            layout.pack(self.namespace, kv, first, layout.block_view(self.namespace, self.staging.view(
+                0, len(chunk) * self.namespace.block_nbytes)))
+            parent = hashes[first - 1] if first else None
+            stored = self.save_blocks(chunk, views, parent=parent)
+            held += stored
+            if stored < len(chunk):
+                break
+        return held * self.namespace.block_tokens
+
+    def load(self, token_ids: Sequence[int]) -> tuple[LayerKV, int]:
+        """Per-layer (K, V) [num_kv_heads, n, head_dim] of the longest verified cached prefix, and n."""
+        hashes = block_hashes(self.namespace, token_ids)
+        loaded: list[torch.Tensor] = []
+        for first in range(0, len(hashes), self.slots):
+            chunk = hashes[first : first + self.slots]
+            n = self.load_blocks(chunk, self._staging_views(len(chunk)))
+            if n:
+                raw = self.staging.view(0, n * self.namespace.block_nbytes)
+                loaded.append(layout.block_view(self.namespace, raw).clone())
+            if n < len(chunk):
+                break
+        num_blocks = sum(b.shape[0] for b in loaded)
+        kv = layout.empty_kv(self.namespace, num_blocks * self.namespace.block_tokens)
+        first = 0
+        for blocks in loaded:
+            layout.unpack(self.namespace, blocks, first, kv)
+            first += blocks.shape[0]
+        return kv, num_blocks * self.namespace.block_tokens
+
+    def _staging_views(self, n: int) -> list[np.ndarray]:
+        size = self.namespace.block_nbytes
+        return [self.staging.view(i * size, size) for i in range(n)]
+
+    # ---- blocks ----------------------------------------------------------------------
+
+    def register_buffer(self, array: np.ndarray | torch.Tensor) -> None:
+        """Register engine memory with NIXL once; blocks passed to *_blocks must lie inside it."""
+        if isinstance(array, torch.Tensor):
+            assert array.device.type == "cpu", "only host memory on this path (HBM is a GPU path)"
+            addr, nbytes = array.data_ptr(), array.numel() * array.element_size()
+        else:
+            addr, nbytes = int(array.ctypes.data), array.nbytes
+        self.agent.register_dram(addr, nbytes)
+
+    def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None) -> int:
+        """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held."""
+        assert len(hashes) == len(blocks), "one buffer per hash"
+        parents = [parent] + hashes[:-1]
+        request = specs.PrepareStore(namespace_id=self.namespace_id, writer=self.agent.name, blocks=[
+            specs.BlockToStore(hash=h.hex(), parent=p.hex() if p else None, nbytes=b.nbytes)
+            for h, p, b in zip(hashes, parents, blocks)])
+        prepared = self.directory.prepare_store(request)
+        admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
+        ok = {}
+        if admitted:
+            sums = {i: checksum(blocks[i]) for i, _ in admitted}
+            done = self._move("WRITE", [(blocks[i], d.location) for i, d in admitted])
+            ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
+            reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[i]) for i, d in admitted]
+            self.directory.complete_store(specs.CompleteStore(token=prepared.token, blocks=reports))
+        held = 0
+        for i, decision in enumerate(prepared.blocks):
+            if not (decision.status == "exists" or ok.get(i)):
+                break
+            held += 1
+        return held
+
+    def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
+        """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified."""
+        assert len(hashes) == len(blocks), "one buffer per hash"
+        prepared = self.directory.prepare_load(specs.PrepareLoad(
+            namespace_id=self.namespace_id, hashes=[h.hex() for h in hashes], reader=self.agent.name))
+        if not prepared.blocks:
+            return 0
+        hits = prepared.blocks
+        done = self._move("READ", [(blocks[i], hit.location) for i, hit in enumerate(hits)])
+        verified, reports = 0, []
+        for i, hit in enumerate(hits):
+            good = done[i] and checksum(blocks[i]) == hit.checksum
+            if done[i] and not good:
+                log.warning("checksum mismatch on block %s from %s; replica invalidated",
+                            hit.hash, hit.location.worker)
+            reports.append(specs.BlockRead(hash=hit.hash, ok=good or not done[i]))
+            if good and verified == i:
+                verified += 1
+        try:
+            self.directory.complete_load(specs.CompleteLoad(token=prepared.token, blocks=reports))
+        except KVStoreError as exc:
+            if exc.kind != "conflict":
+                raise
+            log.warning("lease expired before the load completed; treating it as a miss")
+            return 0
+        return verified
+
+    def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
+        """One NIXL request per worker; returns per item whether its request completed."""
+        by_worker: dict[tuple[str, int], list[int]] = {}
+        for k, (_, location) in enumerate(items):
+            by_worker.setdefault((location.worker, location.epoch), []).append(k)
+        transfers: list[tuple[Transfer | None, list[int]]] = []
+        for (worker, epoch), ks in by_worker.items():
+            peer = self.peers.agent_for(worker, epoch)
+            local, remote = _rows([items[k] for k in ks])
+            transfers.append((self.agent.submit(op, local, remote, peer) if peer else None, ks))
+        done = [False] * len(items)
+        for transfer, ks in transfers:
+            state = transfer.wait(self.timeout_s) if transfer else "failed"
+            if state != "done":
+                log.warning("NIXL %s of %d blocks failed: %s", op, len(ks), transfer.error if transfer else
+                            "worker unreachable")
+            for k in ks:
+                done[k] = state == "done"
+        return done
+
+    def close(self) -> None:
+        self.peers.close()
+        self.agent.close()
+        self.directory.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndarray, np.ndarray]:
+    local, remote = [], []
+    for buffer, location in items:
+        addr = int(buffer.ctypes.data)
+        for run_addr, run_len in location.runs:
+            local.append((addr, run_len))
+            remote.append((run_addr, run_len))
+            addr += run_len
+        assert addr == int(buffer.ctypes.data) + buffer.nbytes, "replica runs do not match the block size"
+    return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)

@@ -1,0 +1,238 @@
+"""The wire values exchanged between connector, directory and worker.
+
+Pydantic models, so the directory validates every body it receives and the
+client parses every answer it gets with the same definitions. Hashes travel as
+lowercase hex; NIXL agent metadata as base64.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+TierKind = Literal["hbm", "dram", "nvme", "s3"]
+HEX_HASH = r"^[0-9a-f]{2,64}$"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TierSpec(_Spec):
+    """A tier as a worker announces it at registration."""
+
+    kind: TierKind
+    capacity_bytes: int | None = Field(ge=0, description="null = unbounded")
+    page_bytes: int = Field(gt=0)
+    base_addr: int = Field(0, ge=0, description="address of page 0 in the worker's address space")
+    high_watermark: float = Field(0.95, gt=0, le=1)
+    low_watermark: float = Field(0.85, gt=0, le=1)
+
+
+class WorkerRegistration(_Spec):
+    name: str = Field(min_length=1, max_length=200)
+    agent_name: str = Field(min_length=1, max_length=200)
+    agent_metadata: str = Field(description="base64 of the NIXL agent metadata")
+    control_url: str
+    pid: int = 0
+    backends: list[str] = []
+    tiers: list[TierSpec] = Field(min_length=1)
+
+
+class Registered(_Spec):
+    worker: str
+    epoch: int
+    heartbeat_interval_s: float
+
+
+class Heartbeat(_Spec):
+    epoch: int
+
+
+class WorkerInfo(_Spec):
+    name: str
+    agent_name: str
+    epoch: int
+    state: str
+    pid: int
+    control_url: str
+    backends: list[str]
+    last_heartbeat: float
+    agent_metadata: str | None = None
+
+
+class PageRun(_Spec):
+    """`count` pages starting at page `first`."""
+
+    first: int = Field(ge=0)
+    count: int = Field(gt=0)
+
+
+class ReplicaLocation(_Spec):
+    """Where a replica's bytes are: absolute (addr, nbytes) runs in a worker's memory."""
+
+    worker: str
+    epoch: int
+    agent_name: str
+    tier: TierKind
+    runs: list[tuple[int, int]]
+
+
+class BlockToStore(_Spec):
+    hash: str = Field(pattern=HEX_HASH)
+    parent: str | None = Field(None, pattern=HEX_HASH)
+    nbytes: int = Field(gt=0)
+
+
+class PrepareStore(_Spec):
+    namespace_id: str
+    blocks: list[BlockToStore] = Field(min_length=1, max_length=100_000)
+    writer: str = ""
+
+
+StoreStatus = Literal["admitted", "exists", "in_progress", "rejected"]
+
+
+class StoreDecision(_Spec):
+    hash: str
+    status: StoreStatus
+    reason: str | None = None
+    location: ReplicaLocation | None = None
+
+
+class StorePrepared(_Spec):
+    token: str | None = Field(description="reservation token; null when nothing was admitted")
+    expires_at: float | None = None
+    blocks: list[StoreDecision]
+
+
+class BlockWritten(_Spec):
+    hash: str = Field(pattern=HEX_HASH)
+    ok: bool
+    checksum: str | None = Field(None, pattern=r"^[0-9a-f]{16}$")
+
+    @field_validator("checksum")
+    @classmethod
+    def _lower(cls, value: str | None) -> str | None:
+        return value.lower() if value else value
+
+
+class CompleteStore(_Spec):
+    token: str
+    blocks: list[BlockWritten]
+
+
+class StoreCompleted(_Spec):
+    committed: int
+    rolled_back: int
+
+
+class TokenBody(_Spec):
+    token: str
+
+
+class LookupRequest(_Spec):
+    namespace_id: str
+    hashes: list[str] = Field(max_length=100_000)
+
+
+class LookupBatchRequest(_Spec):
+    namespace_id: str
+    prompts: list[list[str]] = Field(max_length=10_000)
+
+
+class BlockHit(_Spec):
+    hash: str
+    nbytes: int
+    checksum: str
+    location: ReplicaLocation
+
+
+class LookupResult(_Spec):
+    num_hit_blocks: int
+    blocks: list[BlockHit]
+    by_tier: dict[str, int]
+
+
+class LookupBatchResult(_Spec):
+    results: list[LookupResult]
+
+
+class TokenLookupRequest(_Spec):
+    namespace_id: str
+    token_ids: list[int] = Field(max_length=10_000_000)
+
+
+class TokenLookupResult(_Spec):
+    hit_tokens: int
+    num_hit_blocks: int
+    block_tokens: int
+
+
+class PrepareLoad(_Spec):
+    namespace_id: str
+    hashes: list[str] = Field(max_length=100_000)
+    reader: str = ""
+
+
+class LoadPrepared(_Spec):
+    token: str | None
+    expires_at: float | None
+    blocks: list[BlockHit]
+
+
+class BlockRead(_Spec):
+    hash: str
+    ok: bool
+
+
+class CompleteLoad(_Spec):
+    token: str
+    blocks: list[BlockRead] = []
+
+
+class LoadCompleted(_Spec):
+    released: int
+    invalidated: int
+
+
+class TierUsage(_Spec):
+    worker: str
+    kind: TierKind
+    capacity_bytes: int | None
+    used_bytes: int
+    num_blocks: int
+    page_bytes: int
+    high_watermark: float
+    low_watermark: float
+
+
+class Stats(_Spec):
+    blocks: int
+    replicas: int
+    reservations: int
+    leases_active: int
+    pins: int
+    workers_active: int
+
+
+class AllocRequest(_Spec):
+    """Directory -> worker: reserve pages for each size, all-or-nothing per item."""
+
+    token: str
+    kind: TierKind
+    sizes: list[int]
+
+
+class AllocResult(_Spec):
+    runs: list[list[PageRun] | None]
+
+
+class FreeItem(_Spec):
+    token: str
+    runs: list[PageRun]
+
+
+class FreeRequest(_Spec):
+    items: list[FreeItem]

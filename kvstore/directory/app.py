@@ -1,0 +1,156 @@
+"""FastAPI application: thin endpoints over DirectoryService, errors as kvstore bodies."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.directory import db
+from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.service import DirectoryService
+from kvstore.directory.settings import DirectorySettings
+
+log = logging.getLogger(__name__)
+
+
+class NamespaceBody(BaseModel):
+    namespace: dict
+
+
+def create_app(settings: DirectorySettings | None = None) -> FastAPI:
+    settings = settings or DirectorySettings()
+    if settings.migrate_on_start:
+        db.upgrade(settings.database_url)
+    engine = db.make_engine(settings.database_url)
+    service = DirectoryService(db.make_sessions(engine), settings, DirectoryMetrics())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        stop = threading.Event()
+        reaper = threading.Thread(target=_reap_until, args=(service, stop), name="reaper", daemon=True)
+        reaper.start()
+        yield
+        stop.set()
+        reaper.join(timeout=5)
+        service.close()
+        engine.dispose()
+
+    app = FastAPI(title="kvstore directory", version="1", lifespan=lifespan)
+    app.state.service = service
+    _add_error_handlers(app)
+    app.include_router(_routes(service))
+    return app
+
+
+def _reap_until(service: DirectoryService, stop: threading.Event) -> None:
+    while not stop.wait(service.settings.reaper_interval_s):
+        try:
+            service.reap()
+        except Exception:  # the loop must survive a bad tick (e.g. database briefly away)
+            log.exception("reaper tick failed")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(KVStoreError)
+    async def _kvstore_error(_request: Request, exc: KVStoreError):
+        return JSONResponse(exc.to_body(), status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError):
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()]
+        body = KVStoreError("invalid", "request body does not match the schema", errors=errors).to_body()
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(KVStoreError("internal", type(exc).__name__).to_body(), status_code=500)
+
+
+def _routes(service: DirectoryService) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/healthz")
+    def healthz() -> dict:
+        return {"status": "ok"}
+
+    @r.get("/readyz")
+    def readyz() -> dict:
+        stats = service.stats()
+        return {"status": "ready", "workers_active": stats.workers_active}
+
+    @r.get("/metrics")
+    def metrics() -> Response:
+        body = service.metrics.render(service.stats(), service.tiers())
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @r.post("/v1/namespaces")
+    def register_namespace(body: NamespaceBody) -> dict:
+        return {"namespace_id": service.register_namespace(body.namespace)}
+
+    @r.post("/v1/workers")
+    def register_worker(body: specs.WorkerRegistration) -> specs.Registered:
+        return service.register_worker(body)
+
+    @r.post("/v1/workers/{name}/heartbeat")
+    def heartbeat(name: str, body: specs.Heartbeat) -> dict:
+        service.heartbeat(name, body.epoch)
+        return {"ok": True}
+
+    @r.get("/v1/workers")
+    def workers() -> list[specs.WorkerInfo]:
+        return service.workers()
+
+    @r.get("/v1/workers/{name}")
+    def worker(name: str) -> specs.WorkerInfo:
+        return service.worker(name)
+
+    @r.post("/v1/store/prepare")
+    def prepare_store(body: specs.PrepareStore) -> specs.StorePrepared:
+        return service.prepare_store(body)
+
+    @r.post("/v1/store/complete")
+    def complete_store(body: specs.CompleteStore) -> specs.StoreCompleted:
+        return service.complete_store(body)
+
+    @r.post("/v1/store/abort")
+    def abort_store(body: specs.TokenBody) -> dict:
+        return {"rolled_back": service.abort_store(body.token)}
+
+    @r.post("/v1/lookup")
+    def lookup(body: specs.LookupRequest) -> specs.LookupResult:
+        return service.lookup(body.namespace_id, body.hashes)
+
+    @r.post("/v1/lookup/batch")
+    def lookup_batch(body: specs.LookupBatchRequest) -> specs.LookupBatchResult:
+        return specs.LookupBatchResult(results=[service.lookup(body.namespace_id, p) for p in body.prompts])
+
+    @r.post("/v1/lookup/tokens")
+    def lookup_tokens(body: specs.TokenLookupRequest) -> specs.TokenLookupResult:
+        return service.lookup_tokens(body.namespace_id, body.token_ids)
+
+    @r.post("/v1/load/prepare")
+    def prepare_load(body: specs.PrepareLoad) -> specs.LoadPrepared:
+        return service.prepare_load(body)
+
+    @r.post("/v1/load/complete")
+    def complete_load(body: specs.CompleteLoad) -> specs.LoadCompleted:
+        return service.complete_load(body)
+
+    @r.get("/v1/tiers")
+    def tiers() -> list[specs.TierUsage]:
+        return service.tiers()
+
+    @r.get("/v1/admin/stats")
+    def stats() -> specs.Stats:
+        return service.stats()
+
+    return r

@@ -1,0 +1,11 @@
+"""One table per module. Schema changes only through alembic migrations in migrations/."""
+
+from kvstore.directory.models.base import Base
+from kvstore.directory.models.block import Block
+from kvstore.directory.models.lease import Lease
+from kvstore.directory.models.namespace import NamespaceRow
+from kvstore.directory.models.replica import Replica
+from kvstore.directory.models.tier import Tier
+from kvstore.directory.models.worker import Worker
+
+__all__ = ["Base", "Block", "Lease", "NamespaceRow", "Replica", "Tier", "Worker"]

@@ -1,0 +1,12 @@
+from sqlalchemy import JSON, Float, String
+from sqlalchemy.orm import Mapped, mapped_column
+
+from kvstore.directory.models.base import Base
+
+
+class NamespaceRow(Base):
+    __tablename__ = "namespaces"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)  # namespace_id
+    spec: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,138 @@
+"""SQL only: reads and writes of the directory's tables, no rules."""
+
+from __future__ import annotations
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from kvstore.directory.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
+from kvstore.directory.models.replica import VISIBLE, WRITING
+
+VOLATILE_TIERS = ("hbm", "dram")
+
+
+def namespace(session: Session, namespace_id: str) -> NamespaceRow | None:
+    return session.get(NamespaceRow, namespace_id)
+
+
+def worker_by_name(session: Session, name: str) -> Worker | None:
+    return session.scalar(select(Worker).where(Worker.name == name))
+
+
+def workers(session: Session) -> list[Worker]:
+    return list(session.scalars(select(Worker).order_by(Worker.name)))
+
+
+def tiers_of(session: Session, worker_id: int) -> dict[str, Tier]:
+    return {t.kind: t for t in session.scalars(select(Tier).where(Tier.worker_id == worker_id))}
+
+
+def active_tiers(session: Session, kind: str) -> list[tuple[Tier, Worker]]:
+    query = (select(Tier, Worker).join(Worker, Tier.worker_id == Worker.id)
+             .where(Tier.kind == kind, Worker.state == "active"))
+    return [(t, w) for t, w in session.execute(query)]
+
+
+def blocks_by_hash(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, Block]:
+    found: dict[str, Block] = {}
+    for start in range(0, len(hashes), 500):  # keep IN lists within database limits
+        chunk = hashes[start : start + 500]
+        query = select(Block).where(Block.namespace_id == namespace_id, Block.hash.in_(chunk))
+        found.update((b.hash, b) for b in session.scalars(query))
+    return found
+
+
+def replicas_of(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
+    rows = []
+    for start in range(0, len(block_ids), 500):
+        chunk = block_ids[start : start + 500]
+        query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
+                 .join(Worker, Tier.worker_id == Worker.id).where(Replica.block_id.in_(chunk)))
+        rows.extend(session.execute(query).tuples())
+    return rows
+
+
+def visible_replicas(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
+    return [(r, t, w) for r, t, w in replicas_of(session, block_ids)
+            if r.state in VISIBLE and w.state != "dead" and (t.kind not in VOLATILE_TIERS or r.epoch == w.epoch)]
+
+
+def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[Replica, Block, Tier, Worker]]:
+    query = (select(Replica, Block, Tier, Worker).join(Block, Replica.block_id == Block.id)
+             .join(Tier, Replica.tier_id == Tier.id).join(Worker, Tier.worker_id == Worker.id)
+             .where(Replica.token == token, Replica.state == state))
+    return list(session.execute(query).tuples())
+
+
+def expired_reservations(session: Session, now: float) -> list[str]:
+    query = select(Replica.token).where(Replica.state == WRITING, Replica.expires_at < now).distinct()
+    return list(session.scalars(query))
+
+
+def touch_blocks(session: Session, block_ids: list[int], now: float) -> None:
+    if block_ids:
+        session.execute(update(Block).where(Block.id.in_(block_ids))
+                        .values(last_access=now, hit_count=Block.hit_count + 1))
+
+
+def delete_orphan_blocks(session: Session, block_ids: list[int]) -> None:
+    """Blocks whose last replica is gone leave the map."""
+    if block_ids:
+        has_replica = select(Replica.id).where(Replica.block_id == Block.id).exists()
+        session.execute(delete(Block).where(Block.id.in_(block_ids), ~has_replica))
+
+
+def add_leases(session: Session, replica_ids: list[int], token: str, holder: str, expires_at: float) -> None:
+    session.add_all(Lease(replica_id=r, token=token, holder=holder, expires_at=expires_at) for r in replica_ids)
+
+
+def leases_with_token(session: Session, token: str) -> list[Lease]:
+    return list(session.scalars(select(Lease).where(Lease.token == token)))
+
+
+def delete_expired_leases(session: Session, now: float) -> int:
+    return session.execute(delete(Lease).where(Lease.expires_at < now)).rowcount or 0
+
+
+def pinned_replica_ids(session: Session, replica_ids: list[int]) -> set[int]:
+    if not replica_ids:
+        return set()
+    return set(session.scalars(select(Lease.replica_id).where(Lease.replica_id.in_(replica_ids))))
+
+
+def replicas_in_state(session: Session, state: str) -> list[tuple[Replica, Tier, Worker]]:
+    query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
+             .join(Worker, Tier.worker_id == Worker.id).where(Replica.state == state))
+    return list(session.execute(query).tuples())
+
+
+def drop_replicas(session: Session, replica_ids: list[int]) -> None:
+    if replica_ids:
+        session.execute(delete(Lease).where(Lease.replica_id.in_(replica_ids)))
+        session.execute(delete(Replica).where(Replica.id.in_(replica_ids)))
+
+
+def volatile_replicas_of_worker(session: Session, worker_id: int) -> list[tuple[Replica, Tier]]:
+    query = (select(Replica, Tier).join(Tier, Replica.tier_id == Tier.id)
+             .where(Tier.worker_id == worker_id, Tier.kind.in_(VOLATILE_TIERS)))
+    return list(session.execute(query).tuples())
+
+
+def tier_usage(session: Session) -> list[tuple[Tier, Worker, int]]:
+    counts = (select(Replica.tier_id, func.count(Replica.id).label("n"))
+              .where(Replica.state.in_(VISIBLE)).group_by(Replica.tier_id).subquery())
+    query = (select(Tier, Worker, func.coalesce(counts.c.n, 0))
+             .join(Worker, Tier.worker_id == Worker.id)
+             .outerjoin(counts, counts.c.tier_id == Tier.id).order_by(Worker.name, Tier.kind))
+    return [(t, w, int(n)) for t, w, n in session.execute(query)]
+
+
+def counts(session: Session) -> dict[str, int]:
+    return {
+        "blocks": session.scalar(select(func.count(Block.id))) or 0,
+        "replicas": session.scalar(select(func.count(Replica.id))) or 0,
+        "reservations": session.scalar(select(func.count(Replica.id)).where(Replica.state == WRITING)) or 0,
+        "leases_active": session.scalar(select(func.count(func.distinct(Lease.token)))) or 0,
+        "pins": session.scalar(select(func.count(Lease.id))) or 0,
+        "workers_active": session.scalar(select(func.count(Worker.id)).where(Worker.state == "active")) or 0,
+    }

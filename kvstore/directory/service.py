@@ -1,0 +1,460 @@
+"""The directory's rules: registration, two-phase store, lookup, leased loads, reaping.
+
+Calls, in the order a block lives through them:
+    register_namespace / register_worker / heartbeat
+    prepare_store -> complete_store | abort_store      (WRITING -> READY, or rolled back)
+    lookup                                              (pure read + access statistics)
+    prepare_load -> complete_load                       (pins under a lease)
+    reap(now)                                           (expired leases, reservations, dead workers)
+
+Each call is one transaction. Worker page frees are side effects outside the
+database, so they run only after the transaction commits; pages allocated
+for a transaction that then fails are given back.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from kvstore.client.worker import WorkerControlClient
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.keys import Namespace, block_hashes
+from kvstore.directory import repository as repo
+from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.models import Block, NamespaceRow, Replica, Tier, Worker
+from kvstore.directory.models.replica import DELETING, READY, WRITING
+from kvstore.directory.settings import DirectorySettings
+
+log = logging.getLogger(__name__)
+TIER_PREFERENCE = {"hbm": 0, "dram": 1, "nvme": 2, "s3": 3}
+PLACEMENT_TIER = "dram"
+
+
+class Tx:
+    """A session plus the worker calls to make once it commits (or if it fails)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.after_commit: list[Callable[[], None]] = []
+        self.on_rollback: list[Callable[[], None]] = []
+
+
+class DirectoryService:
+    def __init__(self, sessions: sessionmaker[Session], settings: DirectorySettings,
+                 metrics: DirectoryMetrics, clock: Callable[[], float] = time.time) -> None:
+        self._sessions = sessions
+        self.settings = settings
+        self.metrics = metrics
+        self._clock = clock
+        self._lock = threading.RLock()  # one writer at a time within this process
+        self._worker_clients: dict[str, WorkerControlClient] = {}
+
+    @contextmanager
+    def _tx(self) -> Iterator[Tx]:
+        with self._lock, self._sessions() as session:
+            tx = Tx(session)
+            try:
+                yield tx
+                session.commit()
+            except BaseException:
+                session.rollback()
+                _run_all(tx.on_rollback)
+                raise
+        _run_all(tx.after_commit)
+
+    # ---- namespaces and workers -------------------------------------------------------
+
+    def register_namespace(self, data: dict) -> str:
+        namespace = Namespace.from_dict(data)
+        with self._tx() as tx:
+            if repo.namespace(tx.session, namespace.namespace_id) is None:
+                tx.session.add(NamespaceRow(id=namespace.namespace_id, spec=namespace.to_dict(),
+                                            created_at=self._clock()))
+        return namespace.namespace_id
+
+    def register_worker(self, reg: specs.WorkerRegistration) -> specs.Registered:
+        now = self._clock()
+        with self._tx() as tx:
+            worker = repo.worker_by_name(tx.session, reg.name)
+            if worker is None:
+                worker = Worker(name=reg.name, epoch=0, registered_at=now)
+                tx.session.add(worker)
+            worker.epoch += 1
+            worker.agent_name, worker.pid = reg.agent_name, reg.pid
+            worker.agent_metadata = base64.b64decode(reg.agent_metadata)
+            worker.control_url, worker.backends = reg.control_url, list(reg.backends)
+            worker.state, worker.heartbeat_at = "active", now
+            tx.session.flush()
+            self._drop_volatile(tx, worker)
+            self._upsert_tiers(tx, worker, reg.tiers)
+            epoch = worker.epoch
+        log.info("worker %s registered with epoch %d", reg.name, epoch)
+        return specs.Registered(worker=reg.name, epoch=epoch,
+                                heartbeat_interval_s=self.settings.heartbeat_interval_s)
+
+    def _upsert_tiers(self, tx: Tx, worker: Worker, tiers: list[specs.TierSpec]) -> None:
+        existing = repo.tiers_of(tx.session, worker.id)
+        for spec in tiers:
+            tier = existing.get(spec.kind) or Tier(worker_id=worker.id, kind=spec.kind, used_bytes=0)
+            tier.capacity_bytes, tier.page_bytes, tier.base_addr = spec.capacity_bytes, spec.page_bytes, spec.base_addr
+            tier.high_watermark, tier.low_watermark = spec.high_watermark, spec.low_watermark
+            tx.session.add(tier)
+
+    def _drop_volatile(self, tx: Tx, worker: Worker) -> None:
+        """The worker's memory tiers start empty in a new epoch: forget what they held."""
+        rows = repo.volatile_replicas_of_worker(tx.session, worker.id)
+        for replica, tier in rows:
+            tier.used_bytes -= replica.reserved_bytes
+        block_ids = [r.block_id for r, _ in rows]
+        repo.drop_replicas(tx.session, [r.id for r, _ in rows])
+        repo.delete_orphan_blocks(tx.session, block_ids)
+
+    def heartbeat(self, name: str, epoch: int) -> None:
+        with self._tx() as tx:
+            worker = repo.worker_by_name(tx.session, name)
+            if worker is None or worker.epoch != epoch or worker.state == "dead":
+                raise KVStoreError("conflict", "unknown worker or stale epoch; register again",
+                                   worker=name, epoch=epoch)
+            worker.heartbeat_at = self._clock()
+
+    def workers(self) -> list[specs.WorkerInfo]:
+        with self._tx() as tx:
+            return [_worker_info(w, with_metadata=False) for w in repo.workers(tx.session)]
+
+    def worker(self, name: str) -> specs.WorkerInfo:
+        with self._tx() as tx:
+            worker = repo.worker_by_name(tx.session, name)
+            if worker is None:
+                raise KVStoreError("not_found", f"no worker named {name!r}", worker=name)
+            return _worker_info(worker, with_metadata=True)
+
+    # ---- store --------------------------------------------------------------------------
+
+    def prepare_store(self, req: specs.PrepareStore) -> specs.StorePrepared:
+        now = self._clock()
+        with self._tx() as tx:
+            namespace = self._namespace(tx, req.namespace_id)
+            _check_sizes(namespace, req.blocks)
+            existing = repo.blocks_by_hash(tx.session, req.namespace_id, [b.hash for b in req.blocks])
+            states = _replica_states(tx.session, existing)
+            decisions: dict[str, specs.StoreDecision] = {}
+            wanted = []
+            for block in req.blocks:
+                state = states.get(block.hash, set())
+                if READY in state:
+                    decisions[block.hash] = specs.StoreDecision(hash=block.hash, status="exists")
+                elif WRITING in state:
+                    decisions[block.hash] = specs.StoreDecision(hash=block.hash, status="in_progress")
+                else:
+                    wanted.append(block)
+            token = secrets.token_hex(16)
+            expires_at = now + self.settings.reservation_ttl_s
+            admitted = self._place(tx, req.namespace_id, wanted, existing, token, expires_at, now, decisions)
+            self.metrics.count_store_decisions(decisions.values())
+            ordered = [decisions[b.hash] for b in req.blocks]
+        return specs.StorePrepared(token=token if admitted else None,
+                                   expires_at=expires_at if admitted else None, blocks=ordered)
+
+    def _place(self, tx: Tx, namespace_id: str, wanted: list[specs.BlockToStore], existing: dict[str, Block],
+               token: str, expires_at: float, now: float, decisions: dict) -> int:
+        """Reserve pages for `wanted` on one worker's DRAM tier; fills `decisions`."""
+        if not wanted:
+            return 0
+        choice = _roomiest(repo.active_tiers(tx.session, PLACEMENT_TIER))
+        if choice is None:
+            for block in wanted:
+                decisions[block.hash] = specs.StoreDecision(hash=block.hash, status="rejected", reason="no_worker")
+            return 0
+        tier, worker = choice
+        client = self._worker_client(worker.control_url)
+        result = client.allocate(specs.AllocRequest(token=token, kind=tier.kind, sizes=[b.nbytes for b in wanted]))
+        if len(result.runs) != len(wanted):
+            raise KVStoreError("internal", "worker answered a different number of allocations",
+                               worker=worker.name)
+        for runs in result.runs:  # if this transaction fails, every page goes back
+            if runs is not None:
+                tx.on_rollback.append(self._free_later(worker.control_url, token, runs))
+        admitted = 0
+        rejected: set[str] = set()
+        for block, runs in zip(wanted, result.runs):
+            if runs is None or block.parent in rejected:  # a suffix without its prefix is useless
+                if runs is not None:
+                    tx.after_commit.append(self._free_later(worker.control_url, token, runs))
+                rejected.add(block.hash)
+                reason = "no_space" if runs is None else "parent_rejected"
+                decisions[block.hash] = specs.StoreDecision(hash=block.hash, status="rejected", reason=reason)
+                continue
+            row = existing.get(block.hash) or self._new_block(tx, namespace_id, block, existing, now)
+            reserved = sum(r.count for r in runs) * tier.page_bytes
+            tx.session.add(Replica(block_id=row.id, tier_id=tier.id, epoch=worker.epoch, state=WRITING,
+                                   token=token, pages=[[r.first, r.count] for r in runs],
+                                   reserved_bytes=reserved, expires_at=expires_at, created_at=now))
+            tier.used_bytes += reserved
+            decisions[block.hash] = specs.StoreDecision(
+                hash=block.hash, status="admitted", location=_location(worker, tier, runs, block.nbytes))
+            admitted += 1
+        return admitted
+
+    def _new_block(self, tx: Tx, namespace_id: str, block: specs.BlockToStore,
+                   existing: dict[str, Block], now: float) -> Block:
+        parent = existing.get(block.parent) if block.parent else None
+        row = Block(namespace_id=namespace_id, hash=block.hash, parent=block.parent,
+                    depth=(parent.depth + 1) if parent else 0, nbytes=block.nbytes,
+                    created_at=now, last_access=now, hit_count=0)
+        tx.session.add(row)
+        tx.session.flush()
+        existing[block.hash] = row
+        return row
+
+    def complete_store(self, req: specs.CompleteStore) -> specs.StoreCompleted:
+        now = self._clock()
+        reports = {b.hash: b for b in req.blocks}
+        with self._tx() as tx:
+            rows = repo.replicas_with_token(tx.session, req.token, WRITING)
+            if not rows:
+                raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token",
+                                   token=req.token)
+            expired = rows[0][0].expires_at < now
+            committed = 0
+            for replica, block, tier, worker in rows:
+                report = reports.get(block.hash)
+                if expired or report is None or not report.ok or report.checksum is None \
+                        or replica.epoch != worker.epoch:
+                    self._roll_back(tx, replica, block, tier, worker)
+                    continue
+                replica.state, replica.expires_at = READY, None
+                block.checksum = report.checksum
+                committed += 1
+        self.metrics.blocks_committed.inc(committed)
+        if expired:
+            raise KVStoreError("conflict", "the reservation expired before completion; nothing was committed",
+                               token=req.token)
+        return specs.StoreCompleted(committed=committed, rolled_back=len(rows) - committed)
+
+    def abort_store(self, token: str) -> int:
+        with self._tx() as tx:
+            rows = repo.replicas_with_token(tx.session, token, WRITING)
+            for replica, block, tier, worker in rows:
+                self._roll_back(tx, replica, block, tier, worker)
+        return len(rows)
+
+    def _roll_back(self, tx: Tx, replica: Replica, block: Block, tier: Tier, worker: Worker) -> None:
+        self._release_pages(tx, replica, tier, worker)
+        repo.drop_replicas(tx.session, [replica.id])
+        tx.session.flush()
+        repo.delete_orphan_blocks(tx.session, [block.id])
+
+    def _release_pages(self, tx: Tx, replica: Replica, tier: Tier, worker: Worker) -> None:
+        tier.used_bytes -= replica.reserved_bytes
+        if replica.epoch == worker.epoch and worker.state != "dead":
+            runs = [specs.PageRun(first=f, count=c) for f, c in replica.pages]
+            tx.after_commit.append(self._free_later(worker.control_url, replica.token, runs))
+
+    # ---- lookup and load ------------------------------------------------------------------
+
+    def lookup(self, namespace_id: str, hashes: list[str]) -> specs.LookupResult:
+        with self._tx() as tx:
+            self._namespace(tx, namespace_id)
+            hits, _ = self._leading_hits(tx, namespace_id, hashes)
+            repo.touch_blocks(tx.session, [b.id for b, _, _, _ in hits], self._clock())
+        self.metrics.count_lookup(len(hashes), len(hits))
+        return _lookup_result(hits)
+
+    def lookup_tokens(self, namespace_id: str, token_ids: list[int]) -> specs.TokenLookupResult:
+        with self._tx() as tx:
+            namespace = Namespace.from_dict(self._namespace(tx, namespace_id).spec)
+        hashes = [h.hex() for h in block_hashes(namespace, token_ids)]
+        result = self.lookup(namespace_id, hashes)
+        return specs.TokenLookupResult(hit_tokens=result.num_hit_blocks * namespace.block_tokens,
+                                       num_hit_blocks=result.num_hit_blocks, block_tokens=namespace.block_tokens)
+
+    def prepare_load(self, req: specs.PrepareLoad) -> specs.LoadPrepared:
+        now = self._clock()
+        with self._tx() as tx:
+            self._namespace(tx, req.namespace_id)
+            hits, replica_ids = self._leading_hits(tx, req.namespace_id, req.hashes)
+            if not hits:
+                return specs.LoadPrepared(token=None, expires_at=None, blocks=[])
+            token, expires_at = secrets.token_hex(16), now + self.settings.lease_ttl_s
+            repo.add_leases(tx.session, replica_ids, token, req.reader, expires_at)
+            repo.touch_blocks(tx.session, [b.id for b, _, _, _ in hits], now)
+        self.metrics.count_lookup(len(req.hashes), len(hits))
+        return specs.LoadPrepared(token=token, expires_at=expires_at, blocks=_lookup_result(hits).blocks)
+
+    def complete_load(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
+        failed = {b.hash for b in req.blocks if not b.ok}
+        with self._tx() as tx:
+            leases = repo.leases_with_token(tx.session, req.token)
+            if not leases:
+                raise KVStoreError("conflict", "unknown or expired lease token", token=req.token)
+            invalidated = 0
+            for lease in leases:
+                replica = tx.session.get(Replica, lease.replica_id)
+                block = tx.session.get(Block, replica.block_id)
+                if block.hash in failed and replica.state != DELETING:
+                    replica.state = DELETING  # no new pins; pages freed when the last pin goes
+                    invalidated += 1
+                tx.session.delete(lease)
+            tx.session.flush()
+            self._collect_deleting(tx)
+        self.metrics.checksum_failures.inc(invalidated)
+        return specs.LoadCompleted(released=len(leases), invalidated=invalidated)
+
+    def _leading_hits(self, tx: Tx, namespace_id: str, hashes: list[str]):
+        """The longest prefix of `hashes` with a visible replica, and the best replica of each."""
+        blocks = repo.blocks_by_hash(tx.session, namespace_id, hashes)
+        best: dict[int, tuple[Replica, Tier, Worker]] = {}
+        for replica, tier, worker in repo.visible_replicas(tx.session, [b.id for b in blocks.values()]):
+            current = best.get(replica.block_id)
+            if current is None or TIER_PREFERENCE[tier.kind] < TIER_PREFERENCE[current[1].kind]:
+                best[replica.block_id] = (replica, tier, worker)
+        hits = []
+        for h in hashes:
+            block = blocks.get(h)
+            if block is None or block.id not in best or block.checksum is None:
+                break
+            replica, tier, worker = best[block.id]
+            hits.append((block, replica, tier, worker))
+        return hits, [r.id for _, r, _, _ in hits]
+
+    # ---- background -----------------------------------------------------------------------
+
+    def reap(self) -> dict[str, int]:
+        """Expire leases and reservations, declare silent workers dead, free deleted replicas."""
+        now = self._clock()
+        with self._tx() as tx:
+            leases = repo.delete_expired_leases(tx.session, now)
+            tokens = repo.expired_reservations(tx.session, now)
+            for token in tokens:
+                for replica, block, tier, worker in repo.replicas_with_token(tx.session, token, WRITING):
+                    self._roll_back(tx, replica, block, tier, worker)
+            dead = self._declare_dead(tx, now)
+            self._collect_deleting(tx)
+        if leases or tokens or dead:
+            log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, len(tokens), dead)
+        return {"leases": leases, "reservations": len(tokens), "dead_workers": dead}
+
+    def _declare_dead(self, tx: Tx, now: float) -> int:
+        dead = 0
+        for worker in repo.workers(tx.session):
+            if worker.state != "dead" and now - worker.heartbeat_at > self.settings.heartbeat_timeout_s:
+                log.warning("worker %s missed heartbeats for %.1fs: dead", worker.name, now - worker.heartbeat_at)
+                worker.state = "dead"
+                self._drop_volatile(tx, worker)
+                dead += 1
+        return dead
+
+    def _collect_deleting(self, tx: Tx) -> None:
+        rows = repo.replicas_in_state(tx.session, DELETING)
+        pinned = repo.pinned_replica_ids(tx.session, [r.id for r, _, _ in rows])
+        for replica, tier, worker in rows:
+            if replica.id not in pinned:
+                self._roll_back(tx, replica, tx.session.get(Block, replica.block_id), tier, worker)
+
+    # ---- operators ------------------------------------------------------------------------
+
+    def tiers(self) -> list[specs.TierUsage]:
+        with self._tx() as tx:
+            return [specs.TierUsage(worker=w.name, kind=t.kind, capacity_bytes=t.capacity_bytes,
+                                    used_bytes=t.used_bytes, num_blocks=n, page_bytes=t.page_bytes,
+                                    high_watermark=t.high_watermark, low_watermark=t.low_watermark)
+                    for t, w, n in repo.tier_usage(tx.session)]
+
+    def stats(self) -> specs.Stats:
+        with self._tx() as tx:
+            return specs.Stats(**repo.counts(tx.session))
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _namespace(self, tx: Tx, namespace_id: str) -> NamespaceRow:
+        row = repo.namespace(tx.session, namespace_id)
+        if row is None:
+            raise KVStoreError("not_found", "unknown namespace; register it first (POST /v1/namespaces)",
+                               namespace_id=namespace_id)
+        return row
+
+    def _worker_client(self, url: str) -> WorkerControlClient:
+        if url not in self._worker_clients:
+            self._worker_clients[url] = WorkerControlClient(url, timeout_s=10.0)
+        return self._worker_clients[url]
+
+    def _free_later(self, url: str, token: str, runs: list[specs.PageRun]) -> Callable[[], None]:
+        def free() -> None:
+            body = specs.FreeRequest(items=[specs.FreeItem(token=token, runs=runs)])
+            self._worker_client(url).free(body)
+        return free
+
+    def close(self) -> None:
+        for client in self._worker_clients.values():
+            client.close()
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        try:
+            call()
+        except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages
+            log.warning("worker call after transaction failed: %s", exc)
+
+
+def _check_sizes(namespace: NamespaceRow, blocks: list[specs.BlockToStore]) -> None:
+    expected = Namespace.from_dict(namespace.spec).block_nbytes
+    wrong = [b.hash for b in blocks if b.nbytes != expected]
+    if wrong:
+        raise KVStoreError("invalid", f"blocks of this namespace are {expected} bytes",
+                           expected=expected, wrong_hashes=wrong[:5])
+
+
+def _replica_states(session: Session, blocks: dict[str, Block]) -> dict[str, set[str]]:
+    by_id = {b.id: h for h, b in blocks.items()}
+    states: dict[str, set[str]] = {}
+    for replica, _, _ in repo.visible_replicas(session, list(by_id)):
+        states.setdefault(by_id[replica.block_id], set()).add(replica.state)
+    for replica, _, worker in repo.replicas_of(session, list(by_id)):
+        if replica.state == WRITING and replica.epoch == worker.epoch:
+            states.setdefault(by_id[replica.block_id], set()).add(WRITING)
+    return states
+
+
+def _roomiest(candidates: list[tuple[Tier, Worker]]) -> tuple[Tier, Worker] | None:
+    def free(tier: Tier) -> float:
+        return float("inf") if tier.capacity_bytes is None else tier.capacity_bytes - tier.used_bytes
+    return max(candidates, key=lambda tw: free(tw[0]), default=None)
+
+
+def _location(worker: Worker, tier: Tier, runs, nbytes: int) -> specs.ReplicaLocation:
+    out, left = [], nbytes
+    for run in runs:
+        first, count = (run.first, run.count) if hasattr(run, "first") else run
+        length = min(count * tier.page_bytes, left)
+        out.append((tier.base_addr + first * tier.page_bytes, length))
+        left -= length
+    assert left == 0, "pages do not cover the block"
+    return specs.ReplicaLocation(worker=worker.name, epoch=worker.epoch, agent_name=worker.agent_name,
+                                 tier=tier.kind, runs=out)
+
+
+def _lookup_result(hits) -> specs.LookupResult:
+    blocks, by_tier = [], {}
+    for block, replica, tier, worker in hits:
+        blocks.append(specs.BlockHit(hash=block.hash, nbytes=block.nbytes, checksum=block.checksum,
+                                     location=_location(worker, tier, replica.pages, block.nbytes)))
+        by_tier[tier.kind] = by_tier.get(tier.kind, 0) + 1
+    return specs.LookupResult(num_hit_blocks=len(blocks), blocks=blocks, by_tier=by_tier)
+
+
+def _worker_info(worker: Worker, with_metadata: bool) -> specs.WorkerInfo:
+    return specs.WorkerInfo(
+        name=worker.name, agent_name=worker.agent_name, epoch=worker.epoch, state=worker.state,
+        pid=worker.pid, control_url=worker.control_url, backends=list(worker.backends),
+        last_heartbeat=worker.heartbeat_at,
+        agent_metadata=base64.b64encode(worker.agent_metadata).decode() if with_metadata else None)

@@ -1,0 +1,97 @@
+"""Fixed-size page allocator over one arena, with allocations tagged by token.
+
+Calls, in the order they happen:
+    allocate(token, nbytes) -> runs | None   # None: not enough free pages, nothing changed
+    free(token, runs) -> bool                # False: those runs are not that token's
+    reset()                                  # new epoch: every page is free again
+
+A block may span several pages; the allocator prefers one contiguous run
+(first fit) and falls back to several runs, so a fragmented arena still
+accepts a block while it has enough pages in total.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+from kvstore.core.specs import PageRun
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_bytes: int) -> None:
+        assert num_pages > 0 and page_bytes > 0, "an arena needs pages"
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._free: list[list[int]] = [[0, self.num_pages]]  # sorted [first, count]
+            self._owned: dict[str, set[tuple[int, int]]] = {}
+            self.free_pages = self.num_pages
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def allocate(self, token: str, nbytes: int) -> list[PageRun] | None:
+        need = self.pages_for(nbytes)
+        assert need > 0, "allocate needs a positive size"
+        with self._lock:
+            if need > self.free_pages:
+                return None
+            runs = self._take_contiguous(need) or self._take_scattered(need)
+            self.free_pages -= need
+            self._owned.setdefault(token, set()).update(runs)
+        return [PageRun(first=f, count=c) for f, c in runs]
+
+    def free(self, token: str, runs: list[PageRun]) -> bool:
+        pairs = {(r.first, r.count) for r in runs}
+        with self._lock:
+            owned = self._owned.get(token, set())
+            if not pairs <= owned:
+                return False
+            owned -= pairs
+            if not owned:
+                self._owned.pop(token, None)
+            for first, count in pairs:
+                self._give_back(first, count)
+                self.free_pages += count
+        return True
+
+    def owned_tokens(self) -> set[str]:
+        with self._lock:
+            return set(self._owned)
+
+    def _take_contiguous(self, need: int) -> list[tuple[int, int]] | None:
+        for i, (first, count) in enumerate(self._free):
+            if count >= need:
+                if count == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = [first + need, count - need]
+                return [(first, need)]
+        return None
+
+    def _take_scattered(self, need: int) -> list[tuple[int, int]]:
+        runs = []
+        while need:
+            first, count = self._free[0]
+            take = min(count, need)
+            runs.append((first, take))
+            if take == count:
+                del self._free[0]
+            else:
+                self._free[0] = [first + take, count - take]
+            need -= take
+        return runs
+
+    def _give_back(self, first: int, count: int) -> None:
+        i = bisect.bisect_left(self._free, [first, count])
+        self._free.insert(i, [first, count])
+        # merge with the right neighbour, then the left one
+        if i + 1 < len(self._free) and first + count == self._free[i + 1][0]:
+            self._free[i][1] += self._free.pop(i + 1)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == first:
+            self._free[i - 1][1] += self._free.pop(i)[1]

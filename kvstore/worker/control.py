@@ -1,0 +1,107 @@
+"""The worker's control endpoint: the directory asks it to allocate and free pages.
+
+    POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with the reservation token)
+    POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
+    GET  /healthz
+
+Plain `http.server`: control traffic is a few small requests per store, and the
+worker stays free of web-framework dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from pydantic import ValidationError
+
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.worker.allocator import PageAllocator
+
+log = logging.getLogger(__name__)
+
+
+class ControlServer:
+    def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0) -> None:
+        self.allocators = allocators
+        handler = type("Handler", (_Handler,), {"control": self})
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self.host, self.port = self._server.server_address[:2]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="control", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def allocate(self, req: specs.AllocRequest) -> specs.AllocResult:
+        allocator = self._allocator(req.kind)
+        runs = []
+        for nbytes in req.sizes:
+            if nbytes <= 0:
+                raise KVStoreError("invalid", "sizes must be positive", size=nbytes)
+            runs.append(allocator.allocate(req.token, nbytes))
+        return specs.AllocResult(runs=runs)
+
+    def free(self, req: specs.FreeRequest) -> int:
+        freed = 0
+        for item in req.items:
+            for kind, allocator in self.allocators.items():
+                if allocator.free(item.token, item.runs):
+                    freed += sum(r.count for r in item.runs)
+                    break
+            else:
+                log.warning("free of pages not held by token %s ignored", item.token)
+        return freed
+
+    def _allocator(self, kind: str) -> PageAllocator:
+        if kind not in self.allocators:
+            raise KVStoreError("not_found", f"this worker has no {kind} tier", kind=kind)
+        return self.allocators[kind]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    control: ControlServer
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        if self.path == "/healthz":
+            self._answer(200, {"status": "ok"})
+        else:
+            self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
+
+    def do_POST(self) -> None:  # noqa: N802
+        routes = {"/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
+                  "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)})}
+        if self.path not in routes:
+            self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
+            return
+        model, action = routes[self.path]
+        try:
+            body = model.model_validate_json(self.rfile.read(int(self.headers.get("content-length", 0))))
+            self._answer(200, action(body))
+        except ValidationError as exc:
+            self._answer(400, KVStoreError("invalid", "bad request body", errors=exc.errors()[:5]).to_body())
+        except KVStoreError as exc:
+            self._answer(exc.http_status, exc.to_body())
+
+    def _answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body, default=str).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, fmt: str, *args) -> None:
+        log.debug("control: " + fmt, *args)

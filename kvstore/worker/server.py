@@ -1,0 +1,98 @@
+"""A storage worker process: arena, NIXL agent, control endpoint, registration, heartbeats.
+
+    worker = StorageWorker(settings); worker.start()   # allocate + register arena once, register
+    worker.run(stop_event)                              # heartbeat until stopped
+    worker.close()
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import threading
+import time
+import uuid
+
+from kvstore.client import DirectoryClient
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.memory import HostBuffer
+from kvstore.core.sizes import format_size
+from kvstore.transfer import Agent
+from kvstore.worker.allocator import PageAllocator
+from kvstore.worker.control import ControlServer
+from kvstore.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class StorageWorker:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        num_pages = settings.dram_bytes // settings.page_bytes
+        if num_pages < 1:
+            raise KVStoreError("invalid", "the DRAM tier must hold at least one page",
+                               dram_bytes=settings.dram_bytes, page_bytes=settings.page_bytes)
+        self.arena = HostBuffer(num_pages * settings.page_bytes)
+        self.allocator = PageAllocator(num_pages, settings.page_bytes)
+        self.agent = Agent(f"{settings.name}-{uuid.uuid4().hex[:8]}", backends={"UCX": {}})
+        self.agent.register_dram(self.arena.addr, self.arena.nbytes)
+        self.control = ControlServer({"dram": self.allocator}, settings.host, settings.port)
+        self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0)
+        self.epoch = 0
+        self.heartbeat_interval_s = 1.0
+
+    def start(self, wait_for_directory_s: float = 30.0) -> None:
+        self.control.start()
+        deadline = time.monotonic() + wait_for_directory_s
+        while True:
+            try:
+                self.register()
+                break
+            except KVStoreError as exc:
+                if exc.kind != "unavailable" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        log.info("worker %s up: directory %s, control %s, NIXL agent %s, backends %s, "
+                 "DRAM arena %s registered (%d pages of %s)", self.settings.name, self.settings.directory_url,
+                 self.control.url, self.agent.name, ",".join(self.agent.backends),
+                 format_size(self.arena.nbytes), self.allocator.num_pages, format_size(self.settings.page_bytes))
+
+    def register(self) -> None:
+        """Join (again) under a new epoch. The directory forgets our old DRAM replicas, so do we."""
+        self.allocator.reset()
+        tier = specs.TierSpec(kind="dram", capacity_bytes=self.arena.nbytes,
+                              page_bytes=self.settings.page_bytes, base_addr=self.arena.addr)
+        answer = self.directory.register_worker(specs.WorkerRegistration(
+            name=self.settings.name, agent_name=self.agent.name,
+            agent_metadata=base64.b64encode(self.agent.metadata()).decode(),
+            control_url=self.control.url, pid=os.getpid(), backends=self.agent.backends, tiers=[tier]))
+        self.epoch, self.heartbeat_interval_s = answer.epoch, answer.heartbeat_interval_s
+        log.info("registered with the directory as %s, epoch %d", self.settings.name, self.epoch)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.heartbeat_interval_s):
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            self.directory.heartbeat(self.settings.name, self.epoch)
+        except KVStoreError as exc:
+            if exc.kind == "conflict":
+                log.warning("directory does not know epoch %d any more; registering again", self.epoch)
+                self._try_register()
+            else:
+                log.warning("heartbeat failed: %s", exc)
+
+    def _try_register(self) -> None:
+        try:
+            self.register()
+        except KVStoreError as exc:
+            log.warning("registration failed: %s", exc)
+            time.sleep(self.heartbeat_interval_s)
+
+    def close(self) -> None:
+        self.control.stop()
+        self.directory.close()
+        self.agent.close()

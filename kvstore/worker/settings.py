@@ -1,0 +1,19 @@
+"""Worker settings: `KVSTORE_WORKER_*` environment variables or CLI flags."""
+
+from __future__ import annotations
+
+import socket
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_WORKER_", frozen=True)
+
+    directory_url: str = "http://127.0.0.1:8700"
+    name: str = Field(default_factory=lambda: f"worker-{socket.gethostname()}", min_length=1)
+    host: str = Field("127.0.0.1", description="address of the control endpoint")
+    port: int = Field(0, ge=0, le=65535, description="control endpoint port; 0 = any free port")
+    dram_bytes: int = Field(512 << 20, ge=1 << 20, description="DRAM arena size, allocated and registered once")
+    page_bytes: int = Field(64 << 10, ge=4096, le=1 << 30, description="arena page size")
