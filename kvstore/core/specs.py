@@ -7,12 +7,13 @@ lowercase hex; NIXL agent metadata as base64.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 TierKind = Literal["hbm", "dram", "nvme", "s3"]
-HEX_HASH = r"^[0-9a-f]{2,64}$"
+HEX_HASH = r"^[0-9a-f]{2,128}$"
+HexHash = Annotated[str, Field(pattern=HEX_HASH)]
 
 
 class _Spec(BaseModel):
@@ -134,12 +135,12 @@ class TokenBody(_Spec):
 
 class LookupRequest(_Spec):
     namespace_id: str
-    hashes: list[str] = Field(max_length=100_000)
+    hashes: list[HexHash] = Field(max_length=100_000)
 
 
 class LookupBatchRequest(_Spec):
     namespace_id: str
-    prompts: list[list[str]] = Field(max_length=10_000)
+    prompts: list[list[HexHash]] = Field(max_length=10_000)
 
 
 class BlockHit(_Spec):
@@ -172,7 +173,7 @@ class TokenLookupResult(_Spec):
 
 class PrepareLoad(_Spec):
     namespace_id: str
-    hashes: list[str] = Field(max_length=100_000)
+    hashes: list[HexHash] = Field(max_length=100_000)
     reader: str = ""
 
 
@@ -183,7 +184,7 @@ class LoadPrepared(_Spec):
 
 
 class BlockRead(_Spec):
-    hash: str
+    hash: HexHash
     ok: bool
 
 

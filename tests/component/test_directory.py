@@ -1,0 +1,183 @@
+"""The directory's protocol, story by story, over HTTP (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.keys import Namespace, block_hashes
+from tests.component.conftest import NS, PAGE
+
+BLOCK = NS.block_nbytes  # 256 bytes = 2 pages of 128
+
+
+def chain(n: int, start: int = 0) -> list[str]:
+    return [h.hex() for h in block_hashes(NS, list(range(start, start + 4 * n)))]
+
+
+def prepare(stack, hashes, parent=None) -> specs.StorePrepared:
+    parents = [parent] + hashes[:-1]
+    return stack.client.prepare_store(specs.PrepareStore(namespace_id=stack.namespace_id, blocks=[
+        specs.BlockToStore(hash=h, parent=p, nbytes=BLOCK) for h, p in zip(hashes, parents)]))
+
+
+def complete(stack, prepared, ok=True):
+    return stack.client.complete_store(specs.CompleteStore(token=prepared.token, blocks=[
+        specs.BlockWritten(hash=b.hash, ok=ok, checksum="0123456789abcdef")
+        for b in prepared.blocks if b.status == "admitted"]))
+
+
+def hits(stack, hashes) -> int:
+    return stack.client.lookup(stack.namespace_id, hashes).num_hit_blocks
+
+
+def test_a_block_is_visible_only_after_complete(stack):
+    hashes = chain(3)
+    prepared = prepare(stack, hashes)
+    assert [b.status for b in prepared.blocks] == ["admitted"] * 3
+    assert hits(stack, hashes) == 0  # WRITING is invisible
+    assert stack.client.stats().reservations == 3
+    assert complete(stack, prepared).committed == 3
+    assert hits(stack, hashes) == 3
+    assert hits(stack, hashes[:2] + chain(1, start=999)) == 2  # longest prefix only
+    assert stack.client.stats().reservations == 0
+
+
+def test_locations_cover_the_block_in_worker_addresses(stack):
+    prepared = prepare(stack, chain(1))
+    location = prepared.blocks[0].location
+    assert location.worker == "w0" and location.tier == "dram"
+    assert sum(length for _, length in location.runs) == BLOCK
+    assert all(addr >= 1 << 20 for addr, _ in location.runs)
+
+
+def test_an_aborted_store_is_never_visible_and_gives_its_pages_back(stack):
+    hashes = chain(2)
+    prepared = prepare(stack, hashes)
+    assert stack.allocator.free_pages == 32 - 4
+    stack.http.post("/v1/store/abort", json={"token": prepared.token}).raise_for_status()
+    assert hits(stack, hashes) == 0
+    assert stack.allocator.free_pages == 32
+    assert stack.client.stats().blocks == 0
+    with pytest.raises(KVStoreError) as info:  # completing after abort is refused
+        complete(stack, prepared)
+    assert info.value.kind == "conflict"
+
+
+def test_a_failed_write_rolls_back_only_that_block(stack):
+    hashes = chain(2)
+    prepared = prepare(stack, hashes)
+    reports = [specs.BlockWritten(hash=hashes[0], ok=True, checksum="00000000000000aa"),
+               specs.BlockWritten(hash=hashes[1], ok=False)]
+    done = stack.client.complete_store(specs.CompleteStore(token=prepared.token, blocks=reports))
+    assert (done.committed, done.rolled_back) == (1, 1)
+    assert hits(stack, hashes) == 1
+
+
+def test_existing_and_in_progress_blocks_are_not_written_twice(stack):
+    first = prepare(stack, chain(2))
+    second = prepare(stack, chain(3))
+    assert [b.status for b in second.blocks] == ["in_progress", "in_progress", "admitted"]
+    complete(stack, first)
+    third = prepare(stack, chain(3))
+    assert [b.status for b in third.blocks] == ["exists", "exists", "in_progress"]
+
+
+def test_duplicate_completion_is_a_conflict_and_changes_nothing(stack):
+    prepared = prepare(stack, chain(2))
+    complete(stack, prepared)
+    with pytest.raises(KVStoreError) as info:
+        complete(stack, prepared)
+    assert info.value.kind == "conflict"
+    assert hits(stack, chain(2)) == 2
+
+
+def test_no_space_rejects_the_block_and_every_suffix_after_it(stack):
+    # 32 pages, 2 per block: 16 fit, the 17th and later are rejected
+    prepared = prepare(stack, chain(18))
+    statuses = [b.status for b in prepared.blocks]
+    assert statuses[:16] == ["admitted"] * 16
+    assert [(b.status, b.reason) for b in prepared.blocks[16:]] == [("rejected", "no_space")] * 2
+    complete(stack, prepared)
+    assert hits(stack, chain(18)) == 16
+
+
+def test_a_load_pins_under_a_lease_until_complete(stack):
+    hashes = chain(3)
+    complete(stack, prepare(stack, hashes))
+    load = stack.client.prepare_load(specs.PrepareLoad(namespace_id=stack.namespace_id, hashes=hashes))
+    assert len(load.blocks) == 3 and load.blocks[0].checksum == "0123456789abcdef"
+    stats = stack.client.stats()
+    assert (stats.leases_active, stats.pins) == (1, 3)
+    done = stack.client.complete_load(specs.CompleteLoad(token=load.token, blocks=[]))
+    assert done.released == 3
+    stats = stack.client.stats()
+    assert (stats.leases_active, stats.pins) == (0, 0)
+
+
+def test_a_checksum_failure_invalidates_the_replica(stack):
+    hashes = chain(3)
+    complete(stack, prepare(stack, hashes))
+    load = stack.client.prepare_load(specs.PrepareLoad(namespace_id=stack.namespace_id, hashes=hashes))
+    reports = [specs.BlockRead(hash=hashes[1], ok=False)]
+    assert stack.client.complete_load(specs.CompleteLoad(token=load.token, blocks=reports)).invalidated == 1
+    assert hits(stack, hashes) == 1
+    assert stack.allocator.free_pages == 32 - 4  # the bad replica's pages went back
+    assert "kvstore_checksum_failures_total 1.0" in stack.http.get("/metrics").text
+
+
+def test_lookup_under_another_namespace_finds_nothing(stack):
+    complete(stack, prepare(stack, chain(2)))
+    for other in (Namespace(**{**NS.to_dict(), "model_id": "other"}),
+                  Namespace(**{**NS.to_dict(), "num_kv_heads": 2})):
+        other_id = stack.client.register_namespace(other)
+        tokens = list(range(8))
+        assert stack.client.lookup(other_id, [h.hex() for h in block_hashes(other, tokens)]).num_hit_blocks == 0
+        assert stack.client.lookup_tokens(other_id, tokens).hit_tokens == 0
+    assert stack.client.lookup_tokens(stack.namespace_id, list(range(11))).hit_tokens == 8
+
+
+def test_unknown_namespace_and_bad_bodies_get_error_bodies(stack):
+    answer = stack.http.post("/v1/lookup", json={"namespace_id": "0" * 16, "hashes": []})
+    assert answer.status_code == 404 and answer.json()["error"] == "not_found"
+    answer = stack.http.post("/v1/lookup", json={"namespace_id": stack.namespace_id, "hashes": ["XYZ"]})
+    assert answer.status_code == 400 and answer.json()["error"] == "invalid"
+    answer = stack.http.post("/v1/namespaces", json={"namespace": {"model_id": "m"}})
+    assert answer.status_code == 400 and "namespace" in answer.json()["detail"]
+    answer = stack.http.post("/v1/store/prepare", json={"namespace_id": stack.namespace_id, "blocks": [
+        {"hash": chain(1)[0], "nbytes": 7}]})
+    assert answer.status_code == 400 and answer.json()["context"]["expected"] == BLOCK
+
+
+def test_batch_lookup(stack):
+    complete(stack, prepare(stack, chain(2)))
+    answer = stack.http.post("/v1/lookup/batch", json={"namespace_id": stack.namespace_id,
+                                                       "prompts": [chain(3), chain(1), chain(2, start=50)]})
+    assert [r["num_hit_blocks"] for r in answer.json()["results"]] == [2, 1, 0]
+
+
+def test_a_worker_with_a_new_epoch_loses_its_dram_replicas(stack):
+    complete(stack, prepare(stack, chain(2)))
+    with pytest.raises(KVStoreError) as info:
+        stack.client.heartbeat("w0", epoch=99)
+    assert info.value.kind == "conflict"
+    again = stack.register_worker(control_url=stack.client.worker("w0").control_url)
+    assert again.epoch == 2
+    assert hits(stack, chain(2)) == 0
+    assert stack.client.stats().blocks == 0
+    assert stack.client.tiers()[0].used_bytes == 0
+
+
+def test_health_metrics_and_tiers(stack):
+    assert stack.http.get("/healthz").json() == {"status": "ok"}
+    assert stack.http.get("/readyz").json()["workers_active"] == 1
+    complete(stack, prepare(stack, chain(2)))
+    tier = stack.client.tiers()[0]
+    assert (tier.kind, tier.capacity_bytes, tier.used_bytes, tier.num_blocks) == ("dram", 32 * PAGE, 4 * PAGE, 2)
+    text = stack.http.get("/metrics").text
+    assert f'kvstore_tier_used_bytes{{kind="dram",worker="w0"}} {4.0 * PAGE}' in text
+    assert "kvstore_blocks 2.0" in text
+    assert stack.http.get("/openapi.json").json()["info"]["title"] == "kvstore directory"

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import PostgresCluster
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    cluster = PostgresCluster().start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def database_url(request, tmp_path):
+    """Every directory test runs twice: on a SQLite file and on a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'directory.db'}"
+    return request.getfixturevalue("postgres").create_database()

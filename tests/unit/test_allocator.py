@@ -1,0 +1,84 @@
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstore.core.specs import PageRun
+from kvstore.worker.allocator import PageAllocator
+
+PAGES, PAGE = 64, 4096
+
+
+def test_a_block_spans_several_pages_and_prefers_one_run():
+    allocator = PageAllocator(PAGES, PAGE)
+    runs = allocator.allocate("t", 3 * PAGE + 1)
+    assert runs == [PageRun(first=0, count=4)]
+    assert allocator.free_pages == PAGES - 4
+
+
+def test_no_room_returns_none_and_changes_nothing():
+    allocator = PageAllocator(4, PAGE)
+    assert allocator.allocate("t", 5 * PAGE) is None
+    assert allocator.free_pages == 4
+
+
+def test_fragmented_arena_still_takes_a_block_in_several_runs():
+    allocator = PageAllocator(4, PAGE)
+    held = [allocator.allocate(f"t{i}", PAGE) for i in range(4)]
+    assert allocator.free("t0", held[0]) and allocator.free("t2", held[2])
+    runs = allocator.allocate("big", 2 * PAGE)
+    assert sorted((r.first, r.count) for r in runs) == [(0, 1), (2, 1)]
+
+
+def test_only_the_owner_token_frees():
+    allocator = PageAllocator(4, PAGE)
+    runs = allocator.allocate("owner", PAGE)
+    assert not allocator.free("intruder", runs)
+    assert allocator.free_pages == 3
+    assert allocator.free("owner", runs)
+    assert not allocator.free("owner", runs)  # a duplicate free changes nothing
+    assert allocator.free_pages == 4
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Against a recorder: pages never overlap, none are lost, frees merge back."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocator = PageAllocator(PAGES, PAGE)
+        self.held: dict[str, list[PageRun]] = {}
+        self.counter = 0
+
+    @rule(pages=st.integers(1, 20))
+    def allocate(self, pages):
+        self.counter += 1
+        token = f"t{self.counter}"
+        free_before = self.allocator.free_pages
+        runs = self.allocator.allocate(token, pages * PAGE - 1)
+        if runs is None:
+            assert free_before < pages and self.allocator.free_pages == free_before
+        else:
+            assert sum(r.count for r in runs) == pages
+            self.held[token] = runs
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free(self, data):
+        token = data.draw(st.sampled_from(sorted(self.held)))
+        assert self.allocator.free(token, self.held.pop(token))
+
+    @invariant()
+    def pages_are_conserved_and_disjoint(self):
+        used = [p for runs in self.held.values() for r in runs for p in range(r.first, r.first + r.count)]
+        assert len(used) == len(set(used))
+        assert all(0 <= p < PAGES for p in used)
+        assert self.allocator.free_pages + len(used) == PAGES
+
+    @invariant()
+    def empty_arena_is_one_run(self):
+        if not self.held:
+            assert self.allocator.allocate("probe", PAGES * PAGE) == [PageRun(first=0, count=PAGES)]
+            self.allocator.free("probe", [PageRun(first=0, count=PAGES)])
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
