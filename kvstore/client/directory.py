@@ -18,6 +18,9 @@ class DirectoryClient(JsonHttp):
     def heartbeat(self, worker: str, epoch: int) -> None:
         self.call_raw("POST", f"/v1/workers/{worker}/heartbeat", specs.Heartbeat(epoch=epoch))
 
+    def deregister(self, worker: str, epoch: int) -> None:
+        self.call_raw("POST", f"/v1/workers/{worker}/deregister", specs.Heartbeat(epoch=epoch))
+
     def worker(self, name: str) -> specs.WorkerInfo:
         return specs.WorkerInfo.model_validate(self.call_raw("GET", f"/v1/workers/{name}"))
 

@@ -105,6 +105,11 @@ def _routes(service: DirectoryService) -> APIRouter:
         service.heartbeat(name, body.epoch)
         return {"ok": True}
 
+    @r.post("/v1/workers/{name}/deregister")
+    def deregister(name: str, body: specs.Heartbeat) -> dict:
+        service.deregister(name, body.epoch)
+        return {"ok": True}
+
     @r.get("/v1/workers")
     def workers() -> list[specs.WorkerInfo]:
         return service.workers()

@@ -126,6 +126,16 @@ class DirectoryService:
                                    worker=name, epoch=epoch)
             worker.heartbeat_at = self._clock()
 
+    def deregister(self, name: str, epoch: int) -> None:
+        """A worker leaving cleanly: its memory tiers go with it, at once."""
+        with self._tx() as tx:
+            worker = repo.worker_by_name(tx.session, name)
+            if worker is None or worker.epoch != epoch:
+                raise KVStoreError("conflict", "unknown worker or stale epoch", worker=name, epoch=epoch)
+            worker.state = "dead"
+            self._drop_volatile(tx, worker)
+        log.info("worker %s (epoch %d) deregistered", name, epoch)
+
     def workers(self) -> list[specs.WorkerInfo]:
         with self._tx() as tx:
             return [_worker_info(w, with_metadata=False) for w in repo.workers(tx.session)]

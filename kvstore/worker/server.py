@@ -93,6 +93,10 @@ class StorageWorker:
             time.sleep(self.heartbeat_interval_s)
 
     def close(self) -> None:
+        try:
+            self.directory.deregister(self.settings.name, self.epoch)
+        except KVStoreError as exc:
+            log.warning("could not deregister: %s", exc)
         self.control.stop()
         self.directory.close()
         self.agent.close()

@@ -181,3 +181,13 @@ def test_health_metrics_and_tiers(stack):
     assert f'kvstore_tier_used_bytes{{kind="dram",worker="w0"}} {4.0 * PAGE}' in text
     assert "kvstore_blocks 2.0" in text
     assert stack.http.get("/openapi.json").json()["info"]["title"] == "kvstore directory"
+
+
+def test_a_worker_that_deregisters_takes_its_dram_replicas_along(stack):
+    complete(stack, prepare(stack, chain(2)))
+    with pytest.raises(KVStoreError) as info:
+        stack.client.deregister("w0", epoch=7)
+    assert info.value.kind == "conflict" and hits(stack, chain(2)) == 2
+    stack.client.deregister("w0", epoch=1)
+    assert hits(stack, chain(2)) == 0
+    assert stack.client.workers()[0].state == "dead"
