@@ -56,3 +56,7 @@ class DirectoryClient(JsonHttp):
     def stats(self) -> specs.Stats:
         return specs.Stats.model_validate(self.call_raw("GET", "/v1/admin/stats"))
 
+
+    def evict(self, namespace_id: str | None = None) -> int:
+        return self.call("POST", "/v1/admin/evict", specs.EvictRequest(namespace_id=namespace_id),
+                         specs.Evicted).replicas

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TypeVar
 
 import httpx
@@ -19,19 +20,24 @@ class JsonHttp:
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
 
     def call(self, method: str, path: str, body: BaseModel | None, answer: type[M]) -> M:
-        return answer.model_validate(self.call_raw(method, path, body))
+        return answer.model_validate_json(self._request(method, path, body).content)
 
     def call_raw(self, method: str, path: str, body: BaseModel | dict | None = None):
+        return self._request(method, path, body).json()
+
+    def _request(self, method: str, path: str, body: BaseModel | dict | None) -> httpx.Response:
         if isinstance(body, BaseModel):
-            body = body.model_dump(mode="json")
+            content, headers = body.model_dump_json().encode(), {"content-type": "application/json"}
+        else:
+            content, headers = (json.dumps(body).encode(), {"content-type": "application/json"}) if body else (None, {})
         try:
-            response = self._http.request(method, path, json=body)
+            response = self._http.request(method, path, content=content, headers=headers)
         except httpx.HTTPError as exc:
             raise KVStoreError(
                 "unavailable", f"cannot reach {self.base_url}: {exc}", url=self.base_url + path
             ) from None
         if response.is_success:
-            return response.json()
+            return response
         try:
             payload = response.json()
         except ValueError:

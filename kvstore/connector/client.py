@@ -15,6 +15,7 @@ the store's block layout in memory they registered with `register_buffer`
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -48,6 +49,7 @@ class KVStoreClient:
         self.slots = max(1, staging_bytes // namespace.block_nbytes)
         self.staging = HostBuffer(self.slots * namespace.block_nbytes)
         self.register_buffer(self.staging.array)
+        self.last_timings: dict[str, float] = {}  # seconds per phase of the last *_blocks call
 
     # ---- tensors ----------------------------------------------------------------------
 
@@ -114,19 +116,30 @@ class KVStoreClient:
     def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None) -> int:
         """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held."""
         assert len(hashes) == len(blocks), "one buffer per hash"
+        if not hashes:
+            return 0
+        clock = _PhaseClock()
         parents = [parent] + hashes[:-1]
-        request = specs.PrepareStore(namespace_id=self.namespace_id, writer=self.agent.name, blocks=[
-            specs.BlockToStore(hash=h.hex(), parent=p.hex() if p else None, nbytes=b.nbytes)
-            for h, p, b in zip(hashes, parents, blocks)])
-        prepared = self.directory.prepare_store(request)
+        prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore(
+            namespace_id=self.namespace_id, writer=self.agent.name, blocks=[
+                specs.BlockToStore(hash=h.hex(), parent=p.hex() if p else None, nbytes=b.nbytes)
+                for h, p, b in zip(hashes, parents, blocks)]))
         admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
-        ok = {}
+        ok: dict[int, bool] = {}
         if admitted:
-            sums = {i: checksum(blocks[i]) for i, _ in admitted}
-            done = self._move("WRITE", [(blocks[i], d.location) for i, d in admitted])
+            sums = clock.timed("checksum", lambda: {i: checksum(blocks[i]) for i, _ in admitted})
+            done = clock.timed("transfer", self._move, "WRITE", [(blocks[i], d.location) for i, d in admitted])
             ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
             reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[i]) for i, d in admitted]
-            self.directory.complete_store(specs.CompleteStore(token=prepared.token, blocks=reports))
+            try:
+                clock.timed("complete", self.directory.complete_store,
+                            specs.CompleteStore(token=prepared.token, blocks=reports))
+            except KVStoreError as exc:
+                if exc.kind != "conflict":
+                    raise
+                log.warning("complete_store refused (%s); these blocks are not stored", exc)
+                ok = {}
+        self.last_timings = clock.finish()
         held = 0
         for i, decision in enumerate(prepared.blocks):
             if not (decision.status == "exists" or ok.get(i)):
@@ -137,28 +150,31 @@ class KVStoreClient:
     def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
         """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified."""
         assert len(hashes) == len(blocks), "one buffer per hash"
-        prepared = self.directory.prepare_load(specs.PrepareLoad(
+        clock = _PhaseClock()
+        prepared = clock.timed("prepare", self.directory.prepare_load, specs.PrepareLoad(
             namespace_id=self.namespace_id, hashes=[h.hex() for h in hashes], reader=self.agent.name))
-        if not prepared.blocks:
-            return 0
         hits = prepared.blocks
-        done = self._move("READ", [(blocks[i], hit.location) for i, hit in enumerate(hits)])
+        if not hits:
+            self.last_timings = clock.finish()
+            return 0
+        done = clock.timed("transfer", self._move, "READ", [(blocks[i], hit.location) for i, hit in enumerate(hits)])
         verified, reports = 0, []
         for i, hit in enumerate(hits):
-            good = done[i] and checksum(blocks[i]) == hit.checksum
+            good = done[i] and clock.timed("checksum", checksum, blocks[i]) == hit.checksum
             if done[i] and not good:
-                log.warning("checksum mismatch on block %s from %s; replica invalidated",
-                            hit.hash, hit.location.worker)
+                log.warning("checksum mismatch on block %s from %s; replica invalidated", hit.hash, hit.location.worker)
             reports.append(specs.BlockRead(hash=hit.hash, ok=good or not done[i]))
             if good and verified == i:
                 verified += 1
         try:
-            self.directory.complete_load(specs.CompleteLoad(token=prepared.token, blocks=reports))
+            clock.timed("complete", self.directory.complete_load,
+                        specs.CompleteLoad(token=prepared.token, blocks=reports))
         except KVStoreError as exc:
             if exc.kind != "conflict":
                 raise
             log.warning("lease expired before the load completed; treating it as a miss")
-            return 0
+            verified = 0
+        self.last_timings = clock.finish()
         return verified
 
     def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
@@ -191,6 +207,24 @@ class KVStoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _PhaseClock:
+    """Seconds spent per phase of one call, plus its wall time."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def timed(self, phase: str, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.laps[phase] = self.laps.get(phase, 0.0) + time.perf_counter() - t0
+
+    def finish(self) -> dict[str, float]:
+        return {**self.laps, "wall": time.perf_counter() - self._start}
 
 
 def _rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndarray, np.ndarray]:

@@ -237,3 +237,11 @@ class FreeItem(_Spec):
 
 class FreeRequest(_Spec):
     items: list[FreeItem]
+
+
+class EvictRequest(_Spec):
+    namespace_id: str | None = Field(None, description="null = every namespace")
+
+
+class Evicted(_Spec):
+    replicas: int

@@ -50,6 +50,11 @@ def create_app(settings: DirectorySettings | None = None) -> FastAPI:
     return app
 
 
+def _json(model: BaseModel) -> Response:
+    """Hot paths: serialize once with pydantic's encoder instead of FastAPI re-validating the answer."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
 def _reap_until(service: DirectoryService, stop: threading.Event) -> None:
     while not stop.wait(service.settings.reaper_interval_s):
         try:
@@ -118,21 +123,21 @@ def _routes(service: DirectoryService) -> APIRouter:
     def worker(name: str) -> specs.WorkerInfo:
         return service.worker(name)
 
-    @r.post("/v1/store/prepare")
-    def prepare_store(body: specs.PrepareStore) -> specs.StorePrepared:
-        return service.prepare_store(body)
+    @r.post("/v1/store/prepare", response_model=specs.StorePrepared)
+    def prepare_store(body: specs.PrepareStore) -> Response:
+        return _json(service.prepare_store(body))
 
-    @r.post("/v1/store/complete")
-    def complete_store(body: specs.CompleteStore) -> specs.StoreCompleted:
-        return service.complete_store(body)
+    @r.post("/v1/store/complete", response_model=specs.StoreCompleted)
+    def complete_store(body: specs.CompleteStore) -> Response:
+        return _json(service.complete_store(body))
 
     @r.post("/v1/store/abort")
     def abort_store(body: specs.TokenBody) -> dict:
         return {"rolled_back": service.abort_store(body.token)}
 
-    @r.post("/v1/lookup")
-    def lookup(body: specs.LookupRequest) -> specs.LookupResult:
-        return service.lookup(body.namespace_id, body.hashes)
+    @r.post("/v1/lookup", response_model=specs.LookupResult)
+    def lookup(body: specs.LookupRequest) -> Response:
+        return _json(service.lookup(body.namespace_id, body.hashes))
 
     @r.post("/v1/lookup/batch")
     def lookup_batch(body: specs.LookupBatchRequest) -> specs.LookupBatchResult:
@@ -142,17 +147,21 @@ def _routes(service: DirectoryService) -> APIRouter:
     def lookup_tokens(body: specs.TokenLookupRequest) -> specs.TokenLookupResult:
         return service.lookup_tokens(body.namespace_id, body.token_ids)
 
-    @r.post("/v1/load/prepare")
-    def prepare_load(body: specs.PrepareLoad) -> specs.LoadPrepared:
-        return service.prepare_load(body)
+    @r.post("/v1/load/prepare", response_model=specs.LoadPrepared)
+    def prepare_load(body: specs.PrepareLoad) -> Response:
+        return _json(service.prepare_load(body))
 
-    @r.post("/v1/load/complete")
-    def complete_load(body: specs.CompleteLoad) -> specs.LoadCompleted:
-        return service.complete_load(body)
+    @r.post("/v1/load/complete", response_model=specs.LoadCompleted)
+    def complete_load(body: specs.CompleteLoad) -> Response:
+        return _json(service.complete_load(body))
 
     @r.get("/v1/tiers")
     def tiers() -> list[specs.TierUsage]:
         return service.tiers()
+
+    @r.post("/v1/admin/evict")
+    def evict(body: specs.EvictRequest) -> specs.Evicted:
+        return specs.Evicted(replicas=service.evict(body.namespace_id))
 
     @r.get("/v1/admin/stats")
     def stats() -> specs.Stats:

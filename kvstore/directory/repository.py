@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from kvstore.directory.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
-from kvstore.directory.models.replica import VISIBLE, WRITING
+from kvstore.directory.models.replica import READY, VISIBLE, WRITING
 
 VOLATILE_TIERS = ("hbm", "dram")
 
@@ -52,9 +52,27 @@ def replicas_of(session: Session, block_ids: list[int]) -> list[tuple[Replica, T
     return rows
 
 
+def is_visible(replica: Replica, tier: Tier, worker: Worker) -> bool:
+    """Readable now: READY/MOVING, and a memory tier only while its worker lives in the same epoch."""
+    if replica.state not in VISIBLE:
+        return False
+    return tier.kind not in VOLATILE_TIERS or (worker.state != "dead" and replica.epoch == worker.epoch)
+
+
 def visible_replicas(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
-    return [(r, t, w) for r, t, w in replicas_of(session, block_ids)
-            if r.state in VISIBLE and w.state != "dead" and (t.kind not in VOLATILE_TIERS or r.epoch == w.epoch)]
+    return [(r, t, w) for r, t, w in replicas_of(session, block_ids) if is_visible(r, t, w)]
+
+
+def insert_blocks(session: Session, rows: list[dict]) -> dict[str, int]:
+    """Insert block rows in one statement; returns hash -> id."""
+    if not rows:
+        return {}
+    return {h: i for i, h in session.execute(insert(Block).returning(Block.id, Block.hash), rows)}
+
+
+def insert_replicas(session: Session, rows: list[dict]) -> None:
+    if rows:
+        session.execute(insert(Replica), rows)
 
 
 def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[Replica, Block, Tier, Worker]]:
@@ -83,11 +101,27 @@ def delete_orphan_blocks(session: Session, block_ids: list[int]) -> None:
 
 
 def add_leases(session: Session, replica_ids: list[int], token: str, holder: str, expires_at: float) -> None:
-    session.add_all(Lease(replica_id=r, token=token, holder=holder, expires_at=expires_at) for r in replica_ids)
+    if replica_ids:
+        session.execute(insert(Lease), [dict(replica_id=r, token=token, holder=holder, expires_at=expires_at)
+                                        for r in replica_ids])
 
 
-def leases_with_token(session: Session, token: str) -> list[Lease]:
-    return list(session.scalars(select(Lease).where(Lease.token == token)))
+def commit_replicas(session: Session, replica_ids: list[int], checksums: dict[int, str]) -> None:
+    """WRITING -> READY for `replica_ids`; record each block's checksum (block id -> checksum)."""
+    if replica_ids:
+        session.execute(update(Replica).where(Replica.id.in_(replica_ids)).values(state=READY, expires_at=None)
+                        .execution_options(synchronize_session=False))
+        session.execute(update(Block), [{"id": b, "checksum": c} for b, c in checksums.items()])
+
+
+def pinned_by_token(session: Session, token: str) -> list[tuple[Replica, Block]]:
+    query = (select(Replica, Block).join(Lease, Lease.replica_id == Replica.id)
+             .join(Block, Replica.block_id == Block.id).where(Lease.token == token))
+    return list(session.execute(query).tuples())
+
+
+def delete_leases(session: Session, token: str) -> None:
+    session.execute(delete(Lease).where(Lease.token == token))
 
 
 def delete_expired_leases(session: Session, now: float) -> int:
@@ -136,3 +170,10 @@ def counts(session: Session) -> dict[str, int]:
         "pins": session.scalar(select(func.count(Lease.id))) or 0,
         "workers_active": session.scalar(select(func.count(Worker.id)).where(Worker.state == "active")) or 0,
     }
+
+
+def visible_replica_rows(session: Session, namespace_id: str | None) -> list[Replica]:
+    query = select(Replica).join(Block, Replica.block_id == Block.id).where(Replica.state.in_(VISIBLE))
+    if namespace_id is not None:
+        query = query.where(Block.namespace_id == namespace_id)
+    return list(session.scalars(query))

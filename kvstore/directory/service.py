@@ -192,38 +192,46 @@ class DirectoryService:
                                worker=worker.name)
         for runs in result.runs:  # if this transaction fails, every page goes back
             if runs is not None:
-                tx.on_rollback.append(self._free_later(worker.control_url, token, runs))
-        admitted = 0
+                tx.on_rollback.append(self._free_later(worker.control_url, [specs.FreeItem(token=token, runs=runs)]))
+        admitted: list[tuple[specs.BlockToStore, list[specs.PageRun]]] = []
         rejected: set[str] = set()
         for block, runs in zip(wanted, result.runs):
             if runs is None or block.parent in rejected:  # a suffix without its prefix is useless
                 if runs is not None:
-                    tx.after_commit.append(self._free_later(worker.control_url, token, runs))
+                    tx.after_commit.append(self._free_later(worker.control_url, [specs.FreeItem(token=token, runs=runs)]))
                 rejected.add(block.hash)
                 reason = "no_space" if runs is None else "parent_rejected"
                 decisions[block.hash] = specs.StoreDecision(hash=block.hash, status="rejected", reason=reason)
-                continue
-            row = existing.get(block.hash) or self._new_block(tx, namespace_id, block, existing, now)
+            else:
+                admitted.append((block, runs))
+        block_ids = self._new_blocks(tx, namespace_id, [b for b, _ in admitted], existing, now)
+        replicas = []
+        for block, runs in admitted:
             reserved = sum(r.count for r in runs) * tier.page_bytes
-            tx.session.add(Replica(block_id=row.id, tier_id=tier.id, epoch=worker.epoch, state=WRITING,
-                                   token=token, pages=[[r.first, r.count] for r in runs],
-                                   reserved_bytes=reserved, expires_at=expires_at, created_at=now))
+            replicas.append(dict(block_id=block_ids[block.hash], tier_id=tier.id, epoch=worker.epoch,
+                                 state=WRITING, token=token, pages=[[r.first, r.count] for r in runs],
+                                 reserved_bytes=reserved, expires_at=expires_at, created_at=now))
             tier.used_bytes += reserved
             decisions[block.hash] = specs.StoreDecision(
                 hash=block.hash, status="admitted", location=_location(worker, tier, runs, block.nbytes))
-            admitted += 1
-        return admitted
+        repo.insert_replicas(tx.session, replicas)
+        return len(admitted)
 
-    def _new_block(self, tx: Tx, namespace_id: str, block: specs.BlockToStore,
-                   existing: dict[str, Block], now: float) -> Block:
-        parent = existing.get(block.parent) if block.parent else None
-        row = Block(namespace_id=namespace_id, hash=block.hash, parent=block.parent,
-                    depth=(parent.depth + 1) if parent else 0, nbytes=block.nbytes,
-                    created_at=now, last_access=now, hit_count=0)
-        tx.session.add(row)
-        tx.session.flush()
-        existing[block.hash] = row
-        return row
+    def _new_blocks(self, tx: Tx, namespace_id: str, blocks: list[specs.BlockToStore],
+                    existing: dict[str, Block], now: float) -> dict[str, int]:
+        """Ids of `blocks`, inserting the ones the directory has not seen. Depth follows the parent chain."""
+        ids = {h: b.id for h, b in existing.items()}
+        depths = {h: b.depth for h, b in existing.items()}
+        rows = []
+        for block in blocks:
+            if block.hash in ids:
+                continue
+            depths[block.hash] = depths[block.parent] + 1 if block.parent in depths else 0
+            rows.append(dict(namespace_id=namespace_id, hash=block.hash, parent=block.parent,
+                             depth=depths[block.hash], nbytes=block.nbytes, created_at=now, last_access=now,
+                             hit_count=0))
+        ids.update(repo.insert_blocks(tx.session, rows))
+        return ids
 
     def complete_store(self, req: specs.CompleteStore) -> specs.StoreCompleted:
         now = self._clock()
@@ -234,16 +242,18 @@ class DirectoryService:
                 raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token",
                                    token=req.token)
             expired = rows[0][0].expires_at < now
-            committed = 0
+            failed, good, checksums = [], [], {}
             for replica, block, tier, worker in rows:
                 report = reports.get(block.hash)
                 if expired or report is None or not report.ok or report.checksum is None \
                         or replica.epoch != worker.epoch:
-                    self._roll_back(tx, replica, block, tier, worker)
-                    continue
-                replica.state, replica.expires_at = READY, None
-                block.checksum = report.checksum
-                committed += 1
+                    failed.append((replica, tier, worker))
+                else:
+                    good.append(replica.id)
+                    checksums[block.id] = report.checksum
+            repo.commit_replicas(tx.session, good, checksums)
+            self._roll_back(tx, failed)
+            committed = len(rows) - len(failed)
         self.metrics.blocks_committed.inc(committed)
         if expired:
             raise KVStoreError("conflict", "the reservation expired before completion; nothing was committed",
@@ -253,21 +263,22 @@ class DirectoryService:
     def abort_store(self, token: str) -> int:
         with self._tx() as tx:
             rows = repo.replicas_with_token(tx.session, token, WRITING)
-            for replica, block, tier, worker in rows:
-                self._roll_back(tx, replica, block, tier, worker)
+            self._roll_back(tx, [(r, t, w) for r, _, t, w in rows])
         return len(rows)
 
-    def _roll_back(self, tx: Tx, replica: Replica, block: Block, tier: Tier, worker: Worker) -> None:
-        self._release_pages(tx, replica, tier, worker)
-        repo.drop_replicas(tx.session, [replica.id])
+    def _roll_back(self, tx: Tx, rows: list[tuple[Replica, Tier, Worker]]) -> None:
+        """Forget these replicas; their pages go back to live workers once the transaction commits."""
+        frees: dict[str, list[specs.FreeItem]] = {}
+        for replica, tier, worker in rows:
+            tier.used_bytes -= replica.reserved_bytes
+            if replica.epoch == worker.epoch and worker.state != "dead":
+                runs = [specs.PageRun(first=f, count=c) for f, c in replica.pages]
+                frees.setdefault(worker.control_url, []).append(specs.FreeItem(token=replica.token, runs=runs))
+        for url, items in frees.items():
+            tx.after_commit.append(self._free_later(url, items))
+        repo.drop_replicas(tx.session, [r.id for r, _, _ in rows])
         tx.session.flush()
-        repo.delete_orphan_blocks(tx.session, [block.id])
-
-    def _release_pages(self, tx: Tx, replica: Replica, tier: Tier, worker: Worker) -> None:
-        tier.used_bytes -= replica.reserved_bytes
-        if replica.epoch == worker.epoch and worker.state != "dead":
-            runs = [specs.PageRun(first=f, count=c) for f, c in replica.pages]
-            tx.after_commit.append(self._free_later(worker.control_url, replica.token, runs))
+        repo.delete_orphan_blocks(tx.session, list({r.block_id for r, _, _ in rows}))
 
     # ---- lookup and load ------------------------------------------------------------------
 
@@ -303,21 +314,20 @@ class DirectoryService:
     def complete_load(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
         failed = {b.hash for b in req.blocks if not b.ok}
         with self._tx() as tx:
-            leases = repo.leases_with_token(tx.session, req.token)
-            if not leases:
+            pinned = repo.pinned_by_token(tx.session, req.token)
+            if not pinned:
                 raise KVStoreError("conflict", "unknown or expired lease token", token=req.token)
             invalidated = 0
-            for lease in leases:
-                replica = tx.session.get(Replica, lease.replica_id)
-                block = tx.session.get(Block, replica.block_id)
+            for replica, block in pinned:
                 if block.hash in failed and replica.state != DELETING:
                     replica.state = DELETING  # no new pins; pages freed when the last pin goes
                     invalidated += 1
-                tx.session.delete(lease)
+            repo.delete_leases(tx.session, req.token)
             tx.session.flush()
-            self._collect_deleting(tx)
+            if invalidated or any(r.state == DELETING for r, _ in pinned):
+                self._collect_deleting(tx)
         self.metrics.checksum_failures.inc(invalidated)
-        return specs.LoadCompleted(released=len(leases), invalidated=invalidated)
+        return specs.LoadCompleted(released=len(pinned), invalidated=invalidated)
 
     def _leading_hits(self, tx: Tx, namespace_id: str, hashes: list[str]):
         """The longest prefix of `hashes` with a visible replica, and the best replica of each."""
@@ -345,8 +355,8 @@ class DirectoryService:
             leases = repo.delete_expired_leases(tx.session, now)
             tokens = repo.expired_reservations(tx.session, now)
             for token in tokens:
-                for replica, block, tier, worker in repo.replicas_with_token(tx.session, token, WRITING):
-                    self._roll_back(tx, replica, block, tier, worker)
+                rows = repo.replicas_with_token(tx.session, token, WRITING)
+                self._roll_back(tx, [(r, t, w) for r, _, t, w in rows])
             dead = self._declare_dead(tx, now)
             self._collect_deleting(tx)
         if leases or tokens or dead:
@@ -366,11 +376,20 @@ class DirectoryService:
     def _collect_deleting(self, tx: Tx) -> None:
         rows = repo.replicas_in_state(tx.session, DELETING)
         pinned = repo.pinned_replica_ids(tx.session, [r.id for r, _, _ in rows])
-        for replica, tier, worker in rows:
-            if replica.id not in pinned:
-                self._roll_back(tx, replica, tx.session.get(Block, replica.block_id), tier, worker)
+        self._roll_back(tx, [row for row in rows if row[0].id not in pinned])
 
     # ---- operators ------------------------------------------------------------------------
+
+    def evict(self, namespace_id: str | None) -> int:
+        """Drop every visible replica (of one namespace, or all). Pinned ones go when unpinned."""
+        with self._tx() as tx:
+            rows = repo.visible_replica_rows(tx.session, namespace_id)
+            for replica in rows:
+                replica.state = DELETING
+            tx.session.flush()
+            self._collect_deleting(tx)
+        log.info("evicted %d replicas%s", len(rows), f" of namespace {namespace_id}" if namespace_id else "")
+        return len(rows)
 
     def tiers(self) -> list[specs.TierUsage]:
         with self._tx() as tx:
@@ -397,11 +416,8 @@ class DirectoryService:
             self._worker_clients[url] = WorkerControlClient(url, timeout_s=10.0)
         return self._worker_clients[url]
 
-    def _free_later(self, url: str, token: str, runs: list[specs.PageRun]) -> Callable[[], None]:
-        def free() -> None:
-            body = specs.FreeRequest(items=[specs.FreeItem(token=token, runs=runs)])
-            self._worker_client(url).free(body)
-        return free
+    def _free_later(self, url: str, items: list[specs.FreeItem]) -> Callable[[], None]:
+        return lambda: self._worker_client(url).free(specs.FreeRequest(items=items))
 
     def close(self) -> None:
         for client in self._worker_clients.values():
@@ -425,12 +441,13 @@ def _check_sizes(namespace: NamespaceRow, blocks: list[specs.BlockToStore]) -> N
 
 
 def _replica_states(session: Session, blocks: dict[str, Block]) -> dict[str, set[str]]:
+    """Per block hash: READY if some replica is visible, WRITING if a live reservation exists."""
     by_id = {b.id: h for h, b in blocks.items()}
     states: dict[str, set[str]] = {}
-    for replica, _, _ in repo.visible_replicas(session, list(by_id)):
-        states.setdefault(by_id[replica.block_id], set()).add(replica.state)
-    for replica, _, worker in repo.replicas_of(session, list(by_id)):
-        if replica.state == WRITING and replica.epoch == worker.epoch:
+    for replica, tier, worker in repo.replicas_of(session, list(by_id)):
+        if repo.is_visible(replica, tier, worker):
+            states.setdefault(by_id[replica.block_id], set()).add(READY)
+        elif replica.state == WRITING and replica.epoch == worker.epoch:
             states.setdefault(by_id[replica.block_id], set()).add(WRITING)
     return states
 

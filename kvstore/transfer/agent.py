@@ -6,7 +6,11 @@ Calls, in the order they happen:
     blob = agent.metadata()                       # published through the directory
     peer = agent.add_peer(blob_of_peer)           # when meeting a new (name, epoch)
     t = agent.submit("WRITE", local_rows, remote_rows, peer)   # never blocks
+    # or, for mappings that recur: prepare both sides once, then pick rows by int32 index
+    lp, rp = agent.prepare(rows), agent.prepare(peer_rows, peer)
+    t = agent.submit_prepared("READ", lp, idx, rp, idx, notification=b"...")
     t.poll() / t.wait(timeout)                    # "done" | "pending" | "failed"
+    agent.notifications()                         # on the peer: {sender: [message, ...]}
     agent.remove_peer(peer); agent.close()
 
 Pitfalls handled here (shared/NIXL.md §11, §13): the Python binding makes the
@@ -56,6 +60,15 @@ class Registration:
     handle: object
 
 
+@dataclass(frozen=True)
+class PreparedList:
+    """A descriptor list prepared once (`Agent.prepare`); `peer` is None for the local side."""
+
+    handle: object
+    lengths: np.ndarray
+    peer: str | None
+
+
 class Transfer:
     """One posted request. Exceptions from NIXL are contained and become 'failed'."""
 
@@ -68,6 +81,15 @@ class Transfer:
         self.posted_at = time.perf_counter()
         self.done_at: float | None = None
         self._advance(agent._raw.transfer)
+
+    @classmethod
+    def failed(cls, nbytes: int, exc: Exception) -> "Transfer":
+        """A request NIXL refused to create."""
+        transfer = cls.__new__(cls)
+        transfer.nbytes, transfer.state = nbytes, "failed"
+        transfer.error = f"{type(exc).__name__}: {exc}"
+        transfer.posted_at = transfer.done_at = time.perf_counter()
+        return transfer
 
     def _advance(self, call) -> None:
         try:
@@ -166,13 +188,45 @@ class Agent:
                 self._raw.get_xfer_descs(_with_dev(remote_rows), remote_mem_type),
                 peer,
             )
-        except Exception as exc:
-            failed = Transfer.__new__(Transfer)
-            failed.nbytes, failed.state = int(local_rows[:, 1].sum()), "failed"
-            failed.error = f"{type(exc).__name__}: {exc}"
-            failed.posted_at = failed.done_at = time.perf_counter()
-            return failed
+        except Exception as exc:  # unregistered range, unknown peer: a failed result, not a crash
+            return Transfer.failed(int(local_rows[:, 1].sum()), exc)
         return Transfer(self, handle, int(local_rows[:, 1].sum()))
+
+    def prepare(self, rows: np.ndarray, peer: str | None = None, mem_type: str = "DRAM") -> "PreparedList":
+        """Prepare (addr, len) rows once; later transfers pick rows by index. `peer=None`: local side."""
+        handle = self._raw.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", _with_dev(rows), mem_type)
+        return PreparedList(handle, rows[:, 1].astype(np.uint64), peer)
+
+    def submit_prepared(self, op: str, local: "PreparedList", local_idx: np.ndarray, remote: "PreparedList",
+                        remote_idx: np.ndarray, notification: bytes | None = None) -> Transfer:
+        """Post `op` of local rows `local_idx` <-> remote rows `remote_idx` (int32 indices; NIXL merges
+        contiguous descriptors). The notification reaches the peer after the whole request completes."""
+        assert op in ("READ", "WRITE"), f"bad op {op}"
+        assert remote.peer is not None and local.peer is None, "prepare the local side with peer=None"
+        local_idx = np.ascontiguousarray(local_idx, dtype=np.int32)
+        remote_idx = np.ascontiguousarray(remote_idx, dtype=np.int32)
+        nbytes = int(local.lengths[local_idx].sum())
+        try:
+            handle = self._raw.make_prepped_xfer(op, local.handle, local_idx, remote.handle, remote_idx,
+                                                 notification or b"")
+        except Exception as exc:
+            return Transfer.failed(nbytes, exc)
+        return Transfer(self, handle, nbytes)
+
+    def release(self, prepared: "PreparedList") -> None:
+        self._raw.release_dlist_handle(prepared.handle)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sender agent name (consumed)."""
+        return self._raw.get_new_notifs()
+
+    def notify(self, peer: str, message: bytes) -> bool:
+        try:
+            self._raw.send_notif(peer, message)
+            return True
+        except Exception as exc:
+            log.warning("notification to %s failed: %s", peer, exc)
+            return False
 
     def close(self) -> None:
         for peer in list(self._peers):

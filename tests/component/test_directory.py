@@ -191,3 +191,14 @@ def test_a_worker_that_deregisters_takes_its_dram_replicas_along(stack):
     stack.client.deregister("w0", epoch=1)
     assert hits(stack, chain(2)) == 0
     assert stack.client.workers()[0].state == "dead"
+
+
+def test_admin_evict_drops_a_namespace_and_frees_its_pages_after_the_last_pin(stack):
+    complete(stack, prepare(stack, chain(2)))
+    load = stack.client.prepare_load(specs.PrepareLoad(namespace_id=stack.namespace_id, hashes=chain(1)))
+    assert stack.client.evict(stack.namespace_id) == 2
+    assert hits(stack, chain(2)) == 0
+    assert stack.allocator.free_pages == 32 - 2  # block 0 is still pinned by the reader
+    stack.client.complete_load(specs.CompleteLoad(token=load.token))
+    assert stack.allocator.free_pages == 32
+    assert stack.client.stats().blocks == 0

@@ -1,0 +1,82 @@
+"""Benchmark plumbing: a directory + worker on loopback, medians, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.helpers import free_port, kvstore_cmd, stop, wait_http, wait_until  # noqa: E402
+
+
+@contextmanager
+def local_stack(dram_bytes: str, page_bytes: str = "64KiB"):
+    """Directory (SQLite in a temp dir) and one worker, as separate processes on loopback."""
+    from kvstore.client import DirectoryClient
+
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        logs = open(Path(tmp) / "stack.log", "wb")
+        directory = subprocess.Popen(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", tmp),
+                                     stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)
+        worker = None
+        try:
+            wait_http(url + "/healthz", proc=directory)
+            worker = subprocess.Popen(kvstore_cmd("worker", "serve", "--directory-url", url, "--dram-bytes",
+                                                  dram_bytes, "--page-bytes", page_bytes),
+                                      stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)
+            client = DirectoryClient(url)
+            wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker registered")
+            yield url
+        finally:
+            if worker is not None:
+                stop(worker)
+            stop(directory)
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "kernel": platform.release(), "date": time.strftime("%Y-%m-%d")}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    cells = [[str(h) for h in headers]] + [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {path}")
+
+

@@ -1,0 +1,85 @@
+"""The NIXL wrapper with real UCX agents (two in this process, each with its progress thread).
+
+Byte-movement checks: source unchanged, every mapped destination equals its source,
+every unmapped destination untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.core.memory import HostBuffer
+from kvstore.transfer import Agent
+from tests.helpers import wait_until
+
+PAGE, PAGES = 4096, 16
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, initiator = Agent("t-target", {"UCX": {}}), Agent("t-initiator", {"UCX": {}})
+    remote, local = HostBuffer(PAGE * PAGES), HostBuffer(PAGE * PAGES)
+    target.register_dram(remote.addr, remote.nbytes)
+    initiator.register_dram(local.addr, local.nbytes)
+    peer = initiator.add_peer(target.metadata())
+    target.add_peer(initiator.metadata())  # only needed for notifications back
+    yield initiator, target, peer, local, remote
+    initiator.close()
+    target.close()
+
+
+def pages(buffer: HostBuffer, idx) -> np.ndarray:
+    return np.array([(buffer.addr + i * PAGE, PAGE) for i in idx], dtype=np.uint64)
+
+
+def fill(buffer: HostBuffer, seed: int) -> np.ndarray:
+    buffer.array[:] = np.random.default_rng(seed).integers(0, 256, buffer.nbytes, dtype=np.uint8)
+    return buffer.array.copy()
+
+
+def test_write_then_read_moves_exactly_the_mapped_pages(pair):
+    initiator, _, peer, local, remote = pair
+    src, dst_before = fill(local, 1), fill(remote, 2)
+    t = initiator.submit("WRITE", pages(local, [0, 1, 5]), pages(remote, [3, 4, 9]), peer)
+    assert t.wait(10) == "done" and t.nbytes == 3 * PAGE
+    r = remote.array.reshape(PAGES, PAGE)
+    assert np.array_equal(local.array, src)  # source unchanged
+    for s, d in ((0, 3), (1, 4), (5, 9)):
+        assert np.array_equal(r[d], src.reshape(PAGES, PAGE)[s])  # mapped destinations
+    untouched = [i for i in range(PAGES) if i not in (3, 4, 9)]
+    assert np.array_equal(r[untouched], dst_before.reshape(PAGES, PAGE)[untouched])
+
+    local.array[:] = 0
+    t = initiator.submit("READ", pages(local, [7]), pages(remote, [9]), peer)
+    assert t.wait(10) == "done"
+    assert np.array_equal(local.array.reshape(PAGES, PAGE)[7], src.reshape(PAGES, PAGE)[5])
+    assert not local.array.reshape(PAGES, PAGE)[[i for i in range(PAGES) if i != 7]].any()
+
+
+def test_prepared_lists_pick_rows_by_index_and_notify_the_peer(pair):
+    initiator, target, peer, local, remote = pair
+    target.notifications()  # drop anything earlier
+    src = fill(local, 3)
+    before = fill(remote, 4)
+    lp = initiator.prepare(pages(local, range(PAGES)))
+    rp = initiator.prepare(pages(remote, range(PAGES)), peer)
+    t = initiator.submit_prepared("WRITE", lp, np.array([2, 3, 4]), rp, np.array([10, 11, 12]),
+                                  notification=b"blocks 10-12 written")
+    assert t.wait(10) == "done" and t.nbytes == 3 * PAGE
+    r = remote.array.reshape(PAGES, PAGE)
+    assert np.array_equal(r[10:13], src.reshape(PAGES, PAGE)[2:5])
+    assert np.array_equal(r[:10], before.reshape(PAGES, PAGE)[:10])
+    received = {}
+    wait_until(lambda: received.update(target.notifications()) or received, 10, "notification")
+    assert received == {"t-initiator": [b"blocks 10-12 written"]}
+    initiator.release(lp)
+    initiator.release(rp)
+
+
+def test_a_transfer_outside_registered_memory_fails_as_a_value(pair):
+    initiator, _, peer, local, remote = pair
+    outside = np.array([(remote.addr + remote.nbytes, PAGE)], dtype=np.uint64)
+    t = initiator.submit("WRITE", pages(local, [0]), outside, peer)
+    assert t.wait(10) == "failed" and "NotFound" in t.error
+    t = initiator.submit("WRITE", pages(local, [0]), pages(remote, [0]), "no-such-peer")
+    assert t.state == "failed"
