@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,6 +35,7 @@ from kvstore.transfer import Agent, Transfer
 
 log = logging.getLogger(__name__)
 DEFAULT_STAGING_BYTES = 128 << 20
+READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this size, overlapped
 
 
 class KVStoreClient:
@@ -46,6 +48,7 @@ class KVStoreClient:
         assert self.namespace_id == namespace.namespace_id, "directory computed another namespace id"
         self.agent = Agent(name or f"kvstore-client-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
         self.peers = Peers(self.agent, self.directory)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
         self.slots = max(1, staging_bytes // namespace.block_nbytes)
         self.staging = HostBuffer(self.slots * namespace.block_nbytes)
         self.register_buffer(self.staging.array)
@@ -127,8 +130,10 @@ class KVStoreClient:
         admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
         ok: dict[int, bool] = {}
         if admitted:
-            sums = clock.timed("checksum", lambda: {i: checksum(blocks[i]) for i, _ in admitted})
+            # hash on the helper thread while NIXL (which releases the GIL) writes the same bytes
+            hashing = self._hasher.submit(lambda: {i: checksum(blocks[i]) for i, _ in admitted})
             done = clock.timed("transfer", self._move, "WRITE", [(blocks[i], d.location) for i, d in admitted])
+            sums = clock.timed("checksum", hashing.result)  # only the wait beyond the transfer
             ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
             reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[i]) for i, d in admitted]
             try:
@@ -157,10 +162,10 @@ class KVStoreClient:
         if not hits:
             self.last_timings = clock.finish()
             return 0
-        done = clock.timed("transfer", self._move, "READ", [(blocks[i], hit.location) for i, hit in enumerate(hits)])
+        done, digests = self._read_and_hash(hits, blocks, clock)
         verified, reports = 0, []
         for i, hit in enumerate(hits):
-            good = done[i] and clock.timed("checksum", checksum, blocks[i]) == hit.checksum
+            good = done[i] and digests[i] == hit.checksum
             if done[i] and not good:
                 log.warning("checksum mismatch on block %s from %s; replica invalidated", hit.hash, hit.location.worker)
             reports.append(specs.BlockRead(hash=hit.hash, ok=good or not done[i]))
@@ -176,6 +181,17 @@ class KVStoreClient:
             verified = 0
         self.last_timings = clock.finish()
         return verified
+
+    def _read_and_hash(self, hits: list[specs.BlockHit], blocks: list[np.ndarray], clock: "_PhaseClock"):
+        """Read in groups of about READ_GROUP_BYTES; group k is hashed on the helper thread
+        while group k+1 is read. Returns per block (read ok, xxh3_64 of what arrived)."""
+        done: list[bool] = []
+        hashing = []
+        for group in _groups([b.nbytes for b in blocks[: len(hits)]], READ_GROUP_BYTES):
+            done += clock.timed("transfer", self._move, "READ", [(blocks[i], hits[i].location) for i in group])
+            hashing.append(self._hasher.submit(lambda g=group: [checksum(blocks[i]) for i in g]))
+        digests = [d for future in hashing for d in clock.timed("checksum", future.result)]
+        return done, digests
 
     def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
         """One NIXL request per worker; returns per item whether its request completed."""
@@ -198,6 +214,7 @@ class KVStoreClient:
         return done
 
     def close(self) -> None:
+        self._hasher.shutdown(wait=True)
         self.peers.close()
         self.agent.close()
         self.directory.close()
@@ -207,6 +224,19 @@ class KVStoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _groups(sizes: list[int], group_bytes: int) -> list[range]:
+    """Consecutive index ranges of about `group_bytes` each (at least one item per range)."""
+    groups, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total >= group_bytes:
+            groups.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes):
+        groups.append(range(start, len(sizes)))
+    return groups
 
 
 class _PhaseClock:

@@ -54,3 +54,11 @@ def test_bfloat16_views_without_numpy_support():
 def test_wrong_kv_is_refused_clearly(mangle, message):
     with pytest.raises(KVStoreError, match=message):
         layout.check_kv(NS, mangle(random_kv(10)), 10)
+
+
+def test_read_groups_cover_every_block_once_in_order():
+    from kvstore.connector.client import _groups
+
+    assert _groups([10] * 7, 25) == [range(0, 3), range(3, 6), range(6, 7)]
+    assert _groups([100, 1, 1], 25) == [range(0, 1), range(1, 3)]
+    assert _groups([], 25) == []
