@@ -73,6 +73,7 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
     src.array[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     samples: dict[str, list[float]] = {k: [] for k in (
         "store_save", "store_load", "raw_write", "raw_read", "memcpy", "save_control", "load_control")}
+    phases: dict[str, list[dict]] = {"save": [], "load": []}
     with KVStoreClient(url, ns, staging_bytes=block_bytes) as client:
         client.register_buffer(src.array)
         client.register_buffer(dst.array)
@@ -96,12 +97,16 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
             for key, seconds in (("store_save", save_s), ("store_load", load_s), ("raw_write", raw_w),
                                  ("raw_read", raw_r), ("memcpy", copy_s)):
                 samples[key].append(nbytes / seconds / 1e9)
+            phases["save"].append(save_t)
+            phases["load"].append(load_t)
             samples["save_control"].append((save_t["prepare"] + save_t["complete"]) / save_t["wall"])
             samples["load_control"].append((load_t["prepare"] + load_t["complete"]) / load_t["wall"])
     gbps = {k: median(v) for k, v in samples.items()}
     return {"block_bytes": block_bytes, "blocks_per_call": n, "bytes_per_call": nbytes,
             "gbps": {k: v for k, v in gbps.items() if not k.endswith("control")},
             "control_share": {"save": gbps["save_control"], "load": gbps["load_control"]},
+            "phases_ms": {op: {k: median([t.get(k, 0.0) for t in runs]) * 1e3 for k in runs[0]}
+                          for op, runs in phases.items()},
             "ratios": {"save_vs_raw": gbps["store_save"] / gbps["raw_write"],
                        "load_vs_raw": gbps["store_load"] / gbps["raw_read"],
                        "save_vs_memcpy": gbps["store_save"] / gbps["memcpy"],

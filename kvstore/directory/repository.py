@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from kvstore.directory.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
@@ -82,6 +82,22 @@ def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[
     return list(session.execute(query).tuples())
 
 
+def writing_rows(session: Session, token: str):
+    """(replica_id, replica_epoch, expires_at, block_id, hash, worker_epoch) of a reservation, as plain rows."""
+    query = (select(Replica.id, Replica.epoch, Replica.expires_at, Block.id, Block.hash, Worker.epoch)
+             .join(Block, Replica.block_id == Block.id).join(Tier, Replica.tier_id == Tier.id)
+             .join(Worker, Tier.worker_id == Worker.id).where(Replica.token == token, Replica.state == WRITING))
+    return list(session.execute(query))
+
+
+def replica_rows(session: Session, replica_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
+    if not replica_ids:
+        return []
+    query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
+             .join(Worker, Tier.worker_id == Worker.id).where(Replica.id.in_(replica_ids)))
+    return list(session.execute(query).tuples())
+
+
 def expired_reservations(session: Session, now: float) -> list[str]:
     query = select(Replica.token).where(Replica.state == WRITING, Replica.expires_at < now).distinct()
     return list(session.scalars(query))
@@ -111,7 +127,10 @@ def commit_replicas(session: Session, replica_ids: list[int], checksums: dict[in
     if replica_ids:
         session.execute(update(Replica).where(Replica.id.in_(replica_ids)).values(state=READY, expires_at=None)
                         .execution_options(synchronize_session=False))
-        session.execute(update(Block), [{"id": b, "checksum": c} for b, c in checksums.items()])
+        table = Block.__table__
+        session.connection().execute(
+            update(table).where(table.c.id == bindparam("b_id")).values(checksum=bindparam("b_sum")),
+            [{"b_id": b, "b_sum": c} for b, c in checksums.items()])
 
 
 def pinned_by_token(session: Session, token: str) -> list[tuple[Replica, Block]]:

@@ -190,15 +190,14 @@ class DirectoryService:
         if len(result.runs) != len(wanted):
             raise KVStoreError("internal", "worker answered a different number of allocations",
                                worker=worker.name)
-        for runs in result.runs:  # if this transaction fails, every page goes back
-            if runs is not None:
-                tx.on_rollback.append(self._free_later(worker.control_url, [specs.FreeItem(token=token, runs=runs)]))
+        allocated = [(token, runs) for runs in result.runs if runs is not None]
+        tx.on_rollback.append(self._free_later(worker.control_url, allocated))  # if this transaction fails
         admitted: list[tuple[specs.BlockToStore, list[specs.PageRun]]] = []
         rejected: set[str] = set()
         for block, runs in zip(wanted, result.runs):
             if runs is None or block.parent in rejected:  # a suffix without its prefix is useless
                 if runs is not None:
-                    tx.after_commit.append(self._free_later(worker.control_url, [specs.FreeItem(token=token, runs=runs)]))
+                    tx.after_commit.append(self._free_later(worker.control_url, [(token, runs)]))
                 rejected.add(block.hash)
                 reason = "no_space" if runs is None else "parent_rejected"
                 decisions[block.hash] = specs.StoreDecision(hash=block.hash, status="rejected", reason=reason)
@@ -212,7 +211,7 @@ class DirectoryService:
                                  state=WRITING, token=token, pages=[[r.first, r.count] for r in runs],
                                  reserved_bytes=reserved, expires_at=expires_at, created_at=now))
             tier.used_bytes += reserved
-            decisions[block.hash] = specs.StoreDecision(
+            decisions[block.hash] = specs.StoreDecision.model_construct(  # built from trusted values: skip validation
                 hash=block.hash, status="admitted", location=_location(worker, tier, runs, block.nbytes))
         repo.insert_replicas(tx.session, replicas)
         return len(admitted)
@@ -237,22 +236,21 @@ class DirectoryService:
         now = self._clock()
         reports = {b.hash: b for b in req.blocks}
         with self._tx() as tx:
-            rows = repo.replicas_with_token(tx.session, req.token, WRITING)
+            rows = repo.writing_rows(tx.session, req.token)
             if not rows:
                 raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token",
                                    token=req.token)
-            expired = rows[0][0].expires_at < now
+            expired = rows[0].expires_at < now
             failed, good, checksums = [], [], {}
-            for replica, block, tier, worker in rows:
-                report = reports.get(block.hash)
-                if expired or report is None or not report.ok or report.checksum is None \
-                        or replica.epoch != worker.epoch:
-                    failed.append((replica, tier, worker))
+            for replica_id, epoch, _, block_id, block_hash, worker_epoch in rows:
+                report = reports.get(block_hash)
+                if expired or report is None or not report.ok or report.checksum is None or epoch != worker_epoch:
+                    failed.append(replica_id)
                 else:
-                    good.append(replica.id)
-                    checksums[block.id] = report.checksum
+                    good.append(replica_id)
+                    checksums[block_id] = report.checksum
             repo.commit_replicas(tx.session, good, checksums)
-            self._roll_back(tx, failed)
+            self._roll_back(tx, repo.replica_rows(tx.session, failed))
             committed = len(rows) - len(failed)
         self.metrics.blocks_committed.inc(committed)
         if expired:
@@ -268,12 +266,11 @@ class DirectoryService:
 
     def _roll_back(self, tx: Tx, rows: list[tuple[Replica, Tier, Worker]]) -> None:
         """Forget these replicas; their pages go back to live workers once the transaction commits."""
-        frees: dict[str, list[specs.FreeItem]] = {}
+        frees: dict[str, list[tuple[str, list]]] = {}
         for replica, tier, worker in rows:
             tier.used_bytes -= replica.reserved_bytes
             if replica.epoch == worker.epoch and worker.state != "dead":
-                runs = [specs.PageRun(first=f, count=c) for f, c in replica.pages]
-                frees.setdefault(worker.control_url, []).append(specs.FreeItem(token=replica.token, runs=runs))
+                frees.setdefault(worker.control_url, []).append((replica.token, replica.pages))
         for url, items in frees.items():
             tx.after_commit.append(self._free_later(url, items))
         repo.drop_replicas(tx.session, [r.id for r, _, _ in rows])
@@ -416,12 +413,22 @@ class DirectoryService:
             self._worker_clients[url] = WorkerControlClient(url, timeout_s=10.0)
         return self._worker_clients[url]
 
-    def _free_later(self, url: str, items: list[specs.FreeItem]) -> Callable[[], None]:
-        return lambda: self._worker_client(url).free(specs.FreeRequest(items=items))
+    def _free_later(self, url: str, allocations: list[tuple[str, list]]) -> Callable[[], None]:
+        """A call that gives (token, page runs) back to the worker; runs are PageRuns or [first, count]."""
+        def free() -> None:
+            if not allocations:
+                return
+            items = [specs.FreeItem(token=token, runs=[_page_run(r) for r in runs]) for token, runs in allocations]
+            self._worker_client(url).free(specs.FreeRequest(items=items))
+        return free
 
     def close(self) -> None:
         for client in self._worker_clients.values():
             client.close()
+
+
+def _page_run(run) -> specs.PageRun:
+    return run if isinstance(run, specs.PageRun) else specs.PageRun(first=run[0], count=run[1])
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
@@ -466,14 +473,14 @@ def _location(worker: Worker, tier: Tier, runs, nbytes: int) -> specs.ReplicaLoc
         out.append((tier.base_addr + first * tier.page_bytes, length))
         left -= length
     assert left == 0, "pages do not cover the block"
-    return specs.ReplicaLocation(worker=worker.name, epoch=worker.epoch, agent_name=worker.agent_name,
+    return specs.ReplicaLocation.model_construct(worker=worker.name, epoch=worker.epoch, agent_name=worker.agent_name,
                                  tier=tier.kind, runs=out)
 
 
 def _lookup_result(hits) -> specs.LookupResult:
     blocks, by_tier = [], {}
     for block, replica, tier, worker in hits:
-        blocks.append(specs.BlockHit(hash=block.hash, nbytes=block.nbytes, checksum=block.checksum,
+        blocks.append(specs.BlockHit.model_construct(hash=block.hash, nbytes=block.nbytes, checksum=block.checksum,
                                      location=_location(worker, tier, replica.pages, block.nbytes)))
         by_tier[tier.kind] = by_tier.get(tier.kind, 0) + 1
     return specs.LookupResult(num_hit_blocks=len(blocks), blocks=blocks, by_tier=by_tier)
