@@ -136,14 +136,9 @@ class KVStoreClient:
             sums = clock.timed("checksum", hashing.result)  # only the wait beyond the transfer
             ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
             reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[i]) for i, d in admitted]
-            try:
-                clock.timed("complete", self.directory.complete_store,
-                            specs.CompleteStore(token=prepared.token, blocks=reports))
-            except KVStoreError as exc:
-                if exc.kind != "conflict":
-                    raise
-                log.warning("complete_store refused (%s); these blocks are not stored", exc)
-                ok = {}
+            body = specs.CompleteStore(token=prepared.token, blocks=reports)
+            if not clock.timed("complete", _accepted, self.directory.complete_store, body):
+                ok = {}  # the reservation was gone: nothing of this call is stored
         self.last_timings = clock.finish()
         held = 0
         for i, decision in enumerate(prepared.blocks):
@@ -171,14 +166,9 @@ class KVStoreClient:
             reports.append(specs.BlockRead(hash=hit.hash, ok=good or not done[i]))
             if good and verified == i:
                 verified += 1
-        try:
-            clock.timed("complete", self.directory.complete_load,
-                        specs.CompleteLoad(token=prepared.token, blocks=reports))
-        except KVStoreError as exc:
-            if exc.kind != "conflict":
-                raise
-            log.warning("lease expired before the load completed; treating it as a miss")
-            verified = 0
+        body = specs.CompleteLoad(token=prepared.token, blocks=reports)
+        if not clock.timed("complete", _accepted, self.directory.complete_load, body):
+            verified = 0  # the lease expired under us: the pages may have been reused, so a miss
         self.last_timings = clock.finish()
         return verified
 
@@ -224,6 +214,18 @@ class KVStoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _accepted(complete, body) -> bool:
+    """Run a complete_* call; False when the directory refused it as stale (409), e.g. an expired token."""
+    try:
+        complete(body)
+        return True
+    except KVStoreError as exc:
+        if exc.kind != "conflict":
+            raise
+        log.warning("%s refused: %s", type(body).__name__, exc)
+        return False
 
 
 def _groups(sizes: list[int], group_bytes: int) -> list[range]:
