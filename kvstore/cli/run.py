@@ -57,14 +57,26 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
 def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL")] = "http://127.0.0.1:8700",
                  name: Annotated[str, typer.Option(help="worker name")] = "worker-0",
                  host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="control port; 0 = any")] = 0,
-                 dram_bytes: Size = "512MiB", page_bytes: Size = "64KiB") -> None:
-    """Run a storage worker: allocate and register its DRAM arena, then serve."""
+                 dram_bytes: Size = "512MiB", page_bytes: Size = "64KiB",
+                 nvme_bytes: Annotated[str, typer.Option(help="NVMe tier size; 0 = none")] = "0",
+                 nvme_dir: Annotated[Path, typer.Option(help="slab files and manifest")] = Path("var/nvme"),
+                 posix_queue: Annotated[str, typer.Option(help="aio or uring")] = "aio") -> None:
+    """Run a storage worker: allocate and register its tiers once, then serve."""
+    from pydantic import ValidationError
+
     from kvstore.worker.server import StorageWorker
     from kvstore.worker.settings import WorkerSettings
 
     _logging()
-    settings = WorkerSettings(directory_url=directory_url, name=name, host=host, port=port,
-                              dram_bytes=_size(dram_bytes, "--dram-bytes"), page_bytes=_size(page_bytes, "--page-bytes"))
+    try:
+        settings = WorkerSettings(directory_url=directory_url, name=name, host=host, port=port,
+                                  dram_bytes=_size(dram_bytes, "--dram-bytes"),
+                                  page_bytes=_size(page_bytes, "--page-bytes"),
+                                  nvme_bytes=_size(nvme_bytes, "--nvme-bytes"), nvme_dir=nvme_dir,
+                                  posix_queue=posix_queue)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise typer.BadParameter(problems) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -83,10 +95,13 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
 def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directory port")] = 8700,
        data_dir: Annotated[Path, typer.Option(help="state lives here")] = Path("var"),
        dram_bytes: Size = "512MiB", page_bytes: Size = "64KiB",
+       nvme_bytes: Annotated[str, typer.Option(help="NVMe tier size; 0 disables")] = "1GiB",
+       nvme_dir: Annotated[Path | None, typer.Option(help="default: DATA_DIR/nvme")] = None,
        lease_ttl: Annotated[float, typer.Option(help="seconds")] = 30.0) -> None:
     """Run the embedded stack: the directory on SQLite and one storage worker."""
     _logging()
-    _size(dram_bytes, "--dram-bytes"), _size(page_bytes, "--page-bytes")
+    _size(dram_bytes, "--dram-bytes"), _size(page_bytes, "--page-bytes"), _size(nvme_bytes, "--nvme-bytes")
+    nvme_dir = nvme_dir or data_dir / "nvme"
     url = f"http://{host}:{port}"
     exe = [sys.executable, "-m", "kvstore.cli.main"]
     children = [subprocess.Popen(exe + ["directory", "serve", "--host", host, "--port", str(port),
@@ -99,7 +114,8 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
             raise typer.Exit(1)
         children.append(subprocess.Popen(exe + ["worker", "serve", "--directory-url", url, "--name", "worker-0",
                                                 "--host", host, "--dram-bytes", dram_bytes,
-                                                "--page-bytes", page_bytes]))
+                                                "--page-bytes", page_bytes, "--nvme-bytes", nvme_bytes,
+                                                "--nvme-dir", str(nvme_dir)]))
         log.info("kvstore up: directory %s, data dir %s; Ctrl-C stops", url, data_dir.resolve())
         while not stop.wait(0.5):
             if any(c.poll() is not None for c in children):

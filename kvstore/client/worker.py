@@ -12,3 +12,6 @@ class WorkerControlClient(JsonHttp):
 
     def free(self, body: specs.FreeRequest) -> None:
         self.call_raw("POST", "/v1/free", body)
+
+    def move(self, body: specs.MoveRequest) -> specs.MoveResult:
+        return self.call("POST", "/v1/move", body, specs.MoveResult)

@@ -31,6 +31,25 @@ class TierSpec(_Spec):
     low_watermark: float = Field(0.85, gt=0, le=1)
 
 
+class PageRun(_Spec):
+    """`count` pages starting at page `first`."""
+
+    first: int = Field(ge=0)
+    count: int = Field(gt=0)
+
+
+class Survivor(_Spec):
+    """A replica found on a durable tier when a worker starts (restart recovery)."""
+
+    kind: TierKind
+    token: str
+    runs: list[PageRun]
+    namespace_id: str
+    hash: str
+    nbytes: int
+    checksum: str
+
+
 class WorkerRegistration(_Spec):
     name: str = Field(min_length=1, max_length=200)
     agent_name: str = Field(min_length=1, max_length=200)
@@ -39,6 +58,7 @@ class WorkerRegistration(_Spec):
     pid: int = 0
     backends: list[str] = []
     tiers: list[TierSpec] = Field(min_length=1)
+    inventory: list[Survivor] = Field([], description="what survived on durable tiers")
 
 
 class Registered(_Spec):
@@ -61,13 +81,6 @@ class WorkerInfo(_Spec):
     backends: list[str]
     last_heartbeat: float
     agent_metadata: str | None = None
-
-
-class PageRun(_Spec):
-    """`count` pages starting at page `first`."""
-
-    first: int = Field(ge=0)
-    count: int = Field(gt=0)
 
 
 class ReplicaLocation(_Spec):
@@ -245,3 +258,26 @@ class EvictRequest(_Spec):
 
 class Evicted(_Spec):
     replicas: int
+
+
+class MoveItem(_Spec):
+    """Directory -> worker: copy one block between two of the worker's tiers."""
+
+    src_kind: TierKind
+    src_runs: list[PageRun]
+    dst_kind: TierKind
+    dst_runs: list[PageRun]
+    dst_token: str
+    nbytes: int = Field(gt=0)
+    checksum: str = Field(pattern=r"^[0-9a-f]{16}$", description="what the bytes must hash to")
+    namespace_id: str
+    hash: str
+
+
+class MoveRequest(_Spec):
+    items: list[MoveItem] = Field(min_length=1)
+
+
+class MoveResult(_Spec):
+    ok: list[bool]
+    errors: list[str | None]

@@ -53,10 +53,10 @@ def replicas_of(session: Session, block_ids: list[int]) -> list[tuple[Replica, T
 
 
 def is_visible(replica: Replica, tier: Tier, worker: Worker) -> bool:
-    """Readable now: READY/MOVING, and a memory tier only while its worker lives in the same epoch."""
-    if replica.state not in VISIBLE:
+    """Readable now: READY/MOVING on a live worker; a memory tier only in the epoch that wrote it."""
+    if replica.state not in VISIBLE or (tier.kind != "s3" and worker.state == "dead"):
         return False
-    return tier.kind not in VOLATILE_TIERS or (worker.state != "dead" and replica.epoch == worker.epoch)
+    return tier.kind not in VOLATILE_TIERS or replica.epoch == worker.epoch
 
 
 def visible_replicas(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
@@ -196,3 +196,33 @@ def visible_replica_rows(session: Session, namespace_id: str | None) -> list[Rep
     if namespace_id is not None:
         query = query.where(Block.namespace_id == namespace_id)
     return list(session.scalars(query))
+
+
+def durable_replicas_of_worker(session: Session, worker_id: int) -> list[tuple[Replica, Tier, Block]]:
+    query = (select(Replica, Tier, Block).join(Tier, Replica.tier_id == Tier.id)
+             .join(Block, Replica.block_id == Block.id)
+             .where(Tier.worker_id == worker_id, Tier.kind.not_in(VOLATILE_TIERS)))
+    return list(session.execute(query).tuples())
+
+
+def recompute_used(session: Session, tier: Tier) -> None:
+    tier.used_bytes = session.scalar(select(func.coalesce(func.sum(Replica.reserved_bytes), 0))
+                                     .where(Replica.tier_id == tier.id)) or 0
+
+
+def demotion_candidates(session: Session, tier_id: int, limit: int) -> list[tuple[Replica, Block]]:
+    """READY, unpinned replicas of a tier, least recently used first."""
+    pinned = select(Lease.id).where(Lease.replica_id == Replica.id).exists()
+    query = (select(Replica, Block).join(Block, Replica.block_id == Block.id)
+             .where(Replica.tier_id == tier_id, Replica.state == READY, ~pinned)
+             .order_by(Block.last_access, Block.depth.desc()).limit(limit))
+    return list(session.execute(query).tuples())
+
+
+def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]:
+    """Per block, the tier kinds holding a READY or MOVING replica."""
+    kinds: dict[int, set[str]] = {}
+    for replica, tier, worker in replicas_of(session, block_ids):
+        if replica.state in VISIBLE:
+            kinds.setdefault(replica.block_id, set()).add(tier.kind)
+    return kinds

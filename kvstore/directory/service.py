@@ -30,12 +30,14 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.movement import Movement
 from kvstore.directory.models import Block, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, READY, WRITING
 from kvstore.directory.settings import DirectorySettings
 
 log = logging.getLogger(__name__)
 TIER_PREFERENCE = {"hbm": 0, "dram": 1, "nvme": 2, "s3": 3}
+READABLE_BY_ENGINES = ("hbm", "dram")  # what a connector reads one-sidedly over UCX
 PLACEMENT_TIER = "dram"
 
 
@@ -57,6 +59,7 @@ class DirectoryService:
         self._clock = clock
         self._lock = threading.RLock()  # one writer at a time within this process
         self._worker_clients: dict[str, WorkerControlClient] = {}
+        self.movement = Movement(self)
 
     @contextmanager
     def _tx(self) -> Iterator[Tx]:
@@ -96,6 +99,8 @@ class DirectoryService:
             tx.session.flush()
             self._drop_volatile(tx, worker)
             self._upsert_tiers(tx, worker, reg.tiers)
+            tx.session.flush()
+            self._reconcile(tx, worker, reg.inventory, now)
             epoch = worker.epoch
         log.info("worker %s registered with epoch %d", reg.name, epoch)
         return specs.Registered(worker=reg.name, epoch=epoch,
@@ -108,6 +113,45 @@ class DirectoryService:
             tier.capacity_bytes, tier.page_bytes, tier.base_addr = spec.capacity_bytes, spec.page_bytes, spec.base_addr
             tier.high_watermark, tier.low_watermark = spec.high_watermark, spec.low_watermark
             tx.session.add(tier)
+
+    def _reconcile(self, tx: Tx, worker: Worker, inventory: list[specs.Survivor], now: float) -> None:
+        """A (re)starting worker reports what its durable tiers hold: keep what it still has,
+        forget what it lost, adopt what the directory did not know (its namespace must be known)."""
+        found = {(s.kind, s.token, tuple((r.first, r.count) for r in s.runs)): s for s in inventory}
+        tiers = repo.tiers_of(tx.session, worker.id)
+        lost = []
+        for replica, tier, block in repo.durable_replicas_of_worker(tx.session, worker.id):
+            key = (tier.kind, replica.token, tuple(tuple(p) for p in replica.pages))
+            if found.pop(key, None) is None or replica.state == WRITING:
+                lost.append(replica.id)
+            else:
+                replica.epoch = worker.epoch
+        repo.drop_replicas(tx.session, lost)
+        adopted = [s for s in found.values() if s.kind in tiers and repo.namespace(tx.session, s.namespace_id)]
+        for survivor in adopted:
+            self._adopt(tx, worker, tiers[survivor.kind], survivor, now)
+        unknown = [(s.token, s.runs) for s in found.values() if s not in adopted]
+        tx.after_commit.append(self._free_later(worker.control_url, unknown))
+        tx.session.flush()
+        for tier in tiers.values():
+            repo.recompute_used(tx.session, tier)
+        if lost or found:
+            log.info("worker %s: %d durable replicas lost, %d adopted, %d unknown freed",
+                     worker.name, len(lost), len(adopted), len(unknown))
+
+    def _adopt(self, tx: Tx, worker: Worker, tier: Tier, survivor: specs.Survivor, now: float) -> None:
+        blocks = repo.blocks_by_hash(tx.session, survivor.namespace_id, [survivor.hash])
+        if survivor.hash not in blocks:
+            ids = repo.insert_blocks(tx.session, [dict(
+                namespace_id=survivor.namespace_id, hash=survivor.hash, parent=None, depth=0,
+                nbytes=survivor.nbytes, checksum=survivor.checksum, created_at=now, last_access=now, hit_count=0)])
+            block_id = ids[survivor.hash]
+        else:
+            block_id = blocks[survivor.hash].id
+        repo.insert_replicas(tx.session, [dict(
+            block_id=block_id, tier_id=tier.id, epoch=worker.epoch, state=READY, token=survivor.token,
+            pages=[[r.first, r.count] for r in survivor.runs], reserved_bytes=sum(r.count for r in survivor.runs)
+            * tier.page_bytes, expires_at=None, created_at=now)])
 
     def _drop_volatile(self, tx: Tx, worker: Worker) -> None:
         """The worker's memory tiers start empty in a new epoch: forget what they held."""
@@ -150,6 +194,7 @@ class DirectoryService:
     # ---- store --------------------------------------------------------------------------
 
     def prepare_store(self, req: specs.PrepareStore) -> specs.StorePrepared:
+        self._make_room(sum(b.nbytes for b in req.blocks))
         now = self._clock()
         with self._tx() as tx:
             namespace = self._namespace(tx, req.namespace_id)
@@ -173,6 +218,18 @@ class DirectoryService:
             ordered = [decisions[b.hash] for b in req.blocks]
         return specs.StorePrepared(token=token if admitted else None,
                                    expires_at=expires_at if admitted else None, blocks=ordered)
+
+    def _make_room(self, nbytes: int) -> None:
+        """If the tier placement would pick cannot take `nbytes`, demote first (outside the store's
+        transaction). Best effort: what still does not fit is rejected with no_space."""
+        with self._tx() as tx:
+            choice = _roomiest(repo.active_tiers(tx.session, PLACEMENT_TIER))
+            ids = (choice[0].id, choice[1].id) if choice else None
+        if ids:
+            try:
+                self.movement.make_room(*ids, nbytes, protected=set())
+            except KVStoreError as exc:
+                log.warning("could not make room: %s", exc)
 
     def _place(self, tx: Tx, namespace_id: str, wanted: list[specs.BlockToStore], existing: dict[str, Block],
                token: str, expires_at: float, now: float, decisions: dict) -> int:
@@ -296,10 +353,16 @@ class DirectoryService:
                                        num_hit_blocks=result.num_hit_blocks, block_tokens=namespace.block_tokens)
 
     def prepare_load(self, req: specs.PrepareLoad) -> specs.LoadPrepared:
-        now = self._clock()
         with self._tx() as tx:
             self._namespace(tx, req.namespace_id)
-            hits, replica_ids = self._leading_hits(tx, req.namespace_id, req.hashes)
+            hits, _ = self._leading_hits(tx, req.namespace_id, req.hashes)
+        if any(tier.kind not in READABLE_BY_ENGINES for _, _, tier, _ in hits):
+            self.movement.promote(hits)  # stage NVMe-only blocks into DRAM first
+        now = self._clock()
+        with self._tx() as tx:
+            hits, _ = self._leading_hits(tx, req.namespace_id, req.hashes)
+            hits = _readable_prefix(hits)
+            replica_ids = [r.id for _, r, _, _ in hits]
             if not hits:
                 return specs.LoadPrepared(token=None, expires_at=None, blocks=[])
             token, expires_at = secrets.token_hex(16), now + self.settings.lease_ttl_s
@@ -358,7 +421,8 @@ class DirectoryService:
             self._collect_deleting(tx)
         if leases or tokens or dead:
             log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, len(tokens), dead)
-        return {"leases": leases, "reservations": len(tokens), "dead_workers": dead}
+        demoted = self.movement.demote()
+        return {"leases": leases, "reservations": len(tokens), "dead_workers": dead, "demoted": demoted}
 
     def _declare_dead(self, tx: Tx, now: float) -> int:
         dead = 0
@@ -437,6 +501,14 @@ def _run_all(calls: list[Callable[[], None]]) -> None:
             call()
         except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages
             log.warning("worker call after transaction failed: %s", exc)
+
+
+def _readable_prefix(hits):
+    """The leading hits a connector can read itself (a block left on NVMe ends the prefix)."""
+    for i, (_, _, tier, _) in enumerate(hits):
+        if tier.kind not in READABLE_BY_ENGINES:
+            return hits[:i]
+    return hits
 
 
 def _check_sizes(namespace: NamespaceRow, blocks: list[specs.BlockToStore]) -> None:

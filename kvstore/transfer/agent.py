@@ -157,6 +157,13 @@ class Agent:
         self._regs.append(reg)
         return reg
 
+    def register_file(self, fd: int, nbytes: int, path: str) -> Registration:
+        """A file (fd mode) for the POSIX/GDS backends: rows then address it as (offset, len, fd)."""
+        handle = self._raw.register_memory([(0, nbytes, fd, path)], "FILE")
+        reg = Registration(0, nbytes, "FILE", handle)
+        self._regs.append(reg)
+        return reg
+
     def deregister(self, reg: Registration) -> None:
         self._raw.deregister_memory(reg.handle)
         self._regs.remove(reg)
@@ -179,7 +186,7 @@ class Agent:
                mem_type: str = "DRAM", remote_mem_type: str = "DRAM") -> Transfer:
         """Post `op` ("READ"/"WRITE") of local (addr, len) rows <-> remote (addr, len) rows."""
         assert op in ("READ", "WRITE"), f"bad op {op}"
-        assert local_rows.shape == remote_rows.shape, "descriptor lists differ in shape"
+        assert len(local_rows) == len(remote_rows), "descriptor lists differ in length"
         assert np.array_equal(local_rows[:, 1], remote_rows[:, 1]), "descriptor lengths differ"
         try:
             handle = self._raw.initialize_xfer(
@@ -236,6 +243,9 @@ class Agent:
 
 
 def _with_dev(rows: np.ndarray) -> np.ndarray:
+    """(addr, len) rows get devId 0; (addr, len, dev) rows (files: offset, len, fd) pass as they are."""
+    if rows.shape[1] == 3:
+        return np.ascontiguousarray(rows, dtype=np.uint64)
     out = np.zeros((rows.shape[0], 3), dtype=np.uint64)
     out[:, :2] = rows
     return out

@@ -3,6 +3,7 @@
 Calls, in the order they happen:
     allocate(token, nbytes) -> runs | None   # None: not enough free pages, nothing changed
     free(token, runs) -> bool                # False: those runs are not that token's
+    reserve(token, runs) -> bool             # restart recovery: take exactly these pages
     reset()                                  # new epoch: every page is free again
 
 A block may span several pages; the allocator prefers one contiguous run
@@ -59,6 +60,29 @@ class PageAllocator:
                 self._give_back(first, count)
                 self.free_pages += count
         return True
+
+    def reserve(self, token: str, runs: list[PageRun]) -> bool:
+        """Take exactly these pages for `token` (they must all be free); False changes nothing."""
+        with self._lock:
+            wanted = [(r.first, r.count) for r in runs]
+            if not all(self._is_free(first, count) for first, count in wanted):
+                return False
+            for first, count in wanted:
+                self._take_exact(first, count)
+                self.free_pages -= count
+            self._owned.setdefault(token, set()).update(wanted)
+        return True
+
+    def _is_free(self, first: int, count: int) -> bool:
+        return any(f <= first and first + count <= f + c for f, c in self._free)
+
+    def _take_exact(self, first: int, count: int) -> None:
+        for i, (f, c) in enumerate(self._free):
+            if f <= first and first + count <= f + c:
+                pieces = [[f, first - f], [first + count, f + c - first - count]]
+                self._free[i : i + 1] = [p for p in pieces if p[1] > 0]
+                return
+        raise AssertionError("pages are not free")
 
     def owned_tokens(self) -> set[str]:
         with self._lock:

@@ -2,6 +2,7 @@
 
     POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with the reservation token)
     POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
+    POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers)
     GET  /healthz
 
 Plain `http.server`: control traffic is a few small requests per store, and the
@@ -25,8 +26,11 @@ log = logging.getLogger(__name__)
 
 
 class ControlServer:
-    def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0,
+                 mover=None, on_free=None) -> None:
         self.allocators = allocators
+        self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
+        self.on_free = on_free  # callable (kind, token, runs) after pages are given back
         handler = type("Handler", (_Handler,), {"control": self})
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
@@ -59,10 +63,17 @@ class ControlServer:
             for kind, allocator in self.allocators.items():
                 if allocator.free(item.token, item.runs):
                     freed += sum(r.count for r in item.runs)
+                    if self.on_free:
+                        self.on_free(kind, item.token, item.runs)
                     break
             else:
                 log.warning("free of pages not held by token %s ignored", item.token)
         return freed
+
+    def move(self, req: specs.MoveRequest) -> specs.MoveResult:
+        if self.mover is None:
+            raise KVStoreError("not_found", "this worker has no tier to move blocks to")
+        return self.mover(req)
 
     def _allocator(self, kind: str) -> PageAllocator:
         if kind not in self.allocators:
@@ -83,7 +94,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         routes = {"/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
-                  "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)})}
+                  "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)}),
+                  "/v1/move": (specs.MoveRequest, lambda b: self.control.move(b).model_dump())}
         if self.path not in routes:
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
             return

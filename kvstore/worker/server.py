@@ -22,6 +22,8 @@ from kvstore.core.sizes import format_size
 from kvstore.transfer import Agent
 from kvstore.worker.allocator import PageAllocator
 from kvstore.worker.control import ControlServer
+from kvstore.worker.mover import Mover
+from kvstore.worker.nvme import NvmeTier
 from kvstore.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -34,14 +36,37 @@ class StorageWorker:
         if num_pages < 1:
             raise KVStoreError("invalid", "the DRAM tier must hold at least one page",
                                dram_bytes=settings.dram_bytes, page_bytes=settings.page_bytes)
+        self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes) \
+            if settings.nvme_bytes else None
         self.arena = HostBuffer(num_pages * settings.page_bytes)
         self.allocator = PageAllocator(num_pages, settings.page_bytes)
-        self.agent = Agent(f"{settings.name}-{uuid.uuid4().hex[:8]}", backends={"UCX": {}})
+        backends = {"UCX": {}}
+        if self.nvme:
+            backends["POSIX"] = {"use_uring": "true"} if settings.posix_queue == "uring" else {"use_aio": "true"}
+        self.agent = Agent(f"{settings.name}-{uuid.uuid4().hex[:8]}", backends=backends)
         self.agent.register_dram(self.arena.addr, self.arena.nbytes)
-        self.control = ControlServer({"dram": self.allocator}, settings.host, settings.port)
+        allocators = {"dram": self.allocator}
+        if self.nvme:
+            self.nvme.register(self.agent)
+            allocators["nvme"] = self.nvme.allocator
+        self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme)
+        self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
+                                     on_free=self._freed)
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0)
         self.epoch = 0
         self.heartbeat_interval_s = 1.0
+
+    def _freed(self, kind: str, token: str, runs: list[specs.PageRun]) -> None:
+        if kind == "nvme" and self.nvme:
+            self.nvme.forget(token, runs)
+
+    def tier_specs(self) -> list[specs.TierSpec]:
+        tiers = [specs.TierSpec(kind="dram", capacity_bytes=self.arena.nbytes,
+                                page_bytes=self.settings.page_bytes, base_addr=self.arena.addr)]
+        if self.nvme:
+            tiers.append(specs.TierSpec(kind="nvme", capacity_bytes=self.nvme.capacity_bytes,
+                                        page_bytes=self.settings.page_bytes))
+        return tiers
 
     def start(self, wait_for_directory_s: float = 30.0) -> None:
         self.control.start()
@@ -58,16 +83,19 @@ class StorageWorker:
                  "DRAM arena %s registered (%d pages of %s)", self.settings.name, self.settings.directory_url,
                  self.control.url, self.agent.name, ",".join(self.agent.backends),
                  format_size(self.arena.nbytes), self.allocator.num_pages, format_size(self.settings.page_bytes))
+        if self.nvme:
+            log.info("NVMe tier: %s in %d slab file(s) under %s, %d blocks survived",
+                     format_size(self.nvme.capacity_bytes), len(self.nvme.fds), self.settings.nvme_dir,
+                     len(self.nvme.survivors()))
 
     def register(self) -> None:
         """Join (again) under a new epoch. The directory forgets our old DRAM replicas, so do we."""
         self.allocator.reset()
-        tier = specs.TierSpec(kind="dram", capacity_bytes=self.arena.nbytes,
-                              page_bytes=self.settings.page_bytes, base_addr=self.arena.addr)
         answer = self.directory.register_worker(specs.WorkerRegistration(
             name=self.settings.name, agent_name=self.agent.name,
             agent_metadata=base64.b64encode(self.agent.metadata()).decode(),
-            control_url=self.control.url, pid=os.getpid(), backends=self.agent.backends, tiers=[tier]))
+            control_url=self.control.url, pid=os.getpid(), backends=self.agent.backends, tiers=self.tier_specs(),
+            inventory=self.nvme.survivors() if self.nvme else []))
         self.epoch, self.heartbeat_interval_s = answer.epoch, answer.heartbeat_interval_s
         log.info("registered with the directory as %s, epoch %d", self.settings.name, self.epoch)
 
@@ -100,3 +128,5 @@ class StorageWorker:
         self.control.stop()
         self.directory.close()
         self.agent.close()
+        if self.nvme:
+            self.nvme.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -16,4 +18,7 @@ class WorkerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address of the control endpoint")
     port: int = Field(0, ge=0, le=65535, description="control endpoint port; 0 = any free port")
     dram_bytes: int = Field(512 << 20, ge=1 << 20, description="DRAM arena size, allocated and registered once")
-    page_bytes: int = Field(64 << 10, ge=4096, le=1 << 30, description="arena page size")
+    page_bytes: int = Field(64 << 10, ge=4096, le=1 << 30, description="page size of every tier")
+    nvme_bytes: int = Field(0, ge=0, description="NVMe tier size in slab files; 0 = no NVMe tier")
+    nvme_dir: Path = Field(Path("var/nvme"), description="where the slab files and their manifest live")
+    posix_queue: Literal["aio", "uring"] = Field("aio", description="NIXL POSIX backend queue")

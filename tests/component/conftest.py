@@ -36,7 +36,7 @@ class Stack:
             name=name, agent_name=f"{name}-agent", agent_metadata=base64.b64encode(b"md").decode(),
             control_url=control_url, pid=1, backends=["UCX"],
             tiers=[specs.TierSpec(kind="dram", capacity_bytes=self.allocator.num_pages * PAGE,
-                                  page_bytes=PAGE, base_addr=1 << 20)]))
+                                  page_bytes=PAGE, base_addr=1 << 20, high_watermark=1.0, low_watermark=1.0)]))
 
 
 def make_settings(database_url: str, **overrides) -> DirectorySettings:

@@ -20,17 +20,22 @@ class RunningStack:
     directory: subprocess.Popen
     worker: subprocess.Popen
 
-    def run_engine(self, mode: str, tmp_path: Path, timeout_s: float = 300) -> dict:
-        import json
+    def run_engine(self, mode: str, tmp_path: Path, prompt_seed: int = 1, timeout_s: float = 300) -> dict:
+        return run_engine(self.url, mode, tmp_path, prompt_seed, timeout_s)
 
-        out = tmp_path / f"{mode}.json"
-        log = tmp_path / f"engine-{mode}.log"
-        with open(log, "wb") as f:
-            proc = subprocess.run([sys.executable, "-m", "tests.integration.engine", mode, "--url", self.url,
-                                   "--out", str(out)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s)
-        assert proc.returncode == 0, log.read_text()[-3000:]
-        return json.loads(out.read_text())
+
+def run_engine(url: str, mode: str, tmp_path: Path, prompt_seed: int = 1, timeout_s: float = 300) -> dict:
+    """The reference engine in its own process; returns its JSON result."""
+    import json
+
+    out = tmp_path / f"{mode}-{prompt_seed}.json"
+    log = tmp_path / f"engine-{mode}-{prompt_seed}.log"
+    with open(log, "wb") as f:
+        proc = subprocess.run([sys.executable, "-m", "tests.integration.engine", mode, "--url", url,
+                               "--out", str(out), "--prompt-seed", str(prompt_seed)], cwd=REPO, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=timeout_s)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The reference engine: a small randomly initialised Llama (fixed seed, no downloads).
 
-    python -m tests.integration.engine save --url URL --out result.json
-    python -m tests.integration.engine load --url URL --out result.json
+    python -m tests.integration.engine save --url URL --out result.json [--prompt-seed N]
+    python -m tests.integration.engine load --url URL --out result.json [--prompt-seed N]
 
 `save` prefills the prompt and saves its KV. `load` looks up prompt + continuation,
 loads the cached prefix, computes only the remaining tokens and compares the
@@ -44,9 +44,9 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 @torch.no_grad()
-def save(url: str) -> dict:
+def save(url: str, prompt_seed: int = 1) -> dict:
     model = build_model()
-    prompt = tokens(PROMPT_TOKENS, seed=1)
+    prompt = tokens(PROMPT_TOKENS, seed=prompt_seed)
     out = model(torch.tensor([prompt]), use_cache=True)
     with KVStoreClient(url, namespace_of(model)) as client:
         stored = client.save(prompt, from_dynamic_cache(out.past_key_values))
@@ -55,9 +55,9 @@ def save(url: str) -> dict:
 
 
 @torch.no_grad()
-def load(url: str) -> dict:
+def load(url: str, prompt_seed: int = 1) -> dict:
     model = build_model()
-    full = tokens(PROMPT_TOKENS, seed=1) + tokens(CONTINUATION_TOKENS, seed=2)
+    full = tokens(PROMPT_TOKENS, seed=prompt_seed) + tokens(CONTINUATION_TOKENS, seed=10_000 + prompt_seed)
     with KVStoreClient(url, namespace_of(model)) as client:
         hit = client.lookup(full)
         t0 = time.perf_counter()
@@ -85,8 +85,9 @@ def main() -> None:
     parser.add_argument("mode", choices=["save", "load"])
     parser.add_argument("--url", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--prompt-seed", type=int, default=1)
     args = parser.parse_args()
-    result = save(args.url) if args.mode == "save" else load(args.url)
+    result = (save if args.mode == "save" else load)(args.url, args.prompt_seed)
     with open(args.out, "w") as f:
         json.dump(result, f)
     os._exit(0)  # skip interpreter teardown: see NIXL.md pitfall 3

@@ -1,0 +1,192 @@
+"""Moving blocks between tiers: demotion under pressure, promotion on load.
+
+    demote()                 # per memory tier above its high watermark: LRU victims go one tier
+                             # down (DRAM -> NVMe) until the low watermark, or are dropped at the bottom
+    promote(hits) -> hits    # blocks a reader can only find on NVMe are staged into DRAM first
+
+Both run in three steps so no database transaction spans worker I/O:
+reserve (destination pages + a WRITING replica; the source marked MOVING),
+move (the worker copies and checks the checksum), commit (destination READY,
+source DELETING — freed when its last pin goes) or roll back.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+
+from kvstore.core import specs
+from kvstore.directory import repository as repo
+from kvstore.directory.models import Block, Replica, Tier, Worker
+from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
+
+log = logging.getLogger(__name__)
+NEXT_TIER = {"hbm": "dram", "dram": "nvme"}
+MAX_MOVES_PER_ROUND = 256
+
+
+@dataclass
+class _Move:
+    block_id: int
+    source_id: int
+    dest_id: int
+    item: specs.MoveItem
+
+
+class Movement:
+    def __init__(self, service) -> None:
+        self.service = service  # DirectoryService: transactions, worker clients, roll-back
+
+    # ---- demotion ----------------------------------------------------------------------
+
+    def demote(self) -> int:
+        moved = 0
+        with self.service._tx() as tx:
+            pressured = [(t.id, w.id, _above_low(t)) for t, w in repo.active_tiers(tx.session, "dram")
+                         if _over_high(t)]
+        for tier_id, worker_id, to_free in pressured:
+            moved += self._demote_tier(tier_id, worker_id, to_free, protected=set())
+        return moved
+
+    def make_room(self, tier_id: int, worker_id: int, nbytes: int, protected: set[int]) -> None:
+        """Before placing `nbytes` on a memory tier: demote enough that they fit (down to the low
+        watermark); blocks in `protected` (being loaded) stay."""
+        with self.service._tx() as tx:
+            tier = tx.session.get(Tier, tier_id)
+            short = nbytes - (tier.capacity_bytes - tier.used_bytes) if tier.capacity_bytes else 0
+            down_to_low = tier.used_bytes + nbytes - int(tier.low_watermark * (tier.capacity_bytes or 0))
+        if short > 0:
+            self._demote_tier(tier_id, worker_id, max(short, down_to_low), protected)
+
+    def _demote_tier(self, tier_id: int, worker_id: int, to_free: int, protected: set[int]) -> int:
+        plan, lower_url = self._plan_demotion(tier_id, worker_id, to_free, protected)
+        if not plan:
+            return 0
+        result = self.service._worker_client(lower_url).move(specs.MoveRequest(items=[m.item for m in plan]))
+        self._finish(plan, result, dest_state=READY)
+        log.info("demoted %d blocks dram -> nvme (%d failed)", sum(result.ok), len(plan) - sum(result.ok))
+        return sum(result.ok)
+
+    def _plan_demotion(self, tier_id: int, worker_id: int, to_free: int, protected: set[int]):
+        svc = self.service
+        with svc._tx() as tx:
+            tier = tx.session.get(Tier, tier_id)
+            worker = tx.session.get(Worker, worker_id)
+            lower = repo.tiers_of(tx.session, worker_id).get(NEXT_TIER[tier.kind])
+            candidates = repo.demotion_candidates(tx.session, tier_id, MAX_MOVES_PER_ROUND + len(protected))
+            victims = _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)
+            kinds = repo.replica_kinds(tx.session, [b.id for _, b in victims])
+            copy = [(r, b) for r, b in victims if lower is not None and lower.kind not in kinds.get(b.id, set())]
+            drop = [r for r, b in victims if (r, b) not in copy]
+            for replica in drop:  # the bottom tier, or a lower copy exists already
+                replica.state = DELETING
+            plan = self._reserve(tx, worker, tier, lower, copy) if copy else []
+            tx.session.flush()
+            svc._collect_deleting(tx)
+            return plan, worker.control_url
+
+    def _reserve(self, tx, worker: Worker, source: Tier, dest: Tier, victims) -> list[_Move]:
+        """Pages on `dest` and a WRITING replica there for each victim that fits; sources become MOVING."""
+        token = secrets.token_hex(16)
+        client = self.service._worker_client(worker.control_url)
+        answer = client.allocate(specs.AllocRequest(token=token, kind=dest.kind, sizes=[b.nbytes for _, b in victims]))
+        reserved = []
+        for (replica, block), runs in zip(victims, answer.runs):
+            if runs is None:
+                break  # the lower tier is full: what did not fit stays where it is
+            row = Replica(block_id=block.id, tier_id=dest.id, epoch=worker.epoch, state=WRITING, token=token,
+                          pages=[[r.first, r.count] for r in runs],
+                          reserved_bytes=sum(r.count for r in runs) * dest.page_bytes,
+                          expires_at=None, created_at=replica.created_at)
+            tx.session.add(row)
+            dest.used_bytes += row.reserved_bytes
+            replica.state = MOVING
+            reserved.append((replica, block, runs, row))
+        extra = [(token, runs) for runs in answer.runs[len(reserved):] if runs is not None]
+        tx.after_commit.append(self.service._free_later(worker.control_url, extra))
+        tx.session.flush()
+        return [_Move(block.id, replica.id, row.id, _item(replica, source, dest, token, runs, block))
+                for replica, block, runs, row in reserved]
+
+    # ---- promotion ---------------------------------------------------------------------
+
+    def promote(self, hits) -> set[int]:
+        """Stage NVMe-only hits into their worker's DRAM; returns the block ids now in DRAM."""
+        promoted: set[int] = set()
+        by_worker: dict[int, list] = {}
+        for block, replica, tier, worker in hits:
+            if tier.kind == "nvme":
+                by_worker.setdefault(worker.id, []).append((block, replica, tier, worker))
+        protected = {b.id for b, _, _, _ in hits}
+        for worker_id, items in by_worker.items():
+            with self.service._tx() as tx:
+                dram = repo.tiers_of(tx.session, worker_id).get("dram")
+            if dram is not None:
+                self.make_room(dram.id, worker_id, sum(b.nbytes for b, _, _, _ in items), protected)
+            plan, url = self._plan_promotion(worker_id, items)
+            if plan:
+                result = self.service._worker_client(url).move(specs.MoveRequest(items=[m.item for m in plan]))
+                promoted |= self._finish(plan, result, dest_state=READY, source_stays=True)
+        return promoted
+
+    def _plan_promotion(self, worker_id: int, items) -> tuple[list[_Move], str]:
+        with self.service._tx() as tx:
+            worker = tx.session.get(Worker, worker_id)
+            dram = repo.tiers_of(tx.session, worker_id).get("dram")
+            rows = [(tx.session.get(Replica, r.id), tx.session.get(Block, b.id)) for b, r, _, _ in items]
+            source = tx.session.get(Tier, items[0][2].id)
+            plan = self._reserve(tx, worker, source, dram, rows) if dram else []
+            return plan, worker.control_url
+
+    # ---- both ----------------------------------------------------------------------------
+
+    def _finish(self, plan: list[_Move], result: specs.MoveResult, dest_state: str,
+                source_stays: bool = False) -> set[int]:
+        svc, done = self.service, set()
+        with svc._tx() as tx:
+            failed = []
+            for move, ok, error in zip(plan, result.ok, result.errors):
+                source = tx.session.get(Replica, move.source_id)
+                dest = tx.session.get(Replica, move.dest_id)
+                if ok and dest is not None:
+                    dest.state = dest_state
+                    if source is not None:
+                        source.state = READY if source_stays else DELETING
+                    done.add(move.block_id)
+                    continue
+                if dest is not None:
+                    failed.append(dest.id)
+                if source is not None and error and "checksum" in error and "NVMe" in error:
+                    source.state = DELETING  # the NVMe copy is corrupt
+                    svc.metrics.checksum_failures.inc()
+                elif source is not None and source.state == MOVING:
+                    source.state = READY
+            svc._roll_back(tx, repo.replica_rows(tx.session, failed))
+            tx.session.flush()
+            svc._collect_deleting(tx)
+        return done
+
+
+def _over_high(tier: Tier) -> bool:
+    return tier.capacity_bytes is not None and tier.used_bytes > tier.high_watermark * tier.capacity_bytes
+
+
+def _above_low(tier: Tier) -> int:
+    return max(0, tier.used_bytes - int(tier.low_watermark * (tier.capacity_bytes or 0)))
+
+
+def _enough(candidates: list[tuple[Replica, Block]], to_free: int) -> list[tuple[Replica, Block]]:
+    chosen, freed = [], 0
+    for replica, block in candidates:
+        if freed >= to_free:
+            break
+        chosen.append((replica, block))
+        freed += replica.reserved_bytes
+    return chosen
+
+
+def _item(replica: Replica, source: Tier, dest: Tier, token: str, runs, block: Block) -> specs.MoveItem:
+    return specs.MoveItem(src_kind=source.kind, src_runs=[specs.PageRun(first=f, count=c) for f, c in replica.pages],
+                          dst_kind=dest.kind, dst_runs=runs, dst_token=token, nbytes=block.nbytes,
+                          checksum=block.checksum, namespace_id=block.namespace_id, hash=block.hash)

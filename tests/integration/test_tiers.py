@@ -1,0 +1,64 @@
+"""DRAM pressure demotes to NVMe (NIXL POSIX); loads promote back; NVMe survives a SIGKILL of the stack."""
+
+from __future__ import annotations
+
+import signal
+
+from kvstore.client import DirectoryClient
+from kvstore.core.keys import block_hashes
+from tests.helpers import free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.integration.conftest import run_engine
+from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS, build_model, namespace_of, tokens
+
+FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS  # 1040 tokens = 65 blocks of 16 KiB
+
+
+def start(tmp_path, port: int, run: int):
+    url = f"http://127.0.0.1:{port}"
+    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
+                      tmp_path / f"directory-{run}.log")
+    wait_http(url + "/healthz", proc=directory)
+    worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
+                               "--dram-bytes", "2MiB", "--nvme-bytes", "16MiB",
+                               "--nvme-dir", str(tmp_path / "nvme")), tmp_path / f"worker-{run}.log")
+    client = DirectoryClient(url)
+    wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", run)], 60, "worker up")
+    return url, client, directory, worker
+
+
+def by_tier(client: DirectoryClient, seed: int) -> dict:
+    ns = namespace_of(build_model())
+    hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=seed))]
+    return client.lookup(ns.namespace_id, hashes).by_tier
+
+
+def test_demotion_promotion_and_survival_of_a_kill(tmp_path):
+    port = free_port()
+    url, client, directory, worker = start(tmp_path, port, run=1)
+    try:
+        for seed in (1, 2, 3):  # three prompts of ~1 MiB into a 2 MiB DRAM tier
+            assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL
+        tiers = {t.kind: t for t in client.tiers()}
+        assert tiers["nvme"].num_blocks > 0 and tiers["dram"].used_bytes <= tiers["dram"].capacity_bytes
+        assert by_tier(client, 1).get("nvme", 0) > 0  # the oldest prompt went down
+
+        loaded = run_engine(url, "load", tmp_path, 1)  # promoted back into DRAM to be read
+        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+        stats = client.stats()
+        assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
+    finally:
+        for proc in (worker, directory):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    url, client, directory, worker = start(tmp_path, port, run=2)
+    try:
+        assert "dram" not in by_tier(client, 1)  # DRAM died with the worker; NVMe came back
+        assert sum(by_tier(client, 1).values()) == FULL // BLOCK_TOKENS
+        loaded = run_engine(url, "load", tmp_path, 1)
+        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+        stats = client.stats()
+        assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
+    finally:
+        stop(worker)
+        stop(directory)
