@@ -62,3 +62,42 @@ def test_demotion_promotion_and_survival_of_a_kill(tmp_path):
     finally:
         stop(worker)
         stop(directory)
+
+
+def test_a_corrupted_nvme_page_shortens_the_load_and_invalidates_the_replica(tmp_path):
+    import httpx
+
+    port = free_port()
+    url, client, directory, worker = start(tmp_path, port, run=1)
+    try:
+        for seed in (1, 2, 3):
+            run_engine(url, "save", tmp_path, seed)
+        assert by_tier(client, 1).get("nvme", 0) == FULL // BLOCK_TOKENS  # prompt 1 lives on NVMe only
+        ns = namespace_of(build_model())
+        hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=1))]
+        hit = client.lookup(ns.namespace_id, hashes).blocks[10]
+        assert hit.location.tier == "nvme"
+        offset = hit.location.runs[0][0]  # the NVMe location is a file offset in slab 0
+        with open(tmp_path / "nvme" / "slab-0000.bin", "r+b") as slab:
+            slab.seek(offset + 100)
+            slab.write(b"\xde\xad\xbe\xef")
+
+        loaded = run_engine(url, "load", tmp_path, 1)
+        assert loaded["loaded_tokens"] == 10 * BLOCK_TOKENS and loaded["max_abs_diff"] <= 1e-4, loaded
+        assert client.lookup(ns.namespace_id, hashes).num_hit_blocks == 10  # the bad replica is gone
+        assert "kvstore_checksum_failures_total 1.0" in httpx.get(url + "/metrics").text
+    finally:
+        stop(worker)
+        stop(directory)
+
+
+def test_an_unwritable_nvme_dir_is_one_clear_error(tmp_path):
+    import subprocess
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the NVMe directory should be")
+    result = subprocess.run(kvstore_cmd("worker", "serve", "--directory-url", "http://127.0.0.1:9",
+                                        "--nvme-bytes", "1MiB", "--nvme-dir", str(blocker / "nvme")),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "cannot prepare NVMe slab" in result.stderr and "Traceback" not in result.stderr
