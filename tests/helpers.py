@@ -132,3 +132,32 @@ class PostgresCluster:
             self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "stop")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+class MotoServer:
+    """A real S3 HTTP endpoint (moto_server) on a free loopback port, with test credentials."""
+
+    CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                   "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "MotoServer":
+        exe = Path(sys.executable).parent / "moto_server"
+        self.proc = spawn([str(exe), "-H", "127.0.0.1", "-p", str(self.port)], self._log_path)
+        wait_http(self.url + "/moto-api/", proc=self.proc)
+        return self
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", region_name="us-east-1")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)

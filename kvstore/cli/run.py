@@ -60,7 +60,11 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                  dram_bytes: Size = "512MiB", page_bytes: Size = "64KiB",
                  nvme_bytes: Annotated[str, typer.Option(help="NVMe tier size; 0 = none")] = "0",
                  nvme_dir: Annotated[Path, typer.Option(help="slab files and manifest")] = Path("var/nvme"),
-                 posix_queue: Annotated[str, typer.Option(help="aio or uring")] = "aio") -> None:
+                 posix_queue: Annotated[str, typer.Option(help="aio or uring")] = "aio",
+                 s3_bucket: Annotated[str | None, typer.Option(help="S3 tier bucket; none = no S3 tier")] = None,
+                 s3_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL; none = AWS")] = None,
+                 s3_prefix: Annotated[str, typer.Option(help="object key prefix")] = "kvstore",
+                 s3_region: Annotated[str, typer.Option(help="S3 region")] = "us-east-1") -> None:
     """Run a storage worker: allocate and register its tiers once, then serve."""
     from pydantic import ValidationError
 
@@ -73,7 +77,8 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                                   dram_bytes=_size(dram_bytes, "--dram-bytes"),
                                   page_bytes=_size(page_bytes, "--page-bytes"),
                                   nvme_bytes=_size(nvme_bytes, "--nvme-bytes"), nvme_dir=nvme_dir,
-                                  posix_queue=posix_queue)
+                                  posix_queue=posix_queue, s3_bucket=s3_bucket, s3_endpoint=s3_endpoint,
+                                  s3_prefix=s3_prefix, s3_region=s3_region)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise typer.BadParameter(problems) from None
@@ -97,6 +102,10 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
        dram_bytes: Size = "512MiB", page_bytes: Size = "64KiB",
        nvme_bytes: Annotated[str, typer.Option(help="NVMe tier size; 0 disables")] = "1GiB",
        nvme_dir: Annotated[Path | None, typer.Option(help="default: DATA_DIR/nvme")] = None,
+       s3_bucket: Annotated[str | None, typer.Option(help="S3 tier bucket; none = no S3 tier")] = None,
+       s3_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL; none = AWS")] = None,
+       s3_prefix: Annotated[str, typer.Option(help="object key prefix")] = "kvstore",
+       s3_region: Annotated[str, typer.Option(help="S3 region")] = "us-east-1",
        lease_ttl: Annotated[float, typer.Option(help="seconds")] = 30.0) -> None:
     """Run the embedded stack: the directory on SQLite and one storage worker."""
     _logging()
@@ -115,7 +124,10 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
         children.append(subprocess.Popen(exe + ["worker", "serve", "--directory-url", url, "--name", "worker-0",
                                                 "--host", host, "--dram-bytes", dram_bytes,
                                                 "--page-bytes", page_bytes, "--nvme-bytes", nvme_bytes,
-                                                "--nvme-dir", str(nvme_dir)]))
+                                                "--nvme-dir", str(nvme_dir), "--s3-prefix", s3_prefix,
+                                                "--s3-region", s3_region]
+                                    + (["--s3-bucket", s3_bucket] if s3_bucket else [])
+                                    + (["--s3-endpoint", s3_endpoint] if s3_endpoint else [])))
         log.info("kvstore up: directory %s, data dir %s; Ctrl-C stops", url, data_dir.resolve())
         while not stop.wait(0.5):
             if any(c.poll() is not None for c in children):

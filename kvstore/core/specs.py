@@ -47,7 +47,7 @@ class Survivor(_Spec):
     namespace_id: str
     hash: str
     nbytes: int
-    checksum: str
+    checksum: str | None = Field(None, description="None: unknown (S3 listings); such blocks are not adopted")
 
 
 class WorkerRegistration(_Spec):
@@ -246,6 +246,7 @@ class AllocResult(_Spec):
 class FreeItem(_Spec):
     token: str
     runs: list[PageRun]
+    object: str | None = Field(None, description="s3 replicas: '<namespace_id>/<hash>' to delete")
 
 
 class FreeRequest(_Spec):

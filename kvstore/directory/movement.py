@@ -22,7 +22,7 @@ from kvstore.directory.models import Block, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
 
 log = logging.getLogger(__name__)
-NEXT_TIER = {"hbm": "dram", "dram": "nvme"}
+TIER_ORDER = ("hbm", "dram", "nvme", "s3")
 MAX_MOVES_PER_ROUND = 256
 
 
@@ -43,8 +43,8 @@ class Movement:
     def demote(self) -> int:
         moved = 0
         with self.service._tx() as tx:
-            pressured = [(t.id, w.id, _above_low(t)) for t, w in repo.active_tiers(tx.session, "dram")
-                         if _over_high(t)]
+            pressured = [(t.id, w.id, _above_low(t)) for kind in ("dram", "nvme")
+                         for t, w in repo.active_tiers(tx.session, kind) if _over_high(t)]
         for tier_id, worker_id, to_free in pressured:
             moved += self._demote_tier(tier_id, worker_id, to_free, protected=set())
         return moved
@@ -60,12 +60,19 @@ class Movement:
             self._demote_tier(tier_id, worker_id, max(short, down_to_low), protected)
 
     def _demote_tier(self, tier_id: int, worker_id: int, to_free: int, protected: set[int]) -> int:
+        with self.service._tx() as tx:
+            tier = tx.session.get(Tier, tier_id)
+            lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind)
+            lower_id = lower.id if lower is not None and lower.capacity_bytes is not None else None
+        if lower_id is not None:  # cascade: the tier below makes room first
+            self.make_room(lower_id, worker_id, to_free, protected)
         plan, lower_url = self._plan_demotion(tier_id, worker_id, to_free, protected)
         if not plan:
             return 0
         result = self.service._worker_client(lower_url).move(specs.MoveRequest(items=[m.item for m in plan]))
         self._finish(plan, result, dest_state=READY)
-        log.info("demoted %d blocks dram -> nvme (%d failed)", sum(result.ok), len(plan) - sum(result.ok))
+        route = f"{plan[0].item.src_kind} -> {plan[0].item.dst_kind}"
+        log.info("demoted %d blocks %s (%d failed)", sum(result.ok), route, len(plan) - sum(result.ok))
         return sum(result.ok)
 
     def _plan_demotion(self, tier_id: int, worker_id: int, to_free: int, protected: set[int]):
@@ -73,7 +80,7 @@ class Movement:
         with svc._tx() as tx:
             tier = tx.session.get(Tier, tier_id)
             worker = tx.session.get(Worker, worker_id)
-            lower = repo.tiers_of(tx.session, worker_id).get(NEXT_TIER[tier.kind])
+            lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind)
             candidates = repo.demotion_candidates(tx.session, tier_id, MAX_MOVES_PER_ROUND + len(protected))
             victims = _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)
             kinds = repo.replica_kinds(tx.session, [b.id for _, b in victims])
@@ -95,9 +102,9 @@ class Movement:
         for (replica, block), runs in zip(victims, answer.runs):
             if runs is None:
                 break  # the lower tier is full: what did not fit stays where it is
+            nbytes = block.nbytes if dest.kind == "s3" else sum(r.count for r in runs) * dest.page_bytes
             row = Replica(block_id=block.id, tier_id=dest.id, epoch=worker.epoch, state=WRITING, token=token,
-                          pages=[[r.first, r.count] for r in runs],
-                          reserved_bytes=sum(r.count for r in runs) * dest.page_bytes,
+                          pages=[[r.first, r.count] for r in runs], reserved_bytes=nbytes,
                           expires_at=None, created_at=replica.created_at)
             tx.session.add(row)
             dest.used_bytes += row.reserved_bytes
@@ -114,12 +121,12 @@ class Movement:
     def promote(self, hits) -> set[int]:
         """Stage NVMe-only hits into their worker's DRAM; returns the block ids now in DRAM."""
         promoted: set[int] = set()
-        by_worker: dict[int, list] = {}
+        by_source: dict[tuple[int, int], list] = {}
         for block, replica, tier, worker in hits:
-            if tier.kind == "nvme":
-                by_worker.setdefault(worker.id, []).append((block, replica, tier, worker))
+            if tier.kind in ("nvme", "s3"):
+                by_source.setdefault((worker.id, tier.id), []).append((block, replica, tier, worker))
         protected = {b.id for b, _, _, _ in hits}
-        for worker_id, items in by_worker.items():
+        for (worker_id, _), items in by_source.items():
             with self.service._tx() as tx:
                 dram = repo.tiers_of(tx.session, worker_id).get("dram")
             if dram is not None:
@@ -157,8 +164,8 @@ class Movement:
                     continue
                 if dest is not None:
                     failed.append(dest.id)
-                if source is not None and error and "checksum" in error and "NVMe" in error:
-                    source.state = DELETING  # the NVMe copy is corrupt
+                if source is not None and error and "checksum mismatch after reading" in error:
+                    source.state = DELETING  # the copy we read from is corrupt
                     svc.metrics.checksum_failures.inc()
                 elif source is not None and source.state == MOVING:
                     source.state = READY
@@ -166,6 +173,12 @@ class Movement:
             tx.session.flush()
             svc._collect_deleting(tx)
         return done
+
+
+def _next_tier(tiers: dict[str, Tier], kind: str) -> Tier | None:
+    """The next tier down that this worker has, or None at the bottom."""
+    below = TIER_ORDER[TIER_ORDER.index(kind) + 1:]
+    return next((tiers[k] for k in below if k in tiers), None)
 
 
 def _over_high(tier: Tier) -> bool:

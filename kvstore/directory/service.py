@@ -117,20 +117,22 @@ class DirectoryService:
     def _reconcile(self, tx: Tx, worker: Worker, inventory: list[specs.Survivor], now: float) -> None:
         """A (re)starting worker reports what its durable tiers hold: keep what it still has,
         forget what it lost, adopt what the directory did not know (its namespace must be known)."""
-        found = {(s.kind, s.token, tuple((r.first, r.count) for r in s.runs)): s for s in inventory}
+        found = {_survivor_key(s.kind, s.token, s.runs, s.namespace_id, s.hash): s for s in inventory}
         tiers = repo.tiers_of(tx.session, worker.id)
         lost = []
         for replica, tier, block in repo.durable_replicas_of_worker(tx.session, worker.id):
-            key = (tier.kind, replica.token, tuple(tuple(p) for p in replica.pages))
+            key = _survivor_key(tier.kind, replica.token, replica.pages, block.namespace_id, block.hash)
             if found.pop(key, None) is None or replica.state == WRITING:
                 lost.append(replica.id)
             else:
                 replica.epoch = worker.epoch
         repo.drop_replicas(tx.session, lost)
-        adopted = [s for s in found.values() if s.kind in tiers and repo.namespace(tx.session, s.namespace_id)]
+        adopted = [s for s in found.values() if s.kind in tiers and s.checksum
+                   and repo.namespace(tx.session, s.namespace_id)]
         for survivor in adopted:
             self._adopt(tx, worker, tiers[survivor.kind], survivor, now)
-        unknown = [(s.token, s.runs) for s in found.values() if s not in adopted]
+        # pages of unknown blocks go back; unknown objects stay in the bucket (they may be another's)
+        unknown = [(s.token, s.runs) for s in found.values() if s not in adopted and s.kind != "s3"]
         tx.after_commit.append(self._free_later(worker.control_url, unknown))
         tx.session.flush()
         for tier in tiers.values():
@@ -323,10 +325,14 @@ class DirectoryService:
 
     def _roll_back(self, tx: Tx, rows: list[tuple[Replica, Tier, Worker]]) -> None:
         """Forget these replicas; their pages go back to live workers once the transaction commits."""
-        frees: dict[str, list[tuple[str, list]]] = {}
+        frees: dict[str, list[tuple]] = {}
         for replica, tier, worker in rows:
             tier.used_bytes -= replica.reserved_bytes
-            if replica.epoch == worker.epoch and worker.state != "dead":
+            if tier.kind == "s3":
+                block = tx.session.get(Block, replica.block_id)
+                name = f"{block.namespace_id}/{block.hash}"
+                frees.setdefault(worker.control_url, []).append((replica.token, [], name))
+            elif replica.epoch == worker.epoch and worker.state != "dead":
                 frees.setdefault(worker.control_url, []).append((replica.token, replica.pages))
         for url, items in frees.items():
             tx.after_commit.append(self._free_later(url, items))
@@ -477,12 +483,14 @@ class DirectoryService:
             self._worker_clients[url] = WorkerControlClient(url, timeout_s=10.0)
         return self._worker_clients[url]
 
-    def _free_later(self, url: str, allocations: list[tuple[str, list]]) -> Callable[[], None]:
-        """A call that gives (token, page runs) back to the worker; runs are PageRuns or [first, count]."""
+    def _free_later(self, url: str, allocations: list[tuple]) -> Callable[[], None]:
+        """A call that gives (token, page runs[, object name]) back to the worker; runs are PageRuns or
+        [first, count]; an object name (s3) means: delete that object."""
         def free() -> None:
             if not allocations:
                 return
-            items = [specs.FreeItem(token=token, runs=[_page_run(r) for r in runs]) for token, runs in allocations]
+            items = [specs.FreeItem(token=a[0], runs=[_page_run(r) for r in a[1]], object=a[2] if len(a) > 2 else None)
+                     for a in allocations]
             self._worker_client(url).free(specs.FreeRequest(items=items))
         return free
 
@@ -537,7 +545,17 @@ def _roomiest(candidates: list[tuple[Tier, Worker]]) -> tuple[Tier, Worker] | No
     return max(candidates, key=lambda tw: free(tw[0]), default=None)
 
 
+def _survivor_key(kind: str, token: str, runs, namespace_id: str, block_hash: str) -> tuple:
+    """Objects are named by their block; pages by the token and runs they were written under."""
+    if kind == "s3":
+        return (kind, f"{namespace_id}/{block_hash}")
+    return (kind, token, tuple((r.first, r.count) if hasattr(r, "first") else tuple(r) for r in runs))
+
+
 def _location(worker: Worker, tier: Tier, runs, nbytes: int) -> specs.ReplicaLocation:
+    if tier.kind == "s3":  # one object: offsets within it
+        return specs.ReplicaLocation.model_construct(worker=worker.name, epoch=worker.epoch,
+                                                     agent_name=worker.agent_name, tier="s3", runs=[(0, nbytes)])
     out, left = [], nbytes
     for run in runs:
         first, count = (run.first, run.count) if hasattr(run, "first") else run

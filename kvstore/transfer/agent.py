@@ -164,6 +164,13 @@ class Agent:
         self._regs.append(reg)
         return reg
 
+    def register_object(self, dev_id: int, nbytes: int, key: str) -> Registration:
+        """An S3 object for the OBJ backend: rows then address it as (offset, len, dev_id)."""
+        handle = self._raw.register_memory([(0, nbytes, dev_id, key)], "OBJ")
+        reg = Registration(0, nbytes, "OBJ", handle)
+        self._regs.append(reg)
+        return reg
+
     def deregister(self, reg: Registration) -> None:
         self._raw.deregister_memory(reg.handle)
         self._regs.remove(reg)

@@ -36,13 +36,15 @@ class PageAllocator:
     def pages_for(self, nbytes: int) -> int:
         return -(-nbytes // self.page_bytes)
 
-    def allocate(self, token: str, nbytes: int) -> list[PageRun] | None:
+    def allocate(self, token: str, nbytes: int, contiguous: bool = False) -> list[PageRun] | None:
         need = self.pages_for(nbytes)
         assert need > 0, "allocate needs a positive size"
         with self._lock:
             if need > self.free_pages:
                 return None
-            runs = self._take_contiguous(need) or self._take_scattered(need)
+            runs = self._take_contiguous(need) or (None if contiguous else self._take_scattered(need))
+            if runs is None:
+                return None
             self.free_pages -= need
             self._owned.setdefault(token, set()).update(runs)
         return [PageRun(first=f, count=c) for f, c in runs]

@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 class ControlServer:
     def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0,
-                 mover=None, on_free=None) -> None:
+                 mover=None, on_free=None, object_tiers: dict | None = None) -> None:
         self.allocators = allocators
+        self.object_tiers = object_tiers or {}  # kind -> callable(name) deleting an object
         self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
         handler = type("Handler", (_Handler,), {"control": self})
@@ -49,6 +50,8 @@ class ControlServer:
         self._server.server_close()
 
     def allocate(self, req: specs.AllocRequest) -> specs.AllocResult:
+        if req.kind in self.object_tiers:  # objects need no pages: one per block, unbounded
+            return specs.AllocResult(runs=[[] for _ in req.sizes])
         allocator = self._allocator(req.kind)
         runs = []
         for nbytes in req.sizes:
@@ -60,6 +63,11 @@ class ControlServer:
     def free(self, req: specs.FreeRequest) -> int:
         freed = 0
         for item in req.items:
+            if item.object is not None:
+                for delete in self.object_tiers.values():
+                    delete(item.object)
+                freed += 1
+                continue
             for kind, allocator in self.allocators.items():
                 if allocator.free(item.token, item.runs):
                     freed += sum(r.count for r in item.runs)

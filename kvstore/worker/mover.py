@@ -2,10 +2,16 @@
 
     mover.move(MoveRequest) -> MoveResult     # one item at a time; failures are values
 
-DRAM -> NVMe: the DRAM bytes must still hash to the block's checksum, then a
-POSIX WRITE puts them in the slab pages and the manifest records them.
-NVMe -> DRAM (promotion): a POSIX READ, then the DRAM copy must hash to the
-checksum; a mismatch fails the item, so corrupt bytes never become a replica.
+Every route checks the block checksum on the way: the source is hashed before
+it leaves DRAM, and what arrives in DRAM is hashed before it counts. A mismatch
+fails the item, so corrupt bytes never become a replica.
+
+    dram -> nvme   POSIX WRITE into slab pages; the manifest records the block
+    nvme -> dram   POSIX READ (promotion)
+    dram -> s3     OBJ WRITE (one PUT; scattered pages are first gathered into
+                   contiguous DRAM pages, since OBJ writes whole objects at offset 0)
+    s3 -> dram     OBJ READ (ranged GETs; promotion)
+    nvme -> s3     through DRAM pages borrowed for the copy
 """
 
 from __future__ import annotations
@@ -18,17 +24,28 @@ import xxhash
 from kvstore.core import specs
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent
+from kvstore.worker.allocator import PageAllocator
 from kvstore.worker.nvme import NvmeTier
+from kvstore.worker.s3 import S3Tier
 
 log = logging.getLogger(__name__)
+ROUTES = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram"), ("nvme", "s3")}
 
 
 class Mover:
-    def __init__(self, agent: Agent, arena: HostBuffer, page_bytes: int, nvme: NvmeTier | None) -> None:
+    def __init__(self, agent: Agent, arena: HostBuffer, page_bytes: int, nvme: NvmeTier | None,
+                 s3: S3Tier | None, bounce_bytes: int) -> None:
         self.agent = agent
         self.arena = arena
         self.page_bytes = page_bytes
+        # copies that must pass through DRAM use their own buffer, registered once: the DRAM
+        # tier is usually full exactly when blocks need to move down
+        self.bounce = HostBuffer(bounce_bytes) if s3 else None
+        self.bounce_pages = PageAllocator(bounce_bytes // page_bytes, page_bytes) if self.bounce else None
+        if self.bounce:
+            agent.register_dram(self.bounce.addr, self.bounce.nbytes)
         self.nvme = nvme
+        self.s3 = s3
 
     def move(self, req: specs.MoveRequest) -> specs.MoveResult:
         ok, errors = [], []
@@ -42,38 +59,93 @@ class Mover:
 
     def _move_one(self, item: specs.MoveItem) -> str | None:
         route = (item.src_kind, item.dst_kind)
-        if self.nvme is None or route not in (("dram", "nvme"), ("nvme", "dram")):
+        present = {"dram": True, "nvme": self.nvme is not None, "s3": self.s3 is not None}
+        if route not in ROUTES or not (present.get(item.src_kind) and present.get(item.dst_kind)):
             return f"this worker cannot move {item.src_kind} -> {item.dst_kind}"
-        if route == ("dram", "nvme"):
-            if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-                return "checksum mismatch in DRAM before demotion"
-            error = self._transfer("WRITE", item.src_runs, item.dst_runs, item.nbytes)
-            if error is None:
-                self.nvme.record(item)
-            return error
-        error = self._transfer("READ", item.dst_runs, item.src_runs, item.nbytes)
+        return getattr(self, "_" + "_to_".join(route))(item)
+
+    def _dram_to_nvme(self, item: specs.MoveItem) -> str | None:
+        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
+            return "checksum mismatch in DRAM before demotion"
+        error = self._file("WRITE", item.src_runs, item.dst_runs, item.nbytes)
+        if error is None:
+            self.nvme.record(item)
+        return error
+
+    def _nvme_to_dram(self, item: specs.MoveItem) -> str | None:
+        error = self._file("READ", item.dst_runs, item.src_runs, item.nbytes)
         if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
             return "checksum mismatch after reading from NVMe"
         return error
 
-    def _transfer(self, op: str, dram_runs, nvme_runs, nbytes: int) -> str | None:
-        local, remote = _paired(self.dram_rows(dram_runs, nbytes), self.nvme.rows(nvme_runs, nbytes))
+    def _dram_to_s3(self, item: specs.MoveItem) -> str | None:
+        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
+            return "checksum mismatch in DRAM before demotion"
+        if len(item.src_runs) == 1:
+            return self._object("WRITE", self.dram_rows(item.src_runs, item.nbytes), item)
+
+        def gathered(runs):  # OBJ writes whole objects from one region: gather scattered pages first
+            rows = self.dram_rows(runs, item.nbytes, self.bounce)
+            at = int(rows[0][0]) - self.bounce.addr
+            for addr, length in self.dram_rows(item.src_runs, item.nbytes):
+                self.bounce.array[at : at + int(length)] = self.arena.view(int(addr) - self.arena.addr, int(length))
+                at += int(length)
+            return self._object("WRITE", rows, item)
+        return self._through_bounce(item, gathered)
+
+    def _s3_to_dram(self, item: specs.MoveItem) -> str | None:
+        error = self._object("READ", self.dram_rows(item.dst_runs, item.nbytes), item)
+        if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
+            return "checksum mismatch after reading from S3"
+        return error
+
+    def _nvme_to_s3(self, item: specs.MoveItem) -> str | None:
+        def copy(runs):
+            rows = self.dram_rows(runs, item.nbytes, self.bounce)
+            error = self._file_rows("READ", rows, item.src_runs, item.nbytes)
+            if error is None and self.dram_checksum(runs, item.nbytes, self.bounce) != item.checksum:
+                return "checksum mismatch after reading from NVMe"
+            return error or self._object("WRITE", rows, item)
+        return self._through_bounce(item, copy)
+
+    def _through_bounce(self, item: specs.MoveItem, copy) -> str | None:
+        token = f"bounce-{item.dst_token}-{item.hash}"
+        runs = self.bounce_pages.allocate(token, item.nbytes, contiguous=True)
+        if runs is None:
+            return f"the {self.bounce.nbytes}-byte bounce buffer cannot hold a {item.nbytes}-byte block now"
+        try:
+            return copy(runs)
+        finally:
+            self.bounce_pages.free(token, runs)
+
+    def _file(self, op: str, dram_runs, nvme_runs, nbytes: int) -> str | None:
+        return self._file_rows(op, self.dram_rows(dram_runs, nbytes), nvme_runs, nbytes)
+
+    def _file_rows(self, op: str, dram_rows: np.ndarray, nvme_runs, nbytes: int) -> str | None:
+        local, remote = _paired(dram_rows, self.nvme.rows(nvme_runs, nbytes))
         transfer = self.agent.submit(op, local, remote, self.agent.name, "DRAM", "FILE")
         return None if transfer.wait(120) == "done" else transfer.error
 
-    def dram_rows(self, runs: list[specs.PageRun], nbytes: int) -> np.ndarray:
+    def _object(self, op: str, local: np.ndarray, item: specs.MoveItem) -> str | None:
+        remote = self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, local)
+        transfer = self.agent.submit(op, local, remote, self.agent.name, "DRAM", "OBJ")
+        return None if transfer.wait(300) == "done" else transfer.error
+
+    def dram_rows(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> np.ndarray:
+        buffer = buffer or self.arena
         rows, left = [], nbytes
         for run in runs:
             length = min(run.count * self.page_bytes, left)
-            rows.append((self.arena.addr + run.first * self.page_bytes, length))
+            rows.append((buffer.addr + run.first * self.page_bytes, length))
             left -= length
         assert left == 0, "pages do not cover the block"
         return np.array(rows, dtype=np.uint64)
 
-    def dram_checksum(self, runs: list[specs.PageRun], nbytes: int) -> str:
+    def dram_checksum(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> str:
+        buffer = buffer or self.arena
         hasher = xxhash.xxh3_64()
-        for addr, length in self.dram_rows(runs, nbytes):
-            hasher.update(self.arena.view(int(addr) - self.arena.addr, int(length)))
+        for addr, length in self.dram_rows(runs, nbytes, buffer):
+            hasher.update(buffer.view(int(addr) - buffer.addr, int(length)))
         return hasher.hexdigest()
 
 

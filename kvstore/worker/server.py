@@ -24,6 +24,7 @@ from kvstore.worker.allocator import PageAllocator
 from kvstore.worker.control import ControlServer
 from kvstore.worker.mover import Mover
 from kvstore.worker.nvme import NvmeTier
+from kvstore.worker.s3 import S3Tier
 from kvstore.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -38,20 +39,24 @@ class StorageWorker:
                                dram_bytes=settings.dram_bytes, page_bytes=settings.page_bytes)
         self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes) \
             if settings.nvme_bytes else None
+        self.s3 = S3Tier(settings.s3_endpoint, settings.s3_bucket, settings.s3_prefix, settings.s3_region,
+                         settings.s3_virtual_addressing) if settings.s3_bucket else None
         self.arena = HostBuffer(num_pages * settings.page_bytes)
         self.allocator = PageAllocator(num_pages, settings.page_bytes)
         backends = {"UCX": {}}
         if self.nvme:
             backends["POSIX"] = {"use_uring": "true"} if settings.posix_queue == "uring" else {"use_aio": "true"}
+        if self.s3:
+            backends["OBJ"] = self.s3.backend_params()
         self.agent = Agent(f"{settings.name}-{uuid.uuid4().hex[:8]}", backends=backends)
         self.agent.register_dram(self.arena.addr, self.arena.nbytes)
         allocators = {"dram": self.allocator}
         if self.nvme:
             self.nvme.register(self.agent)
             allocators["nvme"] = self.nvme.allocator
-        self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme)
+        self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes)
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
-                                     on_free=self._freed)
+                                     on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {})
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0)
         self.epoch = 0
         self.heartbeat_interval_s = 1.0
@@ -66,7 +71,12 @@ class StorageWorker:
         if self.nvme:
             tiers.append(specs.TierSpec(kind="nvme", capacity_bytes=self.nvme.capacity_bytes,
                                         page_bytes=self.settings.page_bytes))
+        if self.s3:
+            tiers.append(specs.TierSpec(kind="s3", capacity_bytes=None, page_bytes=1))
         return tiers
+
+    def inventory(self) -> list[specs.Survivor]:
+        return (self.nvme.survivors() if self.nvme else []) + (self.s3.survivors() if self.s3 else [])
 
     def start(self, wait_for_directory_s: float = 30.0) -> None:
         self.control.start()
@@ -87,6 +97,9 @@ class StorageWorker:
             log.info("NVMe tier: %s in %d slab file(s) under %s, %d blocks survived",
                      format_size(self.nvme.capacity_bytes), len(self.nvme.fds), self.settings.nvme_dir,
                      len(self.nvme.survivors()))
+        if self.s3:
+            log.info("S3 tier: bucket %s, prefix %s, endpoint %s", self.s3.bucket, self.s3.prefix,
+                     self.s3.endpoint or "AWS")
 
     def register(self) -> None:
         """Join (again) under a new epoch. The directory forgets our old DRAM replicas, so do we."""
@@ -95,7 +108,7 @@ class StorageWorker:
             name=self.settings.name, agent_name=self.agent.name,
             agent_metadata=base64.b64encode(self.agent.metadata()).decode(),
             control_url=self.control.url, pid=os.getpid(), backends=self.agent.backends, tiers=self.tier_specs(),
-            inventory=self.nvme.survivors() if self.nvme else []))
+            inventory=self.inventory()))
         self.epoch, self.heartbeat_interval_s = answer.epoch, answer.heartbeat_interval_s
         log.info("registered with the directory as %s, epoch %d", self.settings.name, self.epoch)
 

@@ -1,0 +1,113 @@
+"""The S3 tier against a real S3 endpoint (moto_server), moved with NIXL OBJ: DRAM -> NVMe -> S3 under
+pressure, promotion back from S3, survival of a SIGKILL, corruption and a missing bucket."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import httpx
+import pytest
+
+from kvstore.client import DirectoryClient
+from kvstore.core.keys import block_hashes
+from tests.helpers import MotoServer, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.integration.conftest import run_engine
+from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS, build_model, namespace_of, tokens
+
+FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
+BLOCKS = FULL // BLOCK_TOKENS
+
+
+@pytest.fixture
+def s3(tmp_path, monkeypatch):
+    for key, value in MotoServer.CREDENTIALS.items():
+        monkeypatch.setenv(key, value)  # the worker finds them like any AWS credentials
+    server = MotoServer(tmp_path / "moto.log").start()
+    server.client().create_bucket(Bucket="kv-cache")
+    yield server
+    server.stop()
+
+
+def start(tmp_path, s3: MotoServer, port: int, run: int):
+    url = f"http://127.0.0.1:{port}"
+    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
+                      tmp_path / f"directory-{run}.log")
+    wait_http(url + "/healthz", proc=directory)
+    worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
+                               "--dram-bytes", "2MiB", "--nvme-bytes", "2MiB", "--nvme-dir", str(tmp_path / "nvme"),
+                               "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url, "--s3-prefix", "test"),
+                   tmp_path / f"worker-{run}.log")
+    client = DirectoryClient(url)
+    wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", run)], 60, "worker up")
+    return url, client, [worker, directory]
+
+
+def where(client: DirectoryClient, seed: int) -> dict:
+    ns = namespace_of(build_model())
+    hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=seed))]
+    return client.lookup(ns.namespace_id, hashes).by_tier
+
+
+def test_blocks_cascade_to_s3_and_come_back_even_after_a_kill(tmp_path, s3):
+    port = free_port()
+    url, client, procs = start(tmp_path, s3, port, run=1)
+    try:
+        for seed in (1, 2, 3, 4):
+            assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL
+        wait_until(lambda: where(client, 1).get("s3", 0) > 0, 60, "oldest prompt partly in S3")
+        assert sum(where(client, 1).values()) == BLOCKS and "dram" not in where(client, 1)
+        objects = s3.client().list_objects_v2(Bucket="kv-cache", Prefix="test/")["Contents"]
+        ns_id = namespace_of(build_model()).namespace_id
+        assert objects and all(o["Key"].startswith(f"test/{ns_id}/") for o in objects)
+
+        loaded = run_engine(url, "load", tmp_path, 1)  # staged from S3 into DRAM, then read over UCX
+        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    url, client, procs = start(tmp_path, s3, port, run=2)
+    try:
+        in_s3 = where(client, 1).get("s3", 0)
+        assert in_s3 > 0 and "dram" not in where(client, 1)
+        loaded = run_engine(url, "load", tmp_path, 1)
+        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+        stats = client.stats()
+        assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def test_a_corrupted_object_shortens_the_load(tmp_path, s3):
+    port = free_port()
+    url, client, procs = start(tmp_path, s3, port, run=1)
+    try:
+        for seed in (1, 2, 3, 4):
+            run_engine(url, "save", tmp_path, seed)
+        wait_until(lambda: where(client, 1).get("s3", 0) > 0, 60, "oldest prompt partly in S3")
+        ns = namespace_of(build_model())
+        hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=1))]
+        hits = client.lookup(ns.namespace_id, hashes).blocks
+        index = next(i for i, hit in enumerate(hits) if hit.location.tier == "s3")
+        key = f"test/{ns.namespace_id}/{hashes[index]}"
+        body = bytearray(s3.client().get_object(Bucket="kv-cache", Key=key)["Body"].read())
+        body[123] ^= 0xFF
+        s3.client().put_object(Bucket="kv-cache", Key=key, Body=bytes(body))
+
+        loaded = run_engine(url, "load", tmp_path, 1)
+        assert loaded["loaded_tokens"] == index * BLOCK_TOKENS and loaded["max_abs_diff"] <= 1e-4, loaded
+        assert "kvstore_checksum_failures_total 1.0" in httpx.get(url + "/metrics").text
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def test_a_missing_bucket_is_one_clear_error(tmp_path, s3):
+    result = subprocess.run(kvstore_cmd("worker", "serve", "--directory-url", "http://127.0.0.1:9",
+                                        "--s3-bucket", "no-such-bucket", "--s3-endpoint", s3.url),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "S3 bucket 'no-such-bucket' is not usable" in result.stderr and "Traceback" not in result.stderr
