@@ -10,12 +10,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstore.cli.run import directory_app, up, worker_app
 from kvstore.client import DirectoryClient
+from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.core.sizes import format_size
+from kvstore.core.sizes import format_size, parse_size
 
 app = typer.Typer(help="kvstore: a tiered KV-cache store for LLM inference.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -36,7 +38,7 @@ def one_line_errors(command):
         try:
             return command(*args, **kwargs)
         except KVStoreError as exc:
-            Console(stderr=True).print(f"[red]error:[/red] {exc}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {exc}", highlight=False)
             raise typer.Exit(1) from None
     return wrapper
 
@@ -69,6 +71,45 @@ def workers(url: Url = "http://127.0.0.1:8700", output: Output = "table") -> Non
         table.add_row(r.name, r.state, str(r.epoch), str(r.pid), r.control_url, r.agent_name,
                       f"{r.last_heartbeat:.1f}")
     console.print(table)
+
+
+@app.command()
+@one_line_errors
+def evict(tier: Annotated[str, typer.Option(help="hbm, dram, nvme or s3")],
+          worker: Annotated[str | None, typer.Option(help="only this worker")] = None,
+          bytes_: Annotated[str | None, typer.Option("--bytes", help="move at least this much, e.g. 1GiB")] = None,
+          namespace: Annotated[str | None, typer.Option(help="every block of this namespace id")] = None,
+          all_: Annotated[bool, typer.Option("--all", help="every block of the tier")] = False,
+          dry_run: Annotated[bool, typer.Option(help="only say what would move")] = False,
+          url: Url = "http://127.0.0.1:8700") -> None:
+    """Move the least recently used blocks of a tier one tier down (delete them at the bottom)."""
+    if tier not in ("hbm", "dram", "nvme", "s3"):
+        raise KVStoreError("invalid", f"--tier must be hbm, dram, nvme or s3, not {tier!r}")
+    if sum(x is not None and x is not False for x in (bytes_, namespace, all_ or None)) != 1:
+        raise KVStoreError("invalid", "say what to evict with exactly one of --bytes, --namespace or --all")
+    limit_bytes = parse_size(bytes_) if bytes_ else None
+    client = DirectoryClient(url, timeout_s=600)
+    ask = dict(tier=tier, worker=worker, namespace_id=namespace, bytes=limit_bytes)
+    plan = client.evict_tier(specs.EvictRequest(**ask, dry_run=True))
+    if dry_run or plan.replicas == 0:
+        print(f"would move {plan.replicas} blocks ({format_size(plan.bytes)}) out of {tier}" if plan.replicas
+              else f"nothing to evict from {tier}")
+        return
+    done = specs.Evicted(replicas=0)
+    with Progress(TextColumn("evicting from " + tier), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True)) as progress:
+        task = progress.add_task("evict", total=plan.replicas)
+        while done.replicas < plan.replicas:
+            left = None if limit_bytes is None else limit_bytes - done.bytes
+            if left is not None and left <= 0:
+                break
+            step = client.evict_tier(specs.EvictRequest(**{**ask, "bytes": left}, limit=64))
+            if step.replicas == 0:
+                break  # what is left is pinned or has no room below
+            done = specs.Evicted(**{k: getattr(done, k) + getattr(step, k) for k in specs.Evicted.model_fields})
+            progress.update(task, completed=min(done.replicas, plan.replicas))
+    print(f"{tier}: {done.demoted} blocks moved one tier down, {done.dropped} dropped, "
+          f"{format_size(done.bytes)} freed")
 
 
 @app.command()

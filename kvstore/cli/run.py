@@ -58,6 +58,7 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                  name: Annotated[str, typer.Option(help="worker name")] = "worker-0",
                  host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="control port; 0 = any")] = 0,
                  dram_bytes: Size = "512MiB", page_bytes: Size = "64KiB",
+                 hbm_bytes: Annotated[str, typer.Option(help="HBM tier size (needs CUDA); 0 = none")] = "0",
                  nvme_bytes: Annotated[str, typer.Option(help="NVMe tier size; 0 = none")] = "0",
                  nvme_dir: Annotated[Path, typer.Option(help="slab files and manifest")] = Path("var/nvme"),
                  posix_queue: Annotated[str, typer.Option(help="aio or uring")] = "aio",
@@ -76,6 +77,7 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
         settings = WorkerSettings(directory_url=directory_url, name=name, host=host, port=port,
                                   dram_bytes=_size(dram_bytes, "--dram-bytes"),
                                   page_bytes=_size(page_bytes, "--page-bytes"),
+                                  hbm_bytes=_size(hbm_bytes, "--hbm-bytes"),
                                   nvme_bytes=_size(nvme_bytes, "--nvme-bytes"), nvme_dir=nvme_dir,
                                   posix_queue=posix_queue, s3_bucket=s3_bucket, s3_endpoint=s3_endpoint,
                                   s3_prefix=s3_prefix, s3_region=s3_region)

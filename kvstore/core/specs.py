@@ -254,11 +254,22 @@ class FreeRequest(_Spec):
 
 
 class EvictRequest(_Spec):
+    """Without `tier`: drop every replica (of one namespace, or all). With `tier`: least recently
+    used blocks of that tier go one tier down (dropped at the bottom), up to `bytes` or `limit`."""
+
+    tier: TierKind | None = None
+    worker: str | None = Field(None, description="null = every worker with that tier")
     namespace_id: str | None = Field(None, description="null = every namespace")
+    bytes: int | None = Field(None, gt=0, description="null = no byte limit")
+    limit: int = Field(256, gt=0, le=100_000, description="at most this many blocks per call")
+    dry_run: bool = False
 
 
 class Evicted(_Spec):
     replicas: int
+    bytes: int = 0
+    demoted: int = 0
+    dropped: int = 0
 
 
 class MoveItem(_Spec):

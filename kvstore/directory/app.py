@@ -161,7 +161,9 @@ def _routes(service: DirectoryService) -> APIRouter:
 
     @r.post("/v1/admin/evict")
     def evict(body: specs.EvictRequest) -> specs.Evicted:
-        return specs.Evicted(replicas=service.evict(body.namespace_id))
+        if body.tier is None:
+            return specs.Evicted(replicas=service.evict(body.namespace_id))
+        return service.evict_tier(body)
 
     @r.get("/v1/admin/stats")
     def stats() -> specs.Stats:

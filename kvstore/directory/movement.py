@@ -46,7 +46,7 @@ class Movement:
             pressured = [(t.id, w.id, _above_low(t)) for kind in ("dram", "nvme")
                          for t, w in repo.active_tiers(tx.session, kind) if _over_high(t)]
         for tier_id, worker_id, to_free in pressured:
-            moved += self._demote_tier(tier_id, worker_id, to_free, protected=set())
+            moved += self._demote_tier(tier_id, worker_id, to_free, protected=set())["demoted"]
         return moved
 
     def make_room(self, tier_id: int, worker_id: int, nbytes: int, protected: set[int]) -> None:
@@ -59,30 +59,46 @@ class Movement:
         if short > 0:
             self._demote_tier(tier_id, worker_id, max(short, down_to_low), protected)
 
-    def _demote_tier(self, tier_id: int, worker_id: int, to_free: int, protected: set[int]) -> int:
+    def evict(self, tier_id: int, worker_id: int, max_bytes: int | None, namespace_id: str | None,
+              limit: int, dry_run: bool) -> dict:
+        """Operator eviction: up to `limit` LRU blocks (and `max_bytes`) go one tier down, or are
+        dropped at the bottom. `dry_run` only says what would go."""
+        to_free = max_bytes if max_bytes is not None else 1 << 62
+        if dry_run:
+            with self.service._tx() as tx:
+                chosen = _enough(repo.demotion_candidates(tx.session, tier_id, 1 << 30, namespace_id), to_free)
+            return {"replicas": len(chosen), "bytes": sum(r.reserved_bytes for r, _ in chosen),
+                    "demoted": 0, "dropped": 0}
+        return self._demote_tier(tier_id, worker_id, to_free, set(), namespace_id, limit)
+
+    def _demote_tier(self, tier_id: int, worker_id: int, to_free: int, protected: set[int],
+                     namespace_id: str | None = None, limit: int = MAX_MOVES_PER_ROUND) -> dict:
         with self.service._tx() as tx:
             tier = tx.session.get(Tier, tier_id)
             lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind)
             lower_id = lower.id if lower is not None and lower.capacity_bytes is not None else None
         if lower_id is not None:  # cascade: the tier below makes room first
             self.make_room(lower_id, worker_id, to_free, protected)
-        plan, lower_url = self._plan_demotion(tier_id, worker_id, to_free, protected)
-        if not plan:
-            return 0
-        result = self.service._worker_client(lower_url).move(specs.MoveRequest(items=[m.item for m in plan]))
-        self._finish(plan, result, dest_state=READY)
-        route = f"{plan[0].item.src_kind} -> {plan[0].item.dst_kind}"
-        log.info("demoted %d blocks %s (%d failed)", sum(result.ok), route, len(plan) - sum(result.ok))
-        return sum(result.ok)
+        plan, lower_url, dropped = self._plan_demotion(tier_id, worker_id, to_free, protected, namespace_id, limit)
+        outcome = {"replicas": len(plan) + len(dropped), "bytes": sum(dropped), "demoted": 0, "dropped": len(dropped)}
+        if plan:
+            result = self.service._worker_client(lower_url).move(specs.MoveRequest(items=[m.item for m in plan]))
+            self._finish(plan, result, dest_state=READY)
+            route = f"{plan[0].item.src_kind} -> {plan[0].item.dst_kind}"
+            log.info("demoted %d blocks %s (%d failed)", sum(result.ok), route, len(plan) - sum(result.ok))
+            outcome["demoted"] = sum(result.ok)
+            outcome["bytes"] += sum(m.item.nbytes for m, ok in zip(plan, result.ok) if ok)
+        return outcome
 
-    def _plan_demotion(self, tier_id: int, worker_id: int, to_free: int, protected: set[int]):
+    def _plan_demotion(self, tier_id: int, worker_id: int, to_free: int, protected: set[int],
+                       namespace_id: str | None, limit: int):
         svc = self.service
         with svc._tx() as tx:
             tier = tx.session.get(Tier, tier_id)
             worker = tx.session.get(Worker, worker_id)
             lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind)
-            candidates = repo.demotion_candidates(tx.session, tier_id, MAX_MOVES_PER_ROUND + len(protected))
-            victims = _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)
+            candidates = repo.demotion_candidates(tx.session, tier_id, limit + len(protected), namespace_id)
+            victims = _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
             kinds = repo.replica_kinds(tx.session, [b.id for _, b in victims])
             copy = [(r, b) for r, b in victims if lower is not None and lower.kind not in kinds.get(b.id, set())]
             drop = [r for r, b in victims if (r, b) not in copy]
@@ -91,7 +107,7 @@ class Movement:
             plan = self._reserve(tx, worker, tier, lower, copy) if copy else []
             tx.session.flush()
             svc._collect_deleting(tx)
-            return plan, worker.control_url
+            return plan, worker.control_url, [r.reserved_bytes for r in drop]
 
     def _reserve(self, tx, worker: Worker, source: Tier, dest: Tier, victims) -> list[_Move]:
         """Pages on `dest` and a WRITING replica there for each victim that fits; sources become MOVING."""

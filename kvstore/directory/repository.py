@@ -210,12 +210,15 @@ def recompute_used(session: Session, tier: Tier) -> None:
                                      .where(Replica.tier_id == tier.id)) or 0
 
 
-def demotion_candidates(session: Session, tier_id: int, limit: int) -> list[tuple[Replica, Block]]:
-    """READY, unpinned replicas of a tier, least recently used first."""
+def demotion_candidates(session: Session, tier_id: int, limit: int,
+                        namespace_id: str | None = None) -> list[tuple[Replica, Block]]:
+    """READY, unpinned replicas of a tier, least recently used first (deeper blocks first on ties)."""
     pinned = select(Lease.id).where(Lease.replica_id == Replica.id).exists()
     query = (select(Replica, Block).join(Block, Replica.block_id == Block.id)
              .where(Replica.tier_id == tier_id, Replica.state == READY, ~pinned)
              .order_by(Block.last_access, Block.depth.desc()).limit(limit))
+    if namespace_id is not None:
+        query = query.where(Block.namespace_id == namespace_id)
     return list(session.execute(query).tuples())
 
 

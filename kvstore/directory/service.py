@@ -447,6 +447,23 @@ class DirectoryService:
 
     # ---- operators ------------------------------------------------------------------------
 
+    def evict_tier(self, req: specs.EvictRequest) -> specs.Evicted:
+        with self._tx() as tx:
+            targets = [(t.id, w.id) for t, w in repo.active_tiers(tx.session, req.tier)
+                       if req.worker is None or w.name == req.worker]
+            if req.worker is not None and not targets:
+                raise KVStoreError("not_found", f"no active worker {req.worker!r} with a {req.tier} tier",
+                                   worker=req.worker, tier=req.tier)
+        total = {"replicas": 0, "bytes": 0, "demoted": 0, "dropped": 0}
+        for tier_id, worker_id in targets:
+            left = None if req.bytes is None else req.bytes - total["bytes"]
+            if (left is not None and left <= 0) or req.limit <= total["replicas"]:
+                break
+            outcome = self.movement.evict(tier_id, worker_id, left, req.namespace_id,
+                                          req.limit - total["replicas"], req.dry_run)
+            total = {k: total[k] + outcome[k] for k in total}
+        return specs.Evicted(**total)
+
     def evict(self, namespace_id: str | None) -> int:
         """Drop every visible replica (of one namespace, or all). Pinned ones go when unpinned."""
         with self._tx() as tx:

@@ -37,6 +37,7 @@ class StorageWorker:
         if num_pages < 1:
             raise KVStoreError("invalid", "the DRAM tier must hold at least one page",
                                dram_bytes=settings.dram_bytes, page_bytes=settings.page_bytes)
+        _check_hbm(settings.hbm_bytes)
         self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes) \
             if settings.nvme_bytes else None
         self.s3 = S3Tier(settings.s3_endpoint, settings.s3_bucket, settings.s3_prefix, settings.s3_region,
@@ -143,3 +144,15 @@ class StorageWorker:
         self.agent.close()
         if self.nvme:
             self.nvme.close()
+
+
+def _check_hbm(hbm_bytes: int) -> None:
+    if not hbm_bytes:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KVStoreError("unavailable", "an HBM tier needs a CUDA GPU and this host has none; "
+                           "start without --hbm-bytes", hbm_bytes=hbm_bytes)
+    raise KVStoreError("invalid", "the HBM tier (CUDA arena registered as VRAM, GDS to NVMe) is not built yet",
+                       hbm_bytes=hbm_bytes)

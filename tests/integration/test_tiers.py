@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+import torch
+
 from kvstore.client import DirectoryClient
 from kvstore.core.keys import block_hashes
 from tests.helpers import free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
@@ -101,3 +104,13 @@ def test_an_unwritable_nvme_dir_is_one_clear_error(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "cannot prepare NVMe slab" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about hosts without CUDA")
+def test_an_hbm_tier_without_cuda_is_refused_with_one_line(tmp_path):
+    import subprocess
+
+    result = subprocess.run(kvstore_cmd("worker", "serve", "--directory-url", "http://127.0.0.1:9",
+                                        "--hbm-bytes", "1GiB"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "an HBM tier needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr

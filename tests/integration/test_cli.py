@@ -1,0 +1,67 @@
+"""The operator CLI against a running `kvstore up`: tiers, workers, evict (with a dry run), errors."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import torch
+
+from kvstore.connector import KVStoreClient, Namespace
+from tests.helpers import free_port, kvstore_cmd, spawn, wait_http, wait_until
+
+NS = Namespace(model_id="cli-test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_tokens=16)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(kvstore_cmd(*args), capture_output=True, text=True, timeout=120)
+
+
+def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    up = spawn(kvstore_cmd("up", "--port", str(port), "--data-dir", str(tmp_path / "var"), "--dram-bytes", "8MiB",
+                           "--nvme-bytes", "8MiB", "--page-bytes", "16KiB"), tmp_path / "up.log")
+    try:
+        wait_http(url + "/healthz", proc=up)
+        wait_until(lambda: json.loads(cli("workers", "--url", url, "--output", "json").stdout or "[]"), 60, "worker")
+        kv = [(torch.randn(2, 160, 16), torch.randn(2, 160, 16)) for _ in range(2)]
+        with KVStoreClient(url, NS, staging_bytes=1 << 20) as client:
+            assert client.save(list(range(160)), kv) == 160  # 10 blocks of 16 KiB
+
+        tiers = {t["kind"]: t for t in json.loads(cli("tiers", "--url", url, "--output", "json").stdout)}
+        assert tiers["dram"]["num_blocks"] == 10 and tiers["nvme"]["num_blocks"] == 0
+        assert tiers["dram"]["capacity_bytes"] == 8 << 20 and tiers["dram"]["used_bytes"] == 10 * 16384
+        table = cli("tiers", "--url", url).stdout
+        assert "dram" in table and "8.0 MiB" in table
+
+        dry = cli("evict", "--tier", "dram", "--bytes", "40KiB", "--dry-run", "--url", url)
+        assert dry.returncode == 0 and "would move 3 blocks" in dry.stdout
+        moved = cli("evict", "--tier", "dram", "--all", "--url", url)
+        assert moved.returncode == 0, moved.stderr
+        assert "10 blocks moved one tier down, 0 dropped" in moved.stdout
+        tiers = {t["kind"]: t for t in json.loads(cli("tiers", "--url", url, "--output", "json").stdout)}
+        assert (tiers["dram"]["num_blocks"], tiers["nvme"]["num_blocks"]) == (0, 10)
+        dropped = cli("evict", "--tier", "nvme", "--namespace", NS.namespace_id, "--url", url)
+        assert "0 blocks moved one tier down, 10 dropped" in dropped.stdout
+        with KVStoreClient(url, NS, staging_bytes=1 << 20) as client:
+            assert client.lookup(list(range(160))) == 0
+
+        workers = json.loads(cli("workers", "--url", url, "--output", "json").stdout)
+        assert [(w["name"], w["state"], w["epoch"]) for w in workers] == [("worker-0", "active", 1)]
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+
+
+def test_cli_errors_are_one_line_and_a_nonzero_exit():
+    for args, message in ((("evict", "--tier", "dram", "--url", "http://127.0.0.1:9"), "exactly one of"),
+                          (("evict", "--tier", "tape", "--all"), "--tier must be"),
+                          (("tiers", "--url", "http://127.0.0.1:9"), "cannot reach"),
+                          (("evict", "--tier", "dram", "--bytes", "lots", "--url", "http://127.0.0.1:9"),
+                           "cannot read 'lots'")):
+        result = cli(*args)
+        assert result.returncode == 1, args
+        assert message in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
