@@ -202,3 +202,28 @@ def test_admin_evict_drops_a_namespace_and_frees_its_pages_after_the_last_pin(st
     stack.client.complete_load(specs.CompleteLoad(token=load.token))
     assert stack.allocator.free_pages == 32
     assert stack.client.stats().blocks == 0
+
+
+def test_a_full_bottom_tier_drops_least_recently_used_blocks_deepest_first(stack):
+    old, recent = chain(8), chain(8, start=1000)  # 16 blocks fill the 32 pages
+    complete(stack, prepare(stack, old))
+    complete(stack, prepare(stack, recent))
+    hits(stack, recent)  # touched: now the most recently used
+    newcomer = chain(2, start=5000)
+    assert [b.status for b in prepare(stack, newcomer).blocks] == ["admitted"] * 2  # room was made
+    assert hits(stack, old) == 6  # the two deepest blocks of the cold chain went
+    assert hits(stack, recent) == 8
+
+
+def test_operator_eviction_by_bytes_with_a_dry_run(stack):
+    complete(stack, prepare(stack, chain(4)))
+    ask = dict(tier="dram", bytes=2 * BLOCK)
+    dry = stack.client.evict_tier(specs.EvictRequest(**ask, dry_run=True))
+    assert (dry.replicas, dry.bytes, dry.dropped) == (2, 2 * BLOCK, 0)
+    assert hits(stack, chain(4)) == 4  # a dry run changes nothing
+    done = stack.client.evict_tier(specs.EvictRequest(**ask))
+    assert (done.replicas, done.dropped, done.demoted) == (2, 2, 0)  # no tier below: dropped
+    assert hits(stack, chain(4)) == 2
+    with pytest.raises(KVStoreError) as info:
+        stack.client.evict_tier(specs.EvictRequest(tier="dram", worker="nobody", bytes=1))
+    assert info.value.kind == "not_found"
