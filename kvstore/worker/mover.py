@@ -55,6 +55,8 @@ class Mover:
             errors.append(error)
             if error:
                 log.warning("move of block %s %s->%s failed: %s", item.hash, item.src_kind, item.dst_kind, error)
+        if self.nvme is not None:
+            self.nvme.sync()
         return specs.MoveResult(ok=ok, errors=errors)
 
     def _move_one(self, item: specs.MoveItem) -> str | None:

@@ -4,6 +4,7 @@
     tier.register(agent)                                  # FILE registrations (fd mode), once
     tier.rows(runs, nbytes) -> (offset, len, fd) rows     # descriptors of a block's pages
     tier.record(item) / tier.forget(token, runs)          # the manifest, written with the data
+    tier.sync()                                           # ... and made durable before answering
     tier.survivors() -> what the manifest says is stored  # restart recovery
 
 The manifest is an append-only JSON-lines log next to the slabs: a "put" line
@@ -104,6 +105,10 @@ class NvmeTier:
 
     def _append(self, entry: dict) -> None:
         self._manifest.write(json.dumps(entry) + "\n")
+
+    def sync(self) -> None:
+        """Make the manifest lines so far durable; called once per move request, before it is
+        answered, so a block the directory commits is always in the manifest."""
         self._manifest.flush()
         os.fsync(self._manifest.fileno())
 

@@ -65,6 +65,7 @@ class StorageWorker:
     def _freed(self, kind: str, token: str, runs: list[specs.PageRun]) -> None:
         if kind == "nvme" and self.nvme:
             self.nvme.forget(token, runs)
+            self.nvme.sync()  # a lost "free" line could resurrect pages that were reused
 
     def tier_specs(self) -> list[specs.TierSpec]:
         tiers = [specs.TierSpec(kind="dram", capacity_bytes=self.arena.nbytes,
