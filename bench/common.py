@@ -20,7 +20,7 @@ from tests.helpers import free_port, kvstore_cmd, stop, wait_http, wait_until  #
 
 
 @contextmanager
-def local_stack(dram_bytes: str, page_bytes: str = "64KiB"):
+def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[str, ...] = ()):
     """Directory (SQLite in a temp dir) and one worker, as separate processes on loopback."""
     from kvstore.client import DirectoryClient
 
@@ -34,7 +34,7 @@ def local_stack(dram_bytes: str, page_bytes: str = "64KiB"):
         try:
             wait_http(url + "/healthz", proc=directory)
             worker = subprocess.Popen(kvstore_cmd("worker", "serve", "--directory-url", url, "--dram-bytes",
-                                                  dram_bytes, "--page-bytes", page_bytes),
+                                                  dram_bytes, "--page-bytes", page_bytes, *worker_args),
                                       stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)
             client = DirectoryClient(url)
             wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker registered")

@@ -65,7 +65,8 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                  s3_bucket: Annotated[str | None, typer.Option(help="S3 tier bucket; none = no S3 tier")] = None,
                  s3_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL; none = AWS")] = None,
                  s3_prefix: Annotated[str, typer.Option(help="object key prefix")] = "kvstore",
-                 s3_region: Annotated[str, typer.Option(help="S3 region")] = "us-east-1") -> None:
+                 s3_region: Annotated[str, typer.Option(help="S3 region")] = "us-east-1",
+                 bounce_bytes: Annotated[str, typer.Option(help="DRAM buffer for copies to S3")] = "64MiB") -> None:
     """Run a storage worker: allocate and register its tiers once, then serve."""
     from pydantic import ValidationError
 
@@ -80,7 +81,8 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                                   hbm_bytes=_size(hbm_bytes, "--hbm-bytes"),
                                   nvme_bytes=_size(nvme_bytes, "--nvme-bytes"), nvme_dir=nvme_dir,
                                   posix_queue=posix_queue, s3_bucket=s3_bucket, s3_endpoint=s3_endpoint,
-                                  s3_prefix=s3_prefix, s3_region=s3_region)
+                                  s3_prefix=s3_prefix, s3_region=s3_region,
+                                  bounce_bytes=_size(bounce_bytes, "--bounce-bytes"))
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise typer.BadParameter(problems) from None

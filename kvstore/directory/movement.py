@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 
 from kvstore.core import specs
@@ -79,13 +80,18 @@ class Movement:
             lower_id = lower.id if lower is not None and lower.capacity_bytes is not None else None
         if lower_id is not None:  # cascade: the tier below makes room first
             self.make_room(lower_id, worker_id, to_free, protected)
+        t0 = time.perf_counter()
         plan, lower_url, dropped = self._plan_demotion(tier_id, worker_id, to_free, protected, namespace_id, limit)
         outcome = {"replicas": len(plan) + len(dropped), "bytes": sum(dropped), "demoted": 0, "dropped": len(dropped)}
         if plan:
+            t1 = time.perf_counter()
             result = self.service._worker_client(lower_url).move(specs.MoveRequest(items=[m.item for m in plan]))
+            t2 = time.perf_counter()
             self._finish(plan, result, dest_state=READY)
             route = f"{plan[0].item.src_kind} -> {plan[0].item.dst_kind}"
-            log.info("demoted %d blocks %s (%d failed)", sum(result.ok), route, len(plan) - sum(result.ok))
+            log.info("demoted %d blocks %s (%d failed): plan %.1f ms, move %.1f ms, commit %.1f ms",
+                     sum(result.ok), route, len(plan) - sum(result.ok), (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                     (time.perf_counter() - t2) * 1e3)
             outcome["demoted"] = sum(result.ok)
             outcome["bytes"] += sum(m.item.nbytes for m, ok in zip(plan, result.ok) if ok)
         return outcome
@@ -169,9 +175,9 @@ class Movement:
         svc, done = self.service, set()
         with svc._tx() as tx:
             failed = []
+            rows = repo.replicas_by_id(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
             for move, ok, error in zip(plan, result.ok, result.errors):
-                source = tx.session.get(Replica, move.source_id)
-                dest = tx.session.get(Replica, move.dest_id)
+                source, dest = rows.get(move.source_id), rows.get(move.dest_id)
                 if ok and dest is not None:
                     dest.state = dest_state
                     if source is not None:

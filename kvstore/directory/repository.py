@@ -229,3 +229,11 @@ def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]
         if replica.state in VISIBLE:
             kinds.setdefault(replica.block_id, set()).add(tier.kind)
     return kinds
+
+
+def replicas_by_id(session: Session, replica_ids: list[int]) -> dict[int, Replica]:
+    found: dict[int, Replica] = {}
+    for start in range(0, len(replica_ids), 500):
+        chunk = replica_ids[start : start + 500]
+        found.update((r.id, r) for r in session.scalars(select(Replica).where(Replica.id.in_(chunk))))
+    return found
