@@ -112,6 +112,15 @@ def evict(tier: Annotated[str, typer.Option(help="hbm, dram, nvme or s3")],
           f"{format_size(done.bytes)} freed")
 
 
+@app.command("write-through")
+@one_line_errors
+def write_through(namespace_id: str, off: Annotated[bool, typer.Option("--off", help="stop copying")] = False,
+                  url: Url = "http://127.0.0.1:8700") -> None:
+    """Keep a copy of every block of a namespace in S3 (needs workers with an S3 tier)."""
+    policy = DirectoryClient(url).set_policy(namespace_id, specs.NamespacePolicy(write_through=not off))
+    print(f"{namespace_id}: write-through {'on' if policy.write_through else 'off'}")
+
+
 @app.command()
 @one_line_errors
 def lookup(namespace_id: str, token_ids: Annotated[str, typer.Argument(help="comma-separated token ids")],

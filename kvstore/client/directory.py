@@ -12,6 +12,9 @@ class DirectoryClient(JsonHttp):
         body = {"namespace": namespace.to_dict()}
         return self.call_raw("POST", "/v1/namespaces", body)["namespace_id"]
 
+    def set_policy(self, namespace_id: str, policy: specs.NamespacePolicy) -> specs.NamespacePolicy:
+        return self.call("PUT", f"/v1/namespaces/{namespace_id}/policy", policy, specs.NamespacePolicy)
+
     def register_worker(self, body: specs.WorkerRegistration) -> specs.Registered:
         return self.call("POST", "/v1/workers", body, specs.Registered)
 

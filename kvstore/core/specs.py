@@ -293,3 +293,9 @@ class MoveRequest(_Spec):
 class MoveResult(_Spec):
     ok: list[bool]
     errors: list[str | None]
+
+
+class NamespacePolicy(_Spec):
+    """How the directory keeps a namespace's blocks; does not change its keys."""
+
+    write_through: bool = Field(False, description="also keep a copy of every block in S3, for durability")

@@ -101,6 +101,10 @@ def _routes(service: DirectoryService) -> APIRouter:
     def register_namespace(body: NamespaceBody) -> dict:
         return {"namespace_id": service.register_namespace(body.namespace)}
 
+    @r.put("/v1/namespaces/{namespace_id}/policy")
+    def set_policy(namespace_id: str, body: specs.NamespacePolicy) -> specs.NamespacePolicy:
+        return service.set_policy(namespace_id, body)
+
     @r.post("/v1/workers")
     def register_worker(body: specs.WorkerRegistration) -> specs.Registered:
         return service.register_worker(body)

@@ -138,6 +138,31 @@ class Movement:
         return [_Move(block.id, replica.id, row.id, _item(replica, source, dest, token, runs, block))
                 for replica, block, runs, row in reserved]
 
+    # ---- write-through ---------------------------------------------------------------------
+
+    def write_through(self, limit: int = MAX_MOVES_PER_ROUND) -> int:
+        """Copy blocks of write-through namespaces to their worker's S3 tier (the source stays)."""
+        with self.service._tx() as tx:
+            rows = repo.write_through_candidates(tx.session, limit)
+        copied = 0
+        by_source: dict[tuple[int, int], list] = {}
+        for replica, block, tier, worker in rows:
+            by_source.setdefault((worker.id, tier.id), []).append((replica.id, block.id))
+        for (worker_id, tier_id), ids in by_source.items():
+            with self.service._tx() as tx:
+                worker = tx.session.get(Worker, worker_id)
+                source = tx.session.get(Tier, tier_id)
+                s3 = repo.tiers_of(tx.session, worker_id)["s3"]
+                victims = [(tx.session.get(Replica, r), tx.session.get(Block, b)) for r, b in ids]
+                plan = self._reserve(tx, worker, source, s3, [(r, b) for r, b in victims if r.state == READY])
+                url = worker.control_url
+            if plan:
+                result = self.service._worker_client(url).move(specs.MoveRequest(items=[m.item for m in plan]))
+                copied += len(self._finish(plan, result, dest_state=READY, source_stays=True))
+        if copied:
+            log.info("write-through: %d blocks copied to S3", copied)
+        return copied
+
     # ---- promotion ---------------------------------------------------------------------
 
     def promote(self, hits) -> set[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import bindparam, delete, func, insert, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from kvstore.directory.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.models.replica import READY, VISIBLE, WRITING
@@ -237,3 +237,20 @@ def replicas_by_id(session: Session, replica_ids: list[int]) -> dict[int, Replic
         chunk = replica_ids[start : start + 500]
         found.update((r.id, r) for r in session.scalars(select(Replica).where(Replica.id.in_(chunk))))
     return found
+
+
+def write_through_candidates(session: Session, limit: int) -> list[tuple[Replica, Block, Tier, Worker]]:
+    """READY DRAM/NVMe replicas of write-through namespaces whose block has no S3 copy yet, on workers
+    that have an S3 tier."""
+    s3_tier = aliased(Tier)
+    has_s3_tier = select(s3_tier.id).where(s3_tier.worker_id == Worker.id, s3_tier.kind == "s3").exists()
+    other, other_tier = aliased(Replica), aliased(Tier)
+    has_s3_copy = (select(other.id).join(other_tier, other.tier_id == other_tier.id)
+                   .where(other.block_id == Block.id, other_tier.kind == "s3").exists())
+    query = (select(Replica, Block, Tier, Worker).join(Block, Replica.block_id == Block.id)
+             .join(NamespaceRow, Block.namespace_id == NamespaceRow.id)
+             .join(Tier, Replica.tier_id == Tier.id).join(Worker, Tier.worker_id == Worker.id)
+             .where(NamespaceRow.write_through, Replica.state == READY, Tier.kind.in_(("dram", "nvme")),
+                    Worker.state == "active", has_s3_tier, ~has_s3_copy)
+             .order_by(Block.created_at).limit(limit))
+    return list(session.execute(query).tuples())

@@ -84,6 +84,12 @@ class DirectoryService:
                                             created_at=self._clock()))
         return namespace.namespace_id
 
+    def set_policy(self, namespace_id: str, policy: specs.NamespacePolicy) -> specs.NamespacePolicy:
+        with self._tx() as tx:
+            row = self._namespace(tx, namespace_id)
+            row.write_through = policy.write_through
+        return policy
+
     def register_worker(self, reg: specs.WorkerRegistration) -> specs.Registered:
         now = self._clock()
         with self._tx() as tx:
@@ -428,7 +434,9 @@ class DirectoryService:
         if leases or tokens or dead:
             log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, len(tokens), dead)
         demoted = self.movement.demote()
-        return {"leases": leases, "reservations": len(tokens), "dead_workers": dead, "demoted": demoted}
+        copied = self.movement.write_through()
+        return {"leases": leases, "reservations": len(tokens), "dead_workers": dead, "demoted": demoted,
+                "written_through": copied}
 
     def _declare_dead(self, tx: Tx, now: float) -> int:
         dead = 0

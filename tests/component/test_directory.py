@@ -227,3 +227,12 @@ def test_operator_eviction_by_bytes_with_a_dry_run(stack):
     with pytest.raises(KVStoreError) as info:
         stack.client.evict_tier(specs.EvictRequest(tier="dram", worker="nobody", bytes=1))
     assert info.value.kind == "not_found"
+
+
+def test_namespace_policy_is_stored_and_unknown_namespaces_are_404(stack):
+    answer = stack.http.put(f"/v1/namespaces/{stack.namespace_id}/policy", json={"write_through": True})
+    assert answer.status_code == 200 and answer.json() == {"write_through": True}
+    answer = stack.http.put("/v1/namespaces/0000000000000000/policy", json={"write_through": True})
+    assert answer.status_code == 404 and answer.json()["error"] == "not_found"
+    answer = stack.http.put(f"/v1/namespaces/{stack.namespace_id}/policy", json={"write_through": "maybe"})
+    assert answer.status_code == 400

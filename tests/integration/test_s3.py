@@ -111,3 +111,44 @@ def test_a_missing_bucket_is_one_clear_error(tmp_path, s3):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "S3 bucket 'no-such-bucket' is not usable" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_write_through_keeps_a_namespace_durable_without_pressure(tmp_path, s3):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def start_plain(run: int):
+        directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir",
+                                      str(tmp_path / "var")), tmp_path / f"wt-directory-{run}.log")
+        wait_http(url + "/healthz", proc=directory)
+        worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--dram-bytes",
+                                   "64MiB", "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url, "--s3-prefix", "wt"),
+                       tmp_path / f"wt-worker-{run}.log")
+        client = DirectoryClient(url)
+        wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", run)], 60, "worker up")
+        return client, [worker, directory]
+
+    client, procs = start_plain(1)
+    try:
+        ns = namespace_of(build_model())
+        client.register_namespace(ns)
+        on = subprocess.run(kvstore_cmd("write-through", ns.namespace_id, "--url", url), capture_output=True,
+                            text=True, timeout=60)
+        assert on.returncode == 0 and "write-through on" in on.stdout
+        assert run_engine(url, "save", tmp_path, 1)["stored_tokens"] == FULL
+        listed = lambda: s3.client().list_objects_v2(Bucket="kv-cache", Prefix="wt/").get("KeyCount", 0)  # noqa: E731
+        wait_until(lambda: listed() == BLOCKS, 60, "every block copied to S3")
+        assert where(client, 1) == {"dram": BLOCKS}  # DRAM stays the copy readers get
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    client, procs = start_plain(2)  # DRAM is gone with the worker; the S3 copies are not
+    try:
+        assert where(client, 1) == {"s3": BLOCKS}
+        loaded = run_engine(url, "load", tmp_path, 1)
+        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+    finally:
+        for proc in procs:
+            stop(proc)

@@ -1,4 +1,4 @@
-from sqlalchemy import JSON, Float, String
+from sqlalchemy import JSON, Boolean, Float, String, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from kvstore.directory.models.base import Base
@@ -10,3 +10,4 @@ class NamespaceRow(Base):
     id: Mapped[str] = mapped_column(String(16), primary_key=True)  # namespace_id
     spec: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float)
+    write_through: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)  # copy to S3
