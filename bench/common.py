@@ -12,6 +12,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,6 +45,29 @@ def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[s
             if worker is not None:
                 stop(worker)
             stop(directory)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def raw_xfer(agent, op: str, local: np.ndarray, remote: np.ndarray, peer: str,
+             remote_mem: str = "DRAM") -> float:
+    """Seconds for one NIXL request posted and polled directly: the baseline the store is compared to.
+    `local` rows are (addr, len) in DRAM; `remote` rows are (addr, len, dev)."""
+    r = agent._raw  # the bench reaches under kvstore's wrapper on purpose
+    ld = r.get_xfer_descs(np.c_[local[:, :2], np.zeros(len(local), np.uint64)].astype(np.uint64), "DRAM")
+    rd = r.get_xfer_descs(remote.astype(np.uint64), remote_mem)
+    t0 = time.perf_counter()
+    handle = r.initialize_xfer(op, ld, rd, peer)
+    state = r.transfer(handle)
+    while state != "DONE":
+        state = r.check_xfer_state(handle)
+    elapsed = time.perf_counter() - t0
+    r.release_xfer_handle(handle)
+    return elapsed
 
 
 def machine() -> dict:

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import local_stack, machine, median, print_table, write_json  # noqa: E402
+from common import local_stack, machine, median, print_table, raw_xfer, timed, write_json  # noqa: E402
 
 from kvstore.connector import KVStoreClient, Namespace  # noqa: E402
 from kvstore.core.memory import HostBuffer  # noqa: E402
@@ -35,12 +34,6 @@ def namespace_for(block_bytes: int) -> Namespace:
                      dtype="bfloat16", block_tokens=block_bytes // per_token)
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def raw_nixl(client: KVStoreClient, op: str, views, locations) -> float:
     """One NIXL request over exactly the store's descriptors, posted and polled with nothing else."""
     agent = client.agent
@@ -52,17 +45,7 @@ def raw_nixl(client: KVStoreClient, op: str, views, locations) -> float:
             local.append((addr, run_len, 0))
             remote.append((run_addr, run_len, 0))
             addr += run_len
-    raw = agent._raw  # the bench reaches under the wrapper on purpose: this is the baseline
-    local_d = raw.get_xfer_descs(np.array(local, dtype=np.uint64), "DRAM")
-    remote_d = raw.get_xfer_descs(np.array(remote, dtype=np.uint64), "DRAM")
-    t0 = time.perf_counter()
-    handle = raw.initialize_xfer(op, local_d, remote_d, peer)
-    state = raw.transfer(handle)
-    while state != "DONE":
-        state = raw.check_xfer_state(handle)
-    elapsed = time.perf_counter() - t0
-    raw.release_xfer_handle(handle)
-    return elapsed
+    return raw_xfer(agent, op, np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64), peer)
 
 
 def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> dict:

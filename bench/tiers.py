@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, local_stack, machine, median, print_table, write_json  # noqa: E402
+from common import REPO, local_stack, machine, median, print_table, raw_xfer, timed, write_json  # noqa: E402
 
 from kvstore.connector import KVStoreClient  # noqa: E402
 from kvstore.core import specs  # noqa: E402
@@ -33,27 +33,6 @@ from kvstore.core.sizes import format_size, parse_size  # noqa: E402
 from kvstore.transfer import Agent  # noqa: E402
 from datapath import namespace_for  # noqa: E402
 from tests.helpers import MotoServer  # noqa: E402
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def raw(agent: Agent, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str) -> float:
-    """One NIXL request posted and polled directly (the baseline)."""
-    r = agent._raw  # the bench reaches under the wrapper on purpose: this is the baseline
-    ld = r.get_xfer_descs(np.c_[local, np.zeros(len(local), np.uint64)].astype(np.uint64), "DRAM")
-    rd = r.get_xfer_descs(remote.astype(np.uint64), remote_mem)
-    t0 = time.perf_counter()
-    handle = r.initialize_xfer(op, ld, rd, agent.name)
-    state = r.transfer(handle)
-    while state != "DONE":
-        state = r.check_xfer_state(handle)
-    elapsed = time.perf_counter() - t0
-    r.release_xfer_handle(handle)
-    return elapsed
 
 
 def raw_posix(tmp: Path, queue: str, block: int, n: int, repeats: int) -> dict:
@@ -68,8 +47,8 @@ def raw_posix(tmp: Path, queue: str, block: int, n: int, repeats: int) -> dict:
     agent.register_file(fd, block * n, str(path))
     local = np.array([(buf.addr + i * block, block) for i in range(n)], dtype=np.uint64)
     remote = np.array([(i * block, block, fd) for i in range(n)], dtype=np.uint64)
-    w = [raw(agent, "WRITE", local, remote, "FILE") for _ in range(repeats)]
-    r = [raw(agent, "READ", local, remote, "FILE") for _ in range(repeats)]
+    w = [raw_xfer(agent, "WRITE", local, remote, agent.name, "FILE") for _ in range(repeats)]
+    r = [raw_xfer(agent, "READ", local, remote, agent.name, "FILE") for _ in range(repeats)]
     agent.close()
     os.close(fd)
     return {"write_gbps": block * n / median(w) / 1e9, "read_gbps": block * n / median(r) / 1e9}
@@ -115,8 +94,8 @@ def raw_s3(s3: MotoServer, block: int, n: int, repeats: int) -> dict:
         agent.register_object(i + 1, block, f"raw/{block}/{i}")
     local = np.array([(buf.addr + i * block, block) for i in range(n)], dtype=np.uint64)
     remote = np.array([(0, block, i + 1) for i in range(n)], dtype=np.uint64)
-    w = [raw(agent, "WRITE", local, remote, "OBJ") for _ in range(repeats)]
-    r = [raw(agent, "READ", local, remote, "OBJ") for _ in range(repeats)]
+    w = [raw_xfer(agent, "WRITE", local, remote, agent.name, "OBJ") for _ in range(repeats)]
+    r = [raw_xfer(agent, "READ", local, remote, agent.name, "OBJ") for _ in range(repeats)]
     agent.close()
     client, data = s3.client(), bytes(block)
     bw = [timed(lambda: [client.put_object(Bucket="bench", Key=f"boto/{i}", Body=data) for i in range(n)])
