@@ -107,25 +107,25 @@ def _routes(service: DirectoryService) -> APIRouter:
 
     @r.post("/v1/workers")
     def register_worker(body: specs.WorkerRegistration) -> specs.Registered:
-        return service.register_worker(body)
+        return service.membership.register_worker(body)
 
     @r.post("/v1/workers/{name}/heartbeat")
     def heartbeat(name: str, body: specs.Heartbeat) -> dict:
-        service.heartbeat(name, body.epoch)
+        service.membership.heartbeat(name, body.epoch)
         return {"ok": True}
 
     @r.post("/v1/workers/{name}/deregister")
     def deregister(name: str, body: specs.Heartbeat) -> dict:
-        service.deregister(name, body.epoch)
+        service.membership.deregister(name, body.epoch)
         return {"ok": True}
 
     @r.get("/v1/workers")
     def workers() -> list[specs.WorkerInfo]:
-        return service.workers()
+        return service.membership.workers()
 
     @r.get("/v1/workers/{name}")
     def worker(name: str) -> specs.WorkerInfo:
-        return service.worker(name)
+        return service.membership.worker(name)
 
     @r.post("/v1/store/prepare", response_model=specs.StorePrepared)
     def prepare_store(body: specs.PrepareStore) -> Response:

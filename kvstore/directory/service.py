@@ -1,11 +1,12 @@
-"""The directory's rules: registration, two-phase store, lookup, leased loads, reaping.
+"""The directory's rules: two-phase store, lookup, leased loads, reaping, operator eviction.
 
 Calls, in the order a block lives through them:
-    register_namespace / register_worker / heartbeat
+    register_namespace (workers: membership.register_worker / heartbeat)
     prepare_store -> complete_store | abort_store      (WRITING -> READY, or rolled back)
     lookup                                              (pure read + access statistics)
-    prepare_load -> complete_load                       (pins under a lease)
-    reap(now)                                           (expired leases, reservations, dead workers)
+    prepare_load -> complete_load                       (promotes to DRAM if needed; pins under a lease)
+    reap()                                              (expired leases and reservations, dead workers,
+                                                         demotion, write-through)
 
 Each call is one transaction. Worker page frees are side effects outside the
 database, so they run only after the transaction commits; pages allocated
@@ -14,7 +15,6 @@ for a transaction that then fails are given back.
 
 from __future__ import annotations
 
-import base64
 import logging
 import secrets
 import threading
@@ -30,6 +30,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.membership import Membership
 from kvstore.directory.movement import Movement
 from kvstore.directory.models import Block, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, READY, WRITING
@@ -60,6 +61,7 @@ class DirectoryService:
         self._lock = threading.RLock()  # one writer at a time within this process
         self._worker_clients: dict[str, WorkerControlClient] = {}
         self.movement = Movement(self)
+        self.membership = Membership(self)
 
     @contextmanager
     def _tx(self) -> Iterator[Tx]:
@@ -89,115 +91,6 @@ class DirectoryService:
             row = self._namespace(tx, namespace_id)
             row.write_through = policy.write_through
         return policy
-
-    def register_worker(self, reg: specs.WorkerRegistration) -> specs.Registered:
-        now = self._clock()
-        with self._tx() as tx:
-            worker = repo.worker_by_name(tx.session, reg.name)
-            if worker is None:
-                worker = Worker(name=reg.name, epoch=0, registered_at=now)
-                tx.session.add(worker)
-            worker.epoch += 1
-            worker.agent_name, worker.pid = reg.agent_name, reg.pid
-            worker.agent_metadata = base64.b64decode(reg.agent_metadata)
-            worker.control_url, worker.backends = reg.control_url, list(reg.backends)
-            worker.state, worker.heartbeat_at = "active", now
-            tx.session.flush()
-            self._drop_volatile(tx, worker)
-            self._upsert_tiers(tx, worker, reg.tiers)
-            tx.session.flush()
-            self._reconcile(tx, worker, reg.inventory, now)
-            epoch = worker.epoch
-        log.info("worker %s registered with epoch %d", reg.name, epoch)
-        return specs.Registered(worker=reg.name, epoch=epoch,
-                                heartbeat_interval_s=self.settings.heartbeat_interval_s)
-
-    def _upsert_tiers(self, tx: Tx, worker: Worker, tiers: list[specs.TierSpec]) -> None:
-        existing = repo.tiers_of(tx.session, worker.id)
-        for spec in tiers:
-            tier = existing.get(spec.kind) or Tier(worker_id=worker.id, kind=spec.kind, used_bytes=0)
-            tier.capacity_bytes, tier.page_bytes, tier.base_addr = spec.capacity_bytes, spec.page_bytes, spec.base_addr
-            tier.high_watermark, tier.low_watermark = spec.high_watermark, spec.low_watermark
-            tx.session.add(tier)
-
-    def _reconcile(self, tx: Tx, worker: Worker, inventory: list[specs.Survivor], now: float) -> None:
-        """A (re)starting worker reports what its durable tiers hold: keep what it still has,
-        forget what it lost, adopt what the directory did not know (its namespace must be known)."""
-        found = {_survivor_key(s.kind, s.token, s.runs, s.namespace_id, s.hash): s for s in inventory}
-        tiers = repo.tiers_of(tx.session, worker.id)
-        lost = []
-        for replica, tier, block in repo.durable_replicas_of_worker(tx.session, worker.id):
-            key = _survivor_key(tier.kind, replica.token, replica.pages, block.namespace_id, block.hash)
-            if found.pop(key, None) is None or replica.state == WRITING:
-                lost.append(replica.id)
-            else:
-                replica.epoch = worker.epoch
-        repo.drop_replicas(tx.session, lost)
-        adopted = [s for s in found.values() if s.kind in tiers and s.checksum
-                   and repo.namespace(tx.session, s.namespace_id)]
-        for survivor in adopted:
-            self._adopt(tx, worker, tiers[survivor.kind], survivor, now)
-        # pages of unknown blocks go back; unknown objects stay in the bucket (they may be another's)
-        unknown = [(s.token, s.runs) for s in found.values() if s not in adopted and s.kind != "s3"]
-        tx.after_commit.append(self._free_later(worker.control_url, unknown))
-        tx.session.flush()
-        for tier in tiers.values():
-            repo.recompute_used(tx.session, tier)
-        if lost or found:
-            log.info("worker %s: %d durable replicas lost, %d adopted, %d unknown freed",
-                     worker.name, len(lost), len(adopted), len(unknown))
-
-    def _adopt(self, tx: Tx, worker: Worker, tier: Tier, survivor: specs.Survivor, now: float) -> None:
-        blocks = repo.blocks_by_hash(tx.session, survivor.namespace_id, [survivor.hash])
-        if survivor.hash not in blocks:
-            ids = repo.insert_blocks(tx.session, [dict(
-                namespace_id=survivor.namespace_id, hash=survivor.hash, parent=None, depth=0,
-                nbytes=survivor.nbytes, checksum=survivor.checksum, created_at=now, last_access=now, hit_count=0)])
-            block_id = ids[survivor.hash]
-        else:
-            block_id = blocks[survivor.hash].id
-        repo.insert_replicas(tx.session, [dict(
-            block_id=block_id, tier_id=tier.id, epoch=worker.epoch, state=READY, token=survivor.token,
-            pages=[[r.first, r.count] for r in survivor.runs], reserved_bytes=sum(r.count for r in survivor.runs)
-            * tier.page_bytes, expires_at=None, created_at=now)])
-
-    def _drop_volatile(self, tx: Tx, worker: Worker) -> None:
-        """The worker's memory tiers start empty in a new epoch: forget what they held."""
-        rows = repo.volatile_replicas_of_worker(tx.session, worker.id)
-        for replica, tier in rows:
-            tier.used_bytes -= replica.reserved_bytes
-        block_ids = [r.block_id for r, _ in rows]
-        repo.drop_replicas(tx.session, [r.id for r, _ in rows])
-        repo.delete_orphan_blocks(tx.session, block_ids)
-
-    def heartbeat(self, name: str, epoch: int) -> None:
-        with self._tx() as tx:
-            worker = repo.worker_by_name(tx.session, name)
-            if worker is None or worker.epoch != epoch or worker.state == "dead":
-                raise KVStoreError("conflict", "unknown worker or stale epoch; register again",
-                                   worker=name, epoch=epoch)
-            worker.heartbeat_at = self._clock()
-
-    def deregister(self, name: str, epoch: int) -> None:
-        """A worker leaving cleanly: its memory tiers go with it, at once."""
-        with self._tx() as tx:
-            worker = repo.worker_by_name(tx.session, name)
-            if worker is None or worker.epoch != epoch:
-                raise KVStoreError("conflict", "unknown worker or stale epoch", worker=name, epoch=epoch)
-            worker.state = "dead"
-            self._drop_volatile(tx, worker)
-        log.info("worker %s (epoch %d) deregistered", name, epoch)
-
-    def workers(self) -> list[specs.WorkerInfo]:
-        with self._tx() as tx:
-            return [_worker_info(w, with_metadata=False) for w in repo.workers(tx.session)]
-
-    def worker(self, name: str) -> specs.WorkerInfo:
-        with self._tx() as tx:
-            worker = repo.worker_by_name(tx.session, name)
-            if worker is None:
-                raise KVStoreError("not_found", f"no worker named {name!r}", worker=name)
-            return _worker_info(worker, with_metadata=True)
 
     # ---- store --------------------------------------------------------------------------
 
@@ -429,7 +322,7 @@ class DirectoryService:
             for token in tokens:
                 rows = repo.replicas_with_token(tx.session, token, WRITING)
                 self._roll_back(tx, [(r, t, w) for r, _, t, w in rows])
-            dead = self._declare_dead(tx, now)
+            dead = self.membership.declare_dead(tx, now)
             self._collect_deleting(tx)
         if leases or tokens or dead:
             log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, len(tokens), dead)
@@ -437,16 +330,6 @@ class DirectoryService:
         copied = self.movement.write_through()
         return {"leases": leases, "reservations": len(tokens), "dead_workers": dead, "demoted": demoted,
                 "written_through": copied}
-
-    def _declare_dead(self, tx: Tx, now: float) -> int:
-        dead = 0
-        for worker in repo.workers(tx.session):
-            if worker.state != "dead" and now - worker.heartbeat_at > self.settings.heartbeat_timeout_s:
-                log.warning("worker %s missed heartbeats for %.1fs: dead", worker.name, now - worker.heartbeat_at)
-                worker.state = "dead"
-                self._drop_volatile(tx, worker)
-                dead += 1
-        return dead
 
     def _collect_deleting(self, tx: Tx) -> None:
         rows = repo.replicas_in_state(tx.session, DELETING)
@@ -570,13 +453,6 @@ def _roomiest(candidates: list[tuple[Tier, Worker]]) -> tuple[Tier, Worker] | No
     return max(candidates, key=lambda tw: free(tw[0]), default=None)
 
 
-def _survivor_key(kind: str, token: str, runs, namespace_id: str, block_hash: str) -> tuple:
-    """Objects are named by their block; pages by the token and runs they were written under."""
-    if kind == "s3":
-        return (kind, f"{namespace_id}/{block_hash}")
-    return (kind, token, tuple((r.first, r.count) if hasattr(r, "first") else tuple(r) for r in runs))
-
-
 def _location(worker: Worker, tier: Tier, runs, nbytes: int) -> specs.ReplicaLocation:
     if tier.kind == "s3":  # one object: offsets within it
         return specs.ReplicaLocation.model_construct(worker=worker.name, epoch=worker.epoch,
@@ -599,11 +475,3 @@ def _lookup_result(hits) -> specs.LookupResult:
                                      location=_location(worker, tier, replica.pages, block.nbytes)))
         by_tier[tier.kind] = by_tier.get(tier.kind, 0) + 1
     return specs.LookupResult(num_hit_blocks=len(blocks), blocks=blocks, by_tier=by_tier)
-
-
-def _worker_info(worker: Worker, with_metadata: bool) -> specs.WorkerInfo:
-    return specs.WorkerInfo(
-        name=worker.name, agent_name=worker.agent_name, epoch=worker.epoch, state=worker.state,
-        pid=worker.pid, control_url=worker.control_url, backends=list(worker.backends),
-        last_heartbeat=worker.heartbeat_at,
-        agent_metadata=base64.b64encode(worker.agent_metadata).decode() if with_metadata else None)

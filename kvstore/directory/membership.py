@@ -1,0 +1,163 @@
+"""Who the workers are: registration (with restart reconciliation), heartbeats, death, leaving.
+
+    register_worker(reg) -> epoch     # a new epoch; memory tiers start empty; durable tiers reconciled
+    heartbeat(name, epoch)            # a stale epoch is a conflict: register again
+    declare_dead(tx, now)             # the reaper: silence beyond heartbeat_timeout_s
+    deregister(name, epoch)           # a clean stop
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import TYPE_CHECKING
+
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.directory import repository as repo
+from kvstore.directory.models import Tier, Worker
+from kvstore.directory.models.replica import READY, WRITING
+
+if TYPE_CHECKING:
+    from kvstore.directory.service import Tx
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(self, service) -> None:
+        self.service = service  # DirectoryService: transactions, settings, worker calls
+
+    def register_worker(self, reg: specs.WorkerRegistration) -> specs.Registered:
+        now = self.service._clock()
+        with self.service._tx() as tx:
+            worker = repo.worker_by_name(tx.session, reg.name)
+            if worker is None:
+                worker = Worker(name=reg.name, epoch=0, registered_at=now)
+                tx.session.add(worker)
+            worker.epoch += 1
+            worker.agent_name, worker.pid = reg.agent_name, reg.pid
+            worker.agent_metadata = base64.b64decode(reg.agent_metadata)
+            worker.control_url, worker.backends = reg.control_url, list(reg.backends)
+            worker.state, worker.heartbeat_at = "active", now
+            tx.session.flush()
+            self.drop_volatile(tx, worker)
+            self._upsert_tiers(tx, worker, reg.tiers)
+            tx.session.flush()
+            self._reconcile(tx, worker, reg.inventory, now)
+            epoch = worker.epoch
+        log.info("worker %s registered with epoch %d", reg.name, epoch)
+        return specs.Registered(worker=reg.name, epoch=epoch,
+                                heartbeat_interval_s=self.service.settings.heartbeat_interval_s)
+
+    def _upsert_tiers(self, tx: Tx, worker: Worker, tiers: list[specs.TierSpec]) -> None:
+        existing = repo.tiers_of(tx.session, worker.id)
+        for spec in tiers:
+            tier = existing.get(spec.kind) or Tier(worker_id=worker.id, kind=spec.kind, used_bytes=0)
+            tier.capacity_bytes, tier.page_bytes, tier.base_addr = spec.capacity_bytes, spec.page_bytes, spec.base_addr
+            tier.high_watermark, tier.low_watermark = spec.high_watermark, spec.low_watermark
+            tx.session.add(tier)
+
+    def _reconcile(self, tx: Tx, worker: Worker, inventory: list[specs.Survivor], now: float) -> None:
+        """A (re)starting worker reports what its durable tiers hold: keep what it still has,
+        forget what it lost, adopt what the directory did not know (its namespace must be known)."""
+        found = {_survivor_key(s.kind, s.token, s.runs, s.namespace_id, s.hash): s for s in inventory}
+        tiers = repo.tiers_of(tx.session, worker.id)
+        lost = []
+        for replica, tier, block in repo.durable_replicas_of_worker(tx.session, worker.id):
+            key = _survivor_key(tier.kind, replica.token, replica.pages, block.namespace_id, block.hash)
+            if found.pop(key, None) is None or replica.state == WRITING:
+                lost.append(replica.id)
+            else:
+                replica.epoch = worker.epoch
+        repo.drop_replicas(tx.session, lost)
+        adopted = [s for s in found.values() if s.kind in tiers and s.checksum
+                   and repo.namespace(tx.session, s.namespace_id)]
+        for survivor in adopted:
+            self._adopt(tx, worker, tiers[survivor.kind], survivor, now)
+        # pages of unknown blocks go back; unknown objects stay in the bucket (they may be another's)
+        unknown = [(s.token, s.runs) for s in found.values() if s not in adopted and s.kind != "s3"]
+        tx.after_commit.append(self.service._free_later(worker.control_url, unknown))
+        tx.session.flush()
+        for tier in tiers.values():
+            repo.recompute_used(tx.session, tier)
+        if lost or found:
+            log.info("worker %s: %d durable replicas lost, %d adopted, %d unknown freed",
+                     worker.name, len(lost), len(adopted), len(unknown))
+
+    def _adopt(self, tx: Tx, worker: Worker, tier: Tier, survivor: specs.Survivor, now: float) -> None:
+        blocks = repo.blocks_by_hash(tx.session, survivor.namespace_id, [survivor.hash])
+        if survivor.hash not in blocks:
+            ids = repo.insert_blocks(tx.session, [dict(
+                namespace_id=survivor.namespace_id, hash=survivor.hash, parent=None, depth=0,
+                nbytes=survivor.nbytes, checksum=survivor.checksum, created_at=now, last_access=now, hit_count=0)])
+            block_id = ids[survivor.hash]
+        else:
+            block_id = blocks[survivor.hash].id
+        repo.insert_replicas(tx.session, [dict(
+            block_id=block_id, tier_id=tier.id, epoch=worker.epoch, state=READY, token=survivor.token,
+            pages=[[r.first, r.count] for r in survivor.runs], reserved_bytes=sum(r.count for r in survivor.runs)
+            * tier.page_bytes, expires_at=None, created_at=now)])
+
+    def drop_volatile(self, tx: Tx, worker: Worker) -> None:
+        """The worker's memory tiers start empty in a new epoch: forget what they held."""
+        rows = repo.volatile_replicas_of_worker(tx.session, worker.id)
+        for replica, tier in rows:
+            tier.used_bytes -= replica.reserved_bytes
+        block_ids = [r.block_id for r, _ in rows]
+        repo.drop_replicas(tx.session, [r.id for r, _ in rows])
+        repo.delete_orphan_blocks(tx.session, block_ids)
+
+    def heartbeat(self, name: str, epoch: int) -> None:
+        with self.service._tx() as tx:
+            worker = repo.worker_by_name(tx.session, name)
+            if worker is None or worker.epoch != epoch or worker.state == "dead":
+                raise KVStoreError("conflict", "unknown worker or stale epoch; register again",
+                                   worker=name, epoch=epoch)
+            worker.heartbeat_at = self.service._clock()
+
+    def deregister(self, name: str, epoch: int) -> None:
+        """A worker leaving cleanly: its memory tiers go with it, at once."""
+        with self.service._tx() as tx:
+            worker = repo.worker_by_name(tx.session, name)
+            if worker is None or worker.epoch != epoch:
+                raise KVStoreError("conflict", "unknown worker or stale epoch", worker=name, epoch=epoch)
+            worker.state = "dead"
+            self.drop_volatile(tx, worker)
+        log.info("worker %s (epoch %d) deregistered", name, epoch)
+
+    def workers(self) -> list[specs.WorkerInfo]:
+        with self.service._tx() as tx:
+            return [_worker_info(w, with_metadata=False) for w in repo.workers(tx.session)]
+
+    def worker(self, name: str) -> specs.WorkerInfo:
+        with self.service._tx() as tx:
+            worker = repo.worker_by_name(tx.session, name)
+            if worker is None:
+                raise KVStoreError("not_found", f"no worker named {name!r}", worker=name)
+            return _worker_info(worker, with_metadata=True)
+
+    def declare_dead(self, tx: Tx, now: float) -> int:
+        dead = 0
+        for worker in repo.workers(tx.session):
+            if worker.state != "dead" and now - worker.heartbeat_at > self.service.settings.heartbeat_timeout_s:
+                log.warning("worker %s missed heartbeats for %.1fs: dead", worker.name, now - worker.heartbeat_at)
+                worker.state = "dead"
+                self.drop_volatile(tx, worker)
+                dead += 1
+        return dead
+
+
+def _survivor_key(kind: str, token: str, runs, namespace_id: str, block_hash: str) -> tuple:
+    """Objects are named by their block; pages by the token and runs they were written under."""
+    if kind == "s3":
+        return (kind, f"{namespace_id}/{block_hash}")
+    return (kind, token, tuple((r.first, r.count) if hasattr(r, "first") else tuple(r) for r in runs))
+
+
+def _worker_info(worker: Worker, with_metadata: bool) -> specs.WorkerInfo:
+    return specs.WorkerInfo(
+        name=worker.name, agent_name=worker.agent_name, epoch=worker.epoch, state=worker.state,
+        pid=worker.pid, control_url=worker.control_url, backends=list(worker.backends),
+        last_heartbeat=worker.heartbeat_at,
+        agent_metadata=base64.b64encode(worker.agent_metadata).decode() if with_metadata else None)
