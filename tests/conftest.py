@@ -18,3 +18,15 @@ def database_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'directory.db'}"
     return request.getfixturevalue("postgres").create_database()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (HBM, GDS, UCX on VRAM) run only where CUDA exists."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: a GPU path")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

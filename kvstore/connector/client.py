@@ -184,15 +184,16 @@ class KVStoreClient:
         return done, digests
 
     def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
-        """One NIXL request per worker; returns per item whether its request completed."""
-        by_worker: dict[tuple[str, int], list[int]] = {}
+        """One NIXL request per worker and tier; returns per item whether its request completed."""
+        by_worker: dict[tuple[str, int, str], list[int]] = {}
         for k, (_, location) in enumerate(items):
-            by_worker.setdefault((location.worker, location.epoch), []).append(k)
+            by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
         transfers: list[tuple[Transfer | None, list[int]]] = []
-        for (worker, epoch), ks in by_worker.items():
+        for (worker, epoch, tier), ks in by_worker.items():
             peer = self.peers.agent_for(worker, epoch)
             local, remote = _rows([items[k] for k in ks])
-            transfers.append((self.agent.submit(op, local, remote, peer) if peer else None, ks))
+            remote_mem = "VRAM" if tier == "hbm" else "DRAM"  # hbm: a GPU path (UCX on VRAM)
+            transfers.append((self.agent.submit(op, local, remote, peer, "DRAM", remote_mem) if peer else None, ks))
         done = [False] * len(items)
         for transfer, ks in transfers:
             state = transfer.wait(self.timeout_s) if transfer else "failed"

@@ -44,7 +44,7 @@ class Movement:
     def demote(self) -> int:
         moved = 0
         with self.service._tx() as tx:
-            pressured = [(t.id, w.id, _above_low(t)) for kind in ("dram", "nvme")
+            pressured = [(t.id, w.id, _above_low(t)) for kind in ("hbm", "dram", "nvme")
                          for t, w in repo.active_tiers(tx.session, kind) if _over_high(t)]
         for tier_id, worker_id, to_free in pressured:
             moved += self._demote_tier(tier_id, worker_id, to_free, protected=set())["demoted"]

@@ -39,7 +39,7 @@ from kvstore.directory.settings import DirectorySettings
 log = logging.getLogger(__name__)
 TIER_PREFERENCE = {"hbm": 0, "dram": 1, "nvme": 2, "s3": 3}
 READABLE_BY_ENGINES = ("hbm", "dram")  # what a connector reads one-sidedly over UCX
-PLACEMENT_TIER = "dram"
+PLACEMENT_TIERS = ("hbm", "dram")  # new blocks go to the fastest memory tier the workers have
 
 
 class Tx:
@@ -124,7 +124,7 @@ class DirectoryService:
         """If the tier placement would pick cannot take `nbytes`, demote first (outside the store's
         transaction). Best effort: what still does not fit is rejected with no_space."""
         with self._tx() as tx:
-            choice = _roomiest(repo.active_tiers(tx.session, PLACEMENT_TIER))
+            choice = _placement(tx.session)
             ids = (choice[0].id, choice[1].id) if choice else None
         if ids:
             try:
@@ -137,7 +137,7 @@ class DirectoryService:
         """Reserve pages for `wanted` on one worker's DRAM tier; fills `decisions`."""
         if not wanted:
             return 0
-        choice = _roomiest(repo.active_tiers(tx.session, PLACEMENT_TIER))
+        choice = _placement(tx.session)
         if choice is None:
             for block in wanted:
                 decisions[block.hash] = specs.StoreDecision(hash=block.hash, status="rejected", reason="no_worker")
@@ -445,6 +445,14 @@ def _replica_states(session: Session, blocks: dict[str, Block]) -> dict[str, set
         elif replica.state == WRITING and replica.epoch == worker.epoch:
             states.setdefault(by_id[replica.block_id], set()).add(WRITING)
     return states
+
+
+def _placement(session: Session) -> tuple[Tier, Worker] | None:
+    for kind in PLACEMENT_TIERS:
+        choice = _roomiest(repo.active_tiers(session, kind))
+        if choice is not None:
+            return choice
+    return None
 
 
 def _roomiest(candidates: list[tuple[Tier, Worker]]) -> tuple[Tier, Worker] | None:

@@ -157,6 +157,13 @@ class Agent:
         self._regs.append(reg)
         return reg
 
+    def register_vram(self, addr: int, nbytes: int, device: int) -> Registration:
+        """GPU memory (a CUDA device pointer) for UCX and GDS. GPU path: needs CUDA-enabled UCX."""
+        handle = self._raw.register_memory([(addr, nbytes, device, "")], "VRAM")
+        reg = Registration(addr, nbytes, "VRAM", handle)
+        self._regs.append(reg)
+        return reg
+
     def register_file(self, fd: int, nbytes: int, path: str) -> Registration:
         """A file (fd mode) for the POSIX/GDS backends: rows then address it as (offset, len, fd)."""
         handle = self._raw.register_memory([(0, nbytes, fd, path)], "FILE")

@@ -25,17 +25,19 @@ from kvstore.core import specs
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent
 from kvstore.worker.allocator import PageAllocator
+from kvstore.worker.hbm import HbmArena
 from kvstore.worker.nvme import NvmeTier
 from kvstore.worker.s3 import S3Tier
 
 log = logging.getLogger(__name__)
-ROUTES = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram"), ("nvme", "s3")}
+ROUTES = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram"), ("nvme", "s3"),
+          ("hbm", "dram"), ("dram", "hbm")}  # the hbm routes are GPU paths (UCX on VRAM)
 BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
 
 
 class Mover:
     def __init__(self, agent: Agent, arena: HostBuffer, page_bytes: int, nvme: NvmeTier | None,
-                 s3: S3Tier | None, bounce_bytes: int) -> None:
+                 s3: S3Tier | None, bounce_bytes: int, hbm: HbmArena | None = None) -> None:
         self.agent = agent
         self.arena = arena
         self.page_bytes = page_bytes
@@ -47,6 +49,7 @@ class Mover:
             agent.register_dram(self.bounce.addr, self.bounce.nbytes)
         self.nvme = nvme
         self.s3 = s3
+        self.hbm = hbm
 
     def move(self, req: specs.MoveRequest) -> specs.MoveResult:
         errors: dict[int, str | None] = {}
@@ -106,7 +109,8 @@ class Mover:
         return dram, self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, dram), "OBJ"
 
     def _can(self, route: tuple[str, str]) -> bool:
-        present = {"dram": True, "nvme": self.nvme is not None, "s3": self.s3 is not None}
+        present = {"dram": True, "nvme": self.nvme is not None, "s3": self.s3 is not None,
+                   "hbm": self.hbm is not None}
         return route in ROUTES and present[route[0]] and present[route[1]]
 
     def _move_one(self, item: specs.MoveItem) -> str | None:
@@ -114,6 +118,26 @@ class Mover:
         if not self._can(route):
             return f"this worker cannot move {item.src_kind} -> {item.dst_kind}"
         return getattr(self, "_" + "_to_".join(route))(item)
+
+    def _hbm_to_dram(self, item: specs.MoveItem) -> str | None:  # GPU path
+        if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
+            return "checksum mismatch in HBM before demotion"
+        local, remote = _paired(self.dram_rows(item.dst_runs, item.nbytes), self.hbm.rows(item.src_runs, item.nbytes))
+        transfer = self.agent.submit("READ", local, remote, self.agent.name, "DRAM", "VRAM")
+        if transfer.wait(120) != "done":
+            return transfer.error
+        return None if self.dram_checksum(item.dst_runs, item.nbytes) == item.checksum else \
+            "checksum mismatch after copying from HBM"
+
+    def _dram_to_hbm(self, item: specs.MoveItem) -> str | None:  # GPU path
+        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
+            return "checksum mismatch in DRAM before promotion"
+        local, remote = _paired(self.dram_rows(item.src_runs, item.nbytes), self.hbm.rows(item.dst_runs, item.nbytes))
+        transfer = self.agent.submit("WRITE", local, remote, self.agent.name, "DRAM", "VRAM")
+        if transfer.wait(120) != "done":
+            return transfer.error
+        return None if self.hbm.checksum(item.dst_runs, item.nbytes) == item.checksum else \
+            "checksum mismatch after copying to HBM"
 
     def _dram_to_nvme(self, item: specs.MoveItem) -> str | None:
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:

@@ -22,6 +22,7 @@ from kvstore.core.sizes import format_size
 from kvstore.transfer import Agent
 from kvstore.worker.allocator import PageAllocator
 from kvstore.worker.control import ControlServer
+from kvstore.worker.hbm import HbmArena
 from kvstore.worker.mover import Mover
 from kvstore.worker.nvme import NvmeTier
 from kvstore.worker.s3 import S3Tier
@@ -37,7 +38,8 @@ class StorageWorker:
         if num_pages < 1:
             raise KVStoreError("invalid", "the DRAM tier must hold at least one page",
                                dram_bytes=settings.dram_bytes, page_bytes=settings.page_bytes)
-        _check_hbm(settings.hbm_bytes)
+        self.hbm = HbmArena(settings.hbm_bytes, settings.page_bytes, settings.hbm_device) \
+            if settings.hbm_bytes else None
         self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes) \
             if settings.nvme_bytes else None
         self.s3 = S3Tier(settings.s3_endpoint, settings.s3_bucket, settings.s3_prefix, settings.s3_region,
@@ -52,10 +54,14 @@ class StorageWorker:
         self.agent = Agent(f"{settings.name}-{uuid.uuid4().hex[:8]}", backends=backends)
         self.agent.register_dram(self.arena.addr, self.arena.nbytes)
         allocators = {"dram": self.allocator}
+        if self.hbm:
+            self.hbm.register(self.agent)
+            allocators["hbm"] = self.hbm.allocator
         if self.nvme:
             self.nvme.register(self.agent)
             allocators["nvme"] = self.nvme.allocator
-        self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes)
+        self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes,
+                           self.hbm)
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
                                      on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {})
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0)
@@ -70,6 +76,9 @@ class StorageWorker:
     def tier_specs(self) -> list[specs.TierSpec]:
         tiers = [specs.TierSpec(kind="dram", capacity_bytes=self.arena.nbytes,
                                 page_bytes=self.settings.page_bytes, base_addr=self.arena.addr)]
+        if self.hbm:
+            tiers.append(specs.TierSpec(kind="hbm", capacity_bytes=self.hbm.nbytes,
+                                        page_bytes=self.settings.page_bytes, base_addr=self.hbm.addr))
         if self.nvme:
             tiers.append(specs.TierSpec(kind="nvme", capacity_bytes=self.nvme.capacity_bytes,
                                         page_bytes=self.settings.page_bytes))
@@ -146,14 +155,3 @@ class StorageWorker:
         if self.nvme:
             self.nvme.close()
 
-
-def _check_hbm(hbm_bytes: int) -> None:
-    if not hbm_bytes:
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise KVStoreError("unavailable", "an HBM tier needs a CUDA GPU and this host has none; "
-                           "start without --hbm-bytes", hbm_bytes=hbm_bytes)
-    raise KVStoreError("invalid", "the HBM tier (CUDA arena registered as VRAM, GDS to NVMe) is not built yet",
-                       hbm_bytes=hbm_bytes)

@@ -20,6 +20,7 @@ class WorkerSettings(BaseSettings):
     dram_bytes: int = Field(512 << 20, ge=1 << 20, description="DRAM arena size, allocated and registered once")
     page_bytes: int = Field(64 << 10, ge=4096, le=1 << 30, description="page size of every tier")
     hbm_bytes: int = Field(0, ge=0, description="HBM tier size; needs CUDA; 0 = no HBM tier")
+    hbm_device: int = Field(0, ge=0, description="CUDA device of the HBM tier")
     nvme_bytes: int = Field(0, ge=0, description="NVMe tier size in slab files; 0 = no NVMe tier")
     nvme_dir: Path = Field(Path("var/nvme"), description="where the slab files and their manifest live")
     posix_queue: Literal["aio", "uring"] = Field("aio", description="NIXL POSIX backend queue")

@@ -1,0 +1,50 @@
+"""GPU paths: an HBM tier (CUDA arena registered as VRAM) read by engines over UCX and demoted to
+DRAM. Marked `gpu`: skipped without CUDA; these have not run on a GPU yet."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from kvstore.client import DirectoryClient
+from tests.helpers import free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.integration.conftest import run_engine
+from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS
+
+pytestmark = pytest.mark.gpu
+FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
+                      tmp_path / "directory.log")
+    worker = None
+    try:
+        wait_http(url + "/healthz", proc=directory)
+        worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "gpu0", "--page-bytes",
+                                   "16KiB", "--hbm-bytes", "64MiB", "--dram-bytes", "64MiB"), tmp_path / "worker.log")
+        client = DirectoryClient(url)
+        wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker up")
+        assert run_engine(url, "save", tmp_path, 1)["stored_tokens"] == FULL
+        tiers = {t.kind: t for t in client.tiers()}
+        assert tiers["hbm"].num_blocks == FULL // BLOCK_TOKENS  # new blocks land in HBM first
+
+        loaded = run_engine(url, "load", tmp_path, 1)  # the CPU engine reads VRAM over UCX
+        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+
+        moved = subprocess.run(kvstore_cmd("evict", "--tier", "hbm", "--all", "--url", url), capture_output=True,
+                               text=True, timeout=120)
+        assert moved.returncode == 0 and "dropped" in moved.stdout, moved.stderr
+        tiers = {t["kind"]: t for t in json.loads(subprocess.run(
+            kvstore_cmd("tiers", "--url", url, "--output", "json"), capture_output=True, text=True).stdout)}
+        assert (tiers["hbm"]["num_blocks"], tiers["dram"]["num_blocks"]) == (0, FULL // BLOCK_TOKENS)
+        loaded = run_engine(url, "load", tmp_path, 1)
+        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(directory)
