@@ -1,10 +1,13 @@
-"""Moving blocks between tiers: demotion under pressure, promotion on load.
+"""Moving blocks between tiers (order hbm -> dram -> nvme -> s3, per worker).
 
-    demote()                 # per memory tier above its high watermark: LRU victims go one tier
-                             # down (DRAM -> NVMe) until the low watermark, or are dropped at the bottom
-    promote(hits) -> hits    # blocks a reader can only find on NVMe are staged into DRAM first
+    demote() -> n            # the reaper: tiers above their high watermark send LRU blocks one tier
+                             # down until the low watermark; the bottom tier drops them
+    make_room(tier, nbytes)  # before a save or a promotion: the same, cascading down first
+    evict(...)               # the operator's `kvstore evict`, with a dry run
+    promote(hits) -> ids     # blocks a reader can only find on NVMe or S3 are copied into DRAM
+    write_through() -> n     # the reaper: S3 copies for namespaces that ask for them
 
-Both run in three steps so no database transaction spans worker I/O:
+Every move runs in three steps so no database transaction spans worker I/O:
 reserve (destination pages + a WRITING replica; the source marked MOVING),
 move (the worker copies and checks the checksum), commit (destination READY,
 source DELETING — freed when its last pin goes) or roll back.

@@ -31,13 +31,13 @@ from kvstore.core.keys import Namespace, block_hashes
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.membership import Membership
-from kvstore.directory.movement import Movement
+from kvstore.directory.movement import TIER_ORDER, Movement
 from kvstore.directory.models import Block, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, READY, WRITING
 from kvstore.directory.settings import DirectorySettings
 
 log = logging.getLogger(__name__)
-TIER_PREFERENCE = {"hbm": 0, "dram": 1, "nvme": 2, "s3": 3}
+TIER_PREFERENCE = {kind: rank for rank, kind in enumerate(TIER_ORDER)}  # the best replica is the fastest
 READABLE_BY_ENGINES = ("hbm", "dram")  # what a connector reads one-sidedly over UCX
 PLACEMENT_TIERS = ("hbm", "dram")  # new blocks go to the fastest memory tier the workers have
 

@@ -11,7 +11,10 @@ fails the item, so corrupt bytes never become a replica.
     dram -> s3     OBJ WRITE (one PUT; scattered pages are first gathered into
                    contiguous DRAM pages, since OBJ writes whole objects at offset 0)
     s3 -> dram     OBJ READ (ranged GETs; promotion)
-    nvme -> s3     through DRAM pages borrowed for the copy
+    nvme -> s3     through the bounce buffer (registered once)
+    hbm <-> dram   UCX on VRAM, loopback (GPU path, never run here)
+
+All blocks of one route in a request travel in one NIXL request.
 """
 
 from __future__ import annotations
