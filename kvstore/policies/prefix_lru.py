@@ -39,7 +39,7 @@ class PrefixLRU:
 
     def evict(self, n: int, protected=()) -> list | None:
         protected = set(protected)
-        if len(self._stamp) - len(protected & self._stamp.keys()) < n:
+        if len(self._stamp) - sum(1 for key in protected if key in self._stamp) < n:
             return None
         victims, held_back = [], []
         while len(victims) < n:

@@ -30,7 +30,7 @@ class S3FIFO:
 
     def evict(self, n: int, protected=()) -> list | None:
         protected = set(protected)
-        if len(self) - len(protected & (self._small.keys() | self._main.keys())) < n:
+        if len(self) - sum(1 for key in protected if key in self) < n:
             return None
         victims = []
         while len(victims) < n:

@@ -1,0 +1,141 @@
+"""Prefix and block hit ratios of the eviction policies on a trace, with LRU and Belady's OPT.
+
+    python bench/hit_ratio.py --trace PATH --capacities 0.02,0.05,0.1 --json OUT [--policies lru,s3fifo,...]
+
+Trace: one JSON object per line with `hash_ids` (block ids of a request, in order). Each request
+first looks its blocks up (prefix hits count up to its first miss), then saves them all, as an
+engine does after prefill: hits are touched, misses inserted (evicting to make room; the
+request's own blocks are protected). Capacity = a fraction of the distinct blocks. OPT evicts
+the block whose next use is farthest and never caches a block that is not used again. The
+policy's own cost per request (µs) is measured around its calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, print_table, write_json  # noqa: E402
+
+from kvstore.policies import EVICTION, make_eviction  # noqa: E402
+
+DEFAULT = "lru"  # what the directory's demotion runs today (LRU, deepest first on ties)
+
+
+def load_trace(path: str) -> list[list[int]]:
+    with open(path) as f:
+        return [json.loads(line)["hash_ids"] for line in f if line.strip()]
+
+
+def lookup(requests_cached, request) -> tuple[int, int]:
+    """(prefix hits, block hits) of one request against a membership test."""
+    prefix, blocks, broken = 0, 0, False
+    for key in request:
+        if requests_cached(key):
+            blocks += 1
+            prefix += not broken
+        else:
+            broken = True
+    return prefix, blocks
+
+
+def simulate(policy, requests: list[list[int]], capacity: int) -> dict:
+    prefix = blocks = total = 0
+    spent = 0.0
+    for request in requests:
+        p, b = lookup(policy.__contains__, request)
+        prefix, blocks, total = prefix + p, blocks + b, total + len(request)
+        t0 = time.perf_counter()
+        protected = set(request)
+        for i, key in enumerate(request):
+            if key in policy:
+                policy.touch(key)
+                continue
+            if len(policy) >= capacity and policy.evict(1, protected) is None:
+                break  # no room even after eviction: the rest of the request is not cached
+            policy.insert(key, request[i - 1] if i else None)
+        spent += time.perf_counter() - t0
+    return {"prefix_hit_ratio": prefix / total, "block_hit_ratio": blocks / total,
+            "policy_us_per_request": spent / len(requests) * 1e6}
+
+
+def simulate_opt(requests: list[list[int]], capacity: int) -> dict:
+    flat = [key for request in requests for key in request]
+    next_use = [0] * len(flat)
+    last: dict = {}
+    for i in range(len(flat) - 1, -1, -1):
+        next_use[i] = last.get(flat[i], float("inf"))
+        last[flat[i]] = i
+    cached: dict = {}  # key -> its next use
+    heap: list = []  # (-next use, key), stale entries skipped
+    prefix = blocks = total = 0
+    position = 0
+    for request in requests:
+        p, b = lookup(cached.__contains__, request)
+        prefix, blocks, total = prefix + p, blocks + b, total + len(request)
+        for key in request:
+            nu = next_use[position]
+            position += 1
+            if key in cached or len(cached) < capacity:
+                if nu == float("inf"):
+                    cached.pop(key, None)  # never used again: not worth a slot
+                    continue
+                cached[key] = nu
+                heapq.heappush(heap, (-nu, key))
+                continue
+            if nu == float("inf"):
+                continue
+            while True:  # the farthest next use among the cached keys
+                far, victim = heapq.heappop(heap)
+                if cached.get(victim) == -far:
+                    break
+            if -far > nu:
+                del cached[victim]
+                cached[key] = nu
+                heapq.heappush(heap, (-nu, key))
+            else:
+                heapq.heappush(heap, (far, victim))  # the newcomer is used last: bypass it
+    return {"prefix_hit_ratio": prefix / total, "block_hit_ratio": blocks / total, "policy_us_per_request": 0.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--capacities", default="0.02,0.05,0.1")
+    parser.add_argument("--policies", default="default," + ",".join(sorted(EVICTION)))
+    parser.add_argument("--json", default="bench/out/hit_ratio.json")
+    args = parser.parse_args()
+    try:
+        requests = load_trace(args.trace)
+        capacities = [float(c) for c in args.capacities.split(",")]
+    except (OSError, ValueError, KeyError) as exc:
+        sys.exit(f"error: cannot read the trace or capacities: {exc}")
+    names = [DEFAULT if p == "default" else p for p in args.policies.split(",")]
+    unknown = [n for n in names if n not in EVICTION]
+    if unknown:
+        sys.exit(f"error: unknown policies {unknown}; choose from {sorted(EVICTION)}")
+    distinct = len({key for request in requests for key in request})
+    results = []
+    for fraction in capacities:
+        capacity = max(1, int(fraction * distinct))
+        for label in args.policies.split(","):
+            name = DEFAULT if label == "default" else label
+            row = simulate(make_eviction(name, capacity), requests, capacity)
+            results.append({"capacity_fraction": fraction, "policy": label, **row})
+            print(f"capacity {fraction:.2f} {label:>10}: prefix hit {row['prefix_hit_ratio']:.3f}", flush=True)
+        results.append({"capacity_fraction": fraction, "policy": "opt", **simulate_opt(requests, capacity)})
+    print()
+    print_table(["capacity", "policy", "prefix hit", "block hit", "µs/request"],
+                [[f'{r["capacity_fraction"]:.2f}', r["policy"], f'{r["prefix_hit_ratio"]:.3f}',
+                  f'{r["block_hit_ratio"]:.3f}', f'{r["policy_us_per_request"]:.1f}'] for r in results])
+    write_json(args.json, {"benchmark": "hit_ratio", "machine": machine(), "trace": os.path.basename(args.trace),
+                           "requests": len(requests), "distinct_blocks": distinct, "results": results})
+
+
+if __name__ == "__main__":
+    main()
