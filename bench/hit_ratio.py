@@ -2,6 +2,8 @@
 
     python bench/hit_ratio.py --trace PATH --capacities 0.02,0.05,0.1 --json OUT [--policies lru,s3fifo,...]
 
+A policy is an eviction policy name, optionally with an admission policy: `lru+doorkeeper`.
+
 Trace: one JSON object per line with `hash_ids` (block ids of a request, in order). Each request
 first looks its blocks up (prefix hits count up to its first miss), then saves them all, as an
 engine does after prefill: hits are touched, misses inserted (evicting to make room; the
@@ -22,7 +24,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, print_table, write_json  # noqa: E402
 
-from kvstore.policies import EVICTION, make_eviction  # noqa: E402
+from kvstore.policies import EVICTION, Admit, make_admission, make_eviction  # noqa: E402
+from kvstore.policies.admission import Always  # noqa: E402
 
 DEFAULT = "lru"  # what the directory's demotion runs today (LRU, deepest first on ties)
 
@@ -44,7 +47,8 @@ def lookup(requests_cached, request) -> tuple[int, int]:
     return prefix, blocks
 
 
-def simulate(policy, requests: list[list[int]], capacity: int) -> dict:
+def simulate(policy, requests: list[list[int]], capacity: int, admission=None) -> dict:
+    admission = admission or Always()
     prefix = blocks = total = 0
     spent = 0.0
     for request in requests:
@@ -56,6 +60,10 @@ def simulate(policy, requests: list[list[int]], capacity: int) -> dict:
             if key in policy:
                 policy.touch(key)
                 continue
+            if not isinstance(admission.admit(key), Admit):
+                for rest in request[i + 1 :]:  # a suffix without its prefix is useless, but it was seen
+                    admission.admit(rest)
+                break
             if len(policy) >= capacity and policy.evict(1, protected) is None:
                 break  # no room even after eviction: the rest of the request is not cached
             policy.insert(key, request[i - 1] if i else None)
@@ -115,7 +123,7 @@ def main() -> None:
         capacities = [float(c) for c in args.capacities.split(",")]
     except (OSError, ValueError, KeyError) as exc:
         sys.exit(f"error: cannot read the trace or capacities: {exc}")
-    names = [DEFAULT if p == "default" else p for p in args.policies.split(",")]
+    names = [DEFAULT if p == "default" else p.split("+")[0] for p in args.policies.split(",")]
     unknown = [n for n in names if n not in EVICTION]
     if unknown:
         sys.exit(f"error: unknown policies {unknown}; choose from {sorted(EVICTION)}")
@@ -124,8 +132,9 @@ def main() -> None:
     for fraction in capacities:
         capacity = max(1, int(fraction * distinct))
         for label in args.policies.split(","):
-            name = DEFAULT if label == "default" else label
-            row = simulate(make_eviction(name, capacity), requests, capacity)
+            name, _, admission = (DEFAULT if label == "default" else label).partition("+")
+            row = simulate(make_eviction(name, capacity), requests, capacity,
+                           make_admission(admission, capacity) if admission else None)
             results.append({"capacity_fraction": fraction, "policy": label, **row})
             print(f"capacity {fraction:.2f} {label:>10}: prefix hit {row['prefix_hit_ratio']:.3f}", flush=True)
         results.append({"capacity_fraction": fraction, "policy": "opt", **simulate_opt(requests, capacity)})

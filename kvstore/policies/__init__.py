@@ -2,12 +2,13 @@
 contract every policy meets; `make_eviction(name, capacity)` builds one by name.
 
 The directory's demotion still orders victims by SQL (least recently used, deepest first on
-ties); wiring these objects into it, and admission policies, come with the policy issue.
+ties) and admits every block; wiring these objects into it comes with the policy issue.
 """
 
 from __future__ import annotations
 
 from kvstore.core.errors import KVStoreError
+from kvstore.policies.admission import ADMISSION, Admit, AdmissionChain, Reject, Throttled
 from kvstore.policies.base import EvictionPolicy
 from kvstore.policies.lru import LRU
 from kvstore.policies.prefix_lru import PrefixLRU
@@ -26,4 +27,11 @@ def make_eviction(name: str, capacity: int) -> EvictionPolicy:
     return EVICTION[name](capacity)
 
 
-__all__ = ["EVICTION", "EvictionPolicy", "LRU", "PrefixLRU", "S3FIFO", "make_eviction"]
+def make_admission(name: str, capacity: int):
+    if name not in ADMISSION:
+        raise KVStoreError("invalid", f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION)}")
+    return ADMISSION[name](capacity)
+
+
+__all__ = ["ADMISSION", "Admit", "AdmissionChain", "EVICTION", "EvictionPolicy", "LRU", "PrefixLRU", "Reject",
+           "S3FIFO", "Throttled", "make_admission", "make_eviction"]

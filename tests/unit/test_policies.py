@@ -105,3 +105,28 @@ class PolicyMachine(RuleBasedStateMachine):
 
 TestPolicyMachine = PolicyMachine.TestCase
 TestPolicyMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+def test_doorkeeper_admits_on_the_second_sighting_and_forgets_when_full():
+    from kvstore.policies import Admit, Reject, make_admission
+
+    from kvstore.policies.admission import Doorkeeper
+
+    door = Doorkeeper(2, window=1)
+    assert isinstance(make_admission("doorkeeper", 2).admit("a"), Reject)
+    assert isinstance(door.admit("a"), Reject)
+    assert isinstance(door.admit("a"), Admit)
+    door.admit("b")  # the window holds 2 keys: a, b
+    door.admit("c")  # full: cleared, then c
+    assert isinstance(door.admit("a"), Reject)
+
+
+def test_an_admission_chain_answers_with_the_first_refusal():
+    from kvstore.policies import Admit, AdmissionChain, Throttled
+
+    class Busy:
+        def admit(self, key):
+            return Throttled(retry_after_s=0.5)
+
+    assert AdmissionChain([]).admit("k") == Admit()
+    assert AdmissionChain([Busy()]).admit("k") == Throttled(0.5)
