@@ -82,24 +82,24 @@ class KVStoreClient:
         return held * self.namespace.block_tokens
 
     def load(self, token_ids: Sequence[int]) -> tuple[LayerKV, int]:
-        """Per-layer (K, V) [num_kv_heads, n, head_dim] of the longest verified cached prefix, and n."""
+        """Per-layer (K, V) [num_kv_heads, n, head_dim] of the longest verified cached prefix, and n.
+
+        Each staged chunk is unpacked straight into tensors sized for the whole prompt; a shorter
+        hit returns views of their first n tokens."""
         hashes = block_hashes(self.namespace, token_ids)
-        loaded: list[torch.Tensor] = []
+        kv = layout.empty_kv(self.namespace, len(hashes) * self.namespace.block_tokens)
+        num_blocks = 0
         for first in range(0, len(hashes), self.slots):
             chunk = hashes[first : first + self.slots]
             n = self.load_blocks(chunk, self._staging_views(len(chunk)))
             if n:
                 raw = self.staging.view(0, n * self.namespace.block_nbytes)
-                loaded.append(layout.block_view(self.namespace, raw).clone())
+                layout.unpack(self.namespace, layout.block_view(self.namespace, raw), first, kv)
+                num_blocks += n
             if n < len(chunk):
                 break
-        num_blocks = sum(b.shape[0] for b in loaded)
-        kv = layout.empty_kv(self.namespace, num_blocks * self.namespace.block_tokens)
-        first = 0
-        for blocks in loaded:
-            layout.unpack(self.namespace, blocks, first, kv)
-            first += blocks.shape[0]
-        return kv, num_blocks * self.namespace.block_tokens
+        tokens = num_blocks * self.namespace.block_tokens
+        return [(k[:, :tokens], v[:, :tokens]) for k, v in kv], tokens
 
     def _staging_views(self, n: int) -> list[np.ndarray]:
         size = self.namespace.block_nbytes

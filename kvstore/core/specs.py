@@ -38,6 +38,18 @@ class PageRun(_Spec):
     count: int = Field(gt=0)
 
 
+def page_spans(base: int, page_bytes: int, runs, nbytes: int) -> list[tuple[int, int]]:
+    """(address, length) of the first `nbytes` of these pages; runs are PageRuns or [first, count]."""
+    spans, left = [], nbytes
+    for run in runs:
+        first, count = (run.first, run.count) if isinstance(run, PageRun) else run
+        length = min(count * page_bytes, left)
+        spans.append((base + first * page_bytes, length))
+        left -= length
+    assert left == 0, "pages do not cover the block"
+    return spans
+
+
 class Survivor(_Spec):
     """A replica found on a durable tier when a worker starts (restart recovery)."""
 

@@ -150,18 +150,9 @@ class Movement:
         copied = 0
         by_source: dict[tuple[int, int], list] = {}
         for replica, block, tier, worker in rows:
-            by_source.setdefault((worker.id, tier.id), []).append((replica.id, block.id))
+            by_source.setdefault((worker.id, tier.id), []).append(replica.id)
         for (worker_id, tier_id), ids in by_source.items():
-            with self.service._tx() as tx:
-                worker = tx.session.get(Worker, worker_id)
-                source = tx.session.get(Tier, tier_id)
-                s3 = repo.tiers_of(tx.session, worker_id)["s3"]
-                victims = [(tx.session.get(Replica, r), tx.session.get(Block, b)) for r, b in ids]
-                plan = self._reserve(tx, worker, source, s3, [(r, b) for r, b in victims if r.state == READY])
-                url = worker.control_url
-            if plan:
-                result = self.service._worker_client(url).move(specs.MoveRequest(items=[m.item for m in plan]))
-                copied += len(self._finish(plan, result, dest_state=READY, source_stays=True))
+            copied += len(self._copy(worker_id, tier_id, "s3", ids, only_ready=True))
         if copied:
             log.info("write-through: %d blocks copied to S3", copied)
         return copied
@@ -176,25 +167,30 @@ class Movement:
             if tier.kind in ("nvme", "s3"):
                 by_source.setdefault((worker.id, tier.id), []).append((block, replica, tier, worker))
         protected = {b.id for b, _, _, _ in hits}
-        for (worker_id, _), items in by_source.items():
+        for (worker_id, tier_id), items in by_source.items():
             with self.service._tx() as tx:
                 dram = repo.tiers_of(tx.session, worker_id).get("dram")
             if dram is not None:
                 self.make_room(dram.id, worker_id, sum(b.nbytes for b, _, _, _ in items), protected)
-            plan, url = self._plan_promotion(worker_id, items)
-            if plan:
-                result = self.service._worker_client(url).move(specs.MoveRequest(items=[m.item for m in plan]))
-                promoted |= self._finish(plan, result, dest_state=READY, source_stays=True)
+            promoted |= self._copy(worker_id, tier_id, "dram", [r.id for _, r, _, _ in items], only_ready=False)
         return promoted
 
-    def _plan_promotion(self, worker_id: int, items) -> tuple[list[_Move], str]:
+    def _copy(self, worker_id: int, source_id: int, dest_kind: str, replica_ids: list[int],
+              only_ready: bool) -> set[int]:
+        """Copy these replicas from one tier of a worker to its `dest_kind` tier; the sources stay.
+        Returns the block ids copied."""
         with self.service._tx() as tx:
             worker = tx.session.get(Worker, worker_id)
-            dram = repo.tiers_of(tx.session, worker_id).get("dram")
-            rows = [(tx.session.get(Replica, r.id), tx.session.get(Block, b.id)) for b, r, _, _ in items]
-            source = tx.session.get(Tier, items[0][2].id)
-            plan = self._reserve(tx, worker, source, dram, rows) if dram else []
-            return plan, worker.control_url
+            source = tx.session.get(Tier, source_id)
+            dest = repo.tiers_of(tx.session, worker_id).get(dest_kind)
+            rows = repo.replica_block_pairs(tx.session, replica_ids)
+            rows = [(r, b) for r, b in rows if r.state == READY or not only_ready]
+            plan = self._reserve(tx, worker, source, dest, rows) if dest is not None and rows else []
+            url = worker.control_url
+        if not plan:
+            return set()
+        result = self.service._worker_client(url).move(specs.MoveRequest(items=[m.item for m in plan]))
+        return self._finish(plan, result, dest_state=READY, source_stays=True)
 
     # ---- both ----------------------------------------------------------------------------
 

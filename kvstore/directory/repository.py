@@ -254,3 +254,13 @@ def write_through_candidates(session: Session, limit: int) -> list[tuple[Replica
                     Worker.state == "active", has_s3_tier, ~has_s3_copy)
              .order_by(Block.created_at).limit(limit))
     return list(session.execute(query).tuples())
+
+
+def replica_block_pairs(session: Session, replica_ids: list[int]) -> list[tuple[Replica, Block]]:
+    """(replica, its block) for these ids, in the order given; missing ids are left out."""
+    found: dict[int, tuple[Replica, Block]] = {}
+    for start in range(0, len(replica_ids), 500):
+        chunk = replica_ids[start : start + 500]
+        query = select(Replica, Block).join(Block, Replica.block_id == Block.id).where(Replica.id.in_(chunk))
+        found.update((r.id, (r, b)) for r, b in session.execute(query).tuples())
+    return [found[i] for i in replica_ids if i in found]

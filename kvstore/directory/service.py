@@ -465,15 +465,9 @@ def _location(worker: Worker, tier: Tier, runs, nbytes: int) -> specs.ReplicaLoc
     if tier.kind == "s3":  # one object: offsets within it
         return specs.ReplicaLocation.model_construct(worker=worker.name, epoch=worker.epoch,
                                                      agent_name=worker.agent_name, tier="s3", runs=[(0, nbytes)])
-    out, left = [], nbytes
-    for run in runs:
-        first, count = (run.first, run.count) if hasattr(run, "first") else run
-        length = min(count * tier.page_bytes, left)
-        out.append((tier.base_addr + first * tier.page_bytes, length))
-        left -= length
-    assert left == 0, "pages do not cover the block"
+    spans = specs.page_spans(tier.base_addr, tier.page_bytes, runs, nbytes)
     return specs.ReplicaLocation.model_construct(worker=worker.name, epoch=worker.epoch, agent_name=worker.agent_name,
-                                 tier=tier.kind, runs=out)
+                                                 tier=tier.kind, runs=spans)
 
 
 def _lookup_result(hits) -> specs.LookupResult:

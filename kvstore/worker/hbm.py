@@ -40,13 +40,8 @@ class HbmArena:
         agent.register_vram(self.addr, self.nbytes, self.device)
 
     def rows(self, runs: list[specs.PageRun], nbytes: int) -> np.ndarray:
-        out, left = [], nbytes
-        for run in runs:
-            length = min(run.count * self.page_bytes, left)
-            out.append((self.addr + run.first * self.page_bytes, length, self.device))
-            left -= length
-        assert left == 0, "pages do not cover the block"
-        return np.array(out, dtype=np.uint64)
+        spans = specs.page_spans(self.addr, self.page_bytes, runs, nbytes)
+        return np.array([(addr, length, self.device) for addr, length in spans], dtype=np.uint64)
 
     def checksum(self, runs: list[specs.PageRun], nbytes: int) -> str:
         hasher = xxhash.xxh3_64()

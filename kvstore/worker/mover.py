@@ -1,6 +1,6 @@
 """Executes the directory's moves between this worker's tiers with NIXL.
 
-    mover.move(MoveRequest) -> MoveResult     # one item at a time; failures are values
+    mover.move(MoveRequest) -> MoveResult     # failures are values, per block
 
 Every route checks the block checksum on the way: the source is hashed before
 it leaves DRAM, and what arrives in DRAM is hashed before it counts. A mismatch
@@ -86,9 +86,7 @@ class Mover:
         rows = [self._route_rows(route, item) for _, item in todo]
         if todo:
             local, remote = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
-            op = "WRITE" if route[0] == "dram" else "READ"
-            transfer = self.agent.submit(op, local, remote, self.agent.name, "DRAM", rows[0][2])
-            if transfer.wait(300) != "done":
+            if self._post("WRITE" if route[0] == "dram" else "READ", local, remote, rows[0][2]):
                 return {**errors, **{i: self._move_one(item) for i, item in items if i not in errors}}
         for i, item in todo:
             if route[1] == "dram" and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
@@ -126,9 +124,9 @@ class Mover:
         if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
             return "checksum mismatch in HBM before demotion"
         local, remote = _paired(self.dram_rows(item.dst_runs, item.nbytes), self.hbm.rows(item.src_runs, item.nbytes))
-        transfer = self.agent.submit("READ", local, remote, self.agent.name, "DRAM", "VRAM")
-        if transfer.wait(120) != "done":
-            return transfer.error
+        error = self._post("READ", local, remote, "VRAM")
+        if error:
+            return error
         return None if self.dram_checksum(item.dst_runs, item.nbytes) == item.checksum else \
             "checksum mismatch after copying from HBM"
 
@@ -136,9 +134,9 @@ class Mover:
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
             return "checksum mismatch in DRAM before promotion"
         local, remote = _paired(self.dram_rows(item.src_runs, item.nbytes), self.hbm.rows(item.dst_runs, item.nbytes))
-        transfer = self.agent.submit("WRITE", local, remote, self.agent.name, "DRAM", "VRAM")
-        if transfer.wait(120) != "done":
-            return transfer.error
+        error = self._post("WRITE", local, remote, "VRAM")
+        if error:
+            return error
         return None if self.hbm.checksum(item.dst_runs, item.nbytes) == item.checksum else \
             "checksum mismatch after copying to HBM"
 
@@ -200,24 +198,20 @@ class Mover:
         return self._file_rows(op, self.dram_rows(dram_runs, nbytes), nvme_runs, nbytes)
 
     def _file_rows(self, op: str, dram_rows: np.ndarray, nvme_runs, nbytes: int) -> str | None:
-        local, remote = _paired(dram_rows, self.nvme.rows(nvme_runs, nbytes))
-        transfer = self.agent.submit(op, local, remote, self.agent.name, "DRAM", "FILE")
-        return None if transfer.wait(120) == "done" else transfer.error
+        return self._post(op, *_paired(dram_rows, self.nvme.rows(nvme_runs, nbytes)), "FILE")
 
     def _object(self, op: str, local: np.ndarray, item: specs.MoveItem) -> str | None:
         remote = self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, local)
-        transfer = self.agent.submit(op, local, remote, self.agent.name, "DRAM", "OBJ")
+        return self._post(op, local, remote, "OBJ")
+
+    def _post(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str) -> str | None:
+        """One NIXL request between local DRAM and one of this worker's own tiers; None when done."""
+        transfer = self.agent.submit(op, local, remote, self.agent.name, "DRAM", remote_mem)
         return None if transfer.wait(300) == "done" else transfer.error
 
     def dram_rows(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> np.ndarray:
         buffer = buffer or self.arena
-        rows, left = [], nbytes
-        for run in runs:
-            length = min(run.count * self.page_bytes, left)
-            rows.append((buffer.addr + run.first * self.page_bytes, length))
-            left -= length
-        assert left == 0, "pages do not cover the block"
-        return np.array(rows, dtype=np.uint64)
+        return np.array(specs.page_spans(buffer.addr, self.page_bytes, runs, nbytes), dtype=np.uint64)
 
     def dram_checksum(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> str:
         buffer = buffer or self.arena
