@@ -2,12 +2,13 @@
 
     python bench/hit_ratio.py --trace PATH --capacities 0.02,0.05,0.1 --json OUT [--policies lru,s3fifo,...]
 
-A policy is an eviction policy name, optionally with an admission policy: `lru+doorkeeper`.
+A policy is an eviction policy name, optionally with admission conditions: `lru+doorkeeper`,
+`arc+size:0-1MiB+tinylfu`. `default` is what the directory runs out of the box.
 
 Trace: one JSON object per line with `hash_ids` (block ids of a request, in order). Each request
 first looks its blocks up (prefix hits count up to its first miss), then saves them all, as an
-engine does after prefill: hits are touched, misses inserted (evicting to make room; the
-request's own blocks are protected). Capacity = a fraction of the distinct blocks. OPT evicts
+engine does after prefill: hits are touched, admitted misses inserted (evicting to make room;
+the request's own blocks are protected), both deepest block first as the directory does. Capacity = a fraction of the distinct blocks. OPT evicts
 the block whose next use is farthest and never caches a block that is not used again. The
 policy's own cost per request (µs) is measured around its calls.
 """
@@ -24,10 +25,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, print_table, write_json  # noqa: E402
 
-from kvstore.policies import EVICTION, Admit, make_admission, make_eviction  # noqa: E402
+from kvstore.core.errors import KVStoreError  # noqa: E402
+from kvstore.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, EVICTION, Admit, make_admission  # noqa: E402
+from kvstore.policies import make_eviction  # noqa: E402
 from kvstore.policies.admission import Always  # noqa: E402
 
-DEFAULT = "lru"  # what the directory's demotion runs today (LRU, deepest first on ties)
+DEFAULT = f"{DEFAULT_EVICTION}+{DEFAULT_ADMISSION}"
 
 
 def load_trace(path: str) -> list[list[int]]:
@@ -48,6 +51,8 @@ def lookup(requests_cached, request) -> tuple[int, int]:
 
 
 def simulate(policy, requests: list[list[int]], capacity: int, admission=None) -> dict:
+    """What the directory does per request: hits touched deepest first (a prefix stays more recent
+    than its suffixes), then admitted misses stored, room made by eviction, inserted deepest first."""
     admission = admission or Always()
     prefix = blocks = total = 0
     spent = 0.0
@@ -55,18 +60,26 @@ def simulate(policy, requests: list[list[int]], capacity: int, admission=None) -
         p, b = lookup(policy.__contains__, request)
         prefix, blocks, total = prefix + p, blocks + b, total + len(request)
         t0 = time.perf_counter()
-        protected = set(request)
-        for i, key in enumerate(request):
+        for key in reversed(request):
             if key in policy:
                 policy.touch(key)
+                admission.record(key)
+        new = []
+        for i, key in enumerate(request):
+            if key in policy:
                 continue
             if not isinstance(admission.admit(key), Admit):
-                for rest in request[i + 1 :]:  # a suffix without its prefix is useless, but it was seen
-                    admission.admit(rest)
+                for rest in request[i + 1:]:  # a suffix without its prefix is useless, but it was seen
+                    if rest not in policy:
+                        admission.admit(rest)
                 break
-            if len(policy) >= capacity and policy.evict(1, protected) is None:
-                break  # no room even after eviction: the rest of the request is not cached
-            policy.insert(key, request[i - 1] if i else None)
+            new.append((key, request[i - 1] if i else None))
+        protected = set(request)
+        while new and len(policy) + len(new) > capacity and policy.evict(1, protected) is not None:
+            pass
+        del new[max(0, capacity - len(policy)):]  # no room even after eviction: the tail is not cached
+        for key, parent in reversed(new):
+            policy.insert(key, parent)
         spent += time.perf_counter() - t0
     return {"prefix_hit_ratio": prefix / total, "block_hit_ratio": blocks / total,
             "policy_us_per_request": spent / len(requests) * 1e6}
@@ -123,18 +136,23 @@ def main() -> None:
         capacities = [float(c) for c in args.capacities.split(",")]
     except (OSError, ValueError, KeyError) as exc:
         sys.exit(f"error: cannot read the trace or capacities: {exc}")
-    names = [DEFAULT if p == "default" else p.split("+")[0] for p in args.policies.split(",")]
-    unknown = [n for n in names if n not in EVICTION]
-    if unknown:
-        sys.exit(f"error: unknown policies {unknown}; choose from {sorted(EVICTION)}")
+    labels = args.policies.split(",")
+    try:
+        for label in labels:  # fail before hours of simulation, not after
+            name, *admission = (DEFAULT if label == "default" else label).split("+")
+            make_eviction(name, 1)
+            if admission:
+                make_admission(",".join(admission), 1)
+    except KVStoreError as exc:
+        sys.exit(f"error: policy {label!r}: {exc}")
     distinct = len({key for request in requests for key in request})
     results = []
     for fraction in capacities:
         capacity = max(1, int(fraction * distinct))
-        for label in args.policies.split(","):
-            name, _, admission = (DEFAULT if label == "default" else label).partition("+")
+        for label in labels:
+            name, *admission = (DEFAULT if label == "default" else label).split("+")
             row = simulate(make_eviction(name, capacity), requests, capacity,
-                           make_admission(admission, capacity) if admission else None)
+                           make_admission(",".join(admission), capacity) if admission else None)
             results.append({"capacity_fraction": fraction, "policy": label, **row})
             print(f"capacity {fraction:.2f} {label:>10}: prefix hit {row['prefix_hit_ratio']:.3f}", flush=True)
         results.append({"capacity_fraction": fraction, "policy": "opt", **simulate_opt(requests, capacity)})

@@ -17,6 +17,7 @@ import typer
 
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import parse_size
+from kvstore.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, make_admission, make_eviction
 
 log = logging.getLogger("kvstore")
 directory_app = typer.Typer(help="The directory service.", no_args_is_help=True)
@@ -24,6 +25,10 @@ worker_app = typer.Typer(help="A storage worker.", no_args_is_help=True)
 
 Host = Annotated[str, typer.Option(help="address to bind")]
 Size = Annotated[str, typer.Option(help="bytes, e.g. 512MiB")]
+Eviction = Annotated[str, typer.Option(envvar="KVSTORE_EVICTION", help="eviction policy of every tier: "
+                                       "lru, arc, s3fifo, prefix-lru")]
+Admission = Annotated[str, typer.Option(envvar="KVSTORE_ADMISSION", help="admission of every tier: adaptive, "
+                                        "always, doorkeeper, tinylfu, backpressure, size:MIN-MAX; chain with commas")]
 
 
 def _size(text: str, flag: str) -> int:
@@ -38,9 +43,11 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
                     data_dir: Annotated[Path, typer.Option(help="SQLite file lives here")] = Path("var"),
                     database_url: Annotated[str | None, typer.Option(envvar="KVSTORE_DATABASE_URL",
                                                                      help="SQLAlchemy URL")] = None,
-                    lease_ttl: float = 30.0) -> None:
+                    lease_ttl: float = 30.0, eviction: Eviction = DEFAULT_EVICTION,
+                    admission: Admission = DEFAULT_ADMISSION) -> None:
     """Run the directory (FastAPI) on HOST:PORT."""
     import uvicorn
+    from pydantic import ValidationError
 
     from kvstore.directory.app import create_app
     from kvstore.directory.settings import DirectorySettings
@@ -48,8 +55,12 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
     _logging()
     data_dir.mkdir(parents=True, exist_ok=True)
     url = database_url or f"sqlite:///{(data_dir / 'directory.db').resolve()}"
-    settings = DirectorySettings(database_url=url, lease_ttl_s=lease_ttl)
-    log.info("directory on http://%s:%d, database %s", host, port, _redact(url))
+    try:
+        settings = DirectorySettings(database_url=url, lease_ttl_s=lease_ttl, eviction=eviction, admission=admission)
+    except ValidationError as exc:
+        raise typer.BadParameter(_problems(exc)) from None
+    log.info("directory on http://%s:%d, database %s, eviction %s, admission %s", host, port, _redact(url),
+             eviction, admission)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
 
@@ -85,8 +96,7 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                                   s3_prefix=s3_prefix, s3_region=s3_region,
                                   bounce_bytes=_size(bounce_bytes, "--bounce-bytes"))
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise typer.BadParameter(problems) from None
+        raise typer.BadParameter(_problems(exc)) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -111,15 +121,18 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
        s3_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL; none = AWS")] = None,
        s3_prefix: Annotated[str, typer.Option(help="object key prefix")] = "kvstore",
        s3_region: Annotated[str, typer.Option(help="S3 region")] = "us-east-1",
-       lease_ttl: Annotated[float, typer.Option(help="seconds")] = 30.0) -> None:
+       lease_ttl: Annotated[float, typer.Option(help="seconds")] = 30.0,
+       eviction: Eviction = DEFAULT_EVICTION, admission: Admission = DEFAULT_ADMISSION) -> None:
     """Run the embedded stack: the directory on SQLite and one storage worker."""
     _logging()
     _size(dram_bytes, "--dram-bytes"), _size(page_bytes, "--page-bytes"), _size(nvme_bytes, "--nvme-bytes")
+    _policies(eviction, admission)
     nvme_dir = nvme_dir or data_dir / "nvme"
     url = f"http://{host}:{port}"
     exe = [sys.executable, "-m", "kvstore.cli.main"]
     children = [subprocess.Popen(exe + ["directory", "serve", "--host", host, "--port", str(port),
-                                        "--data-dir", str(data_dir), "--lease-ttl", str(lease_ttl)])]
+                                        "--data-dir", str(data_dir), "--lease-ttl", str(lease_ttl),
+                                        "--eviction", eviction, "--admission", admission])]
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -140,6 +153,22 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
                 raise typer.Exit(1)
     finally:
         _stop_all(children)
+
+
+def _policies(eviction: str, admission: str) -> None:
+    """Refuse unknown policy names before any process starts."""
+    try:
+        make_eviction(eviction, 1)
+    except KVStoreError as exc:
+        raise typer.BadParameter(exc.message, param_hint="--eviction") from None
+    try:
+        make_admission(admission, 1)
+    except KVStoreError as exc:
+        raise typer.BadParameter(exc.message, param_hint="--admission") from None
+
+
+def _problems(exc) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
 
 
 def _wait_healthy(url: str, child: subprocess.Popen, stop: threading.Event, timeout_s: float = 60) -> bool:

@@ -123,7 +123,8 @@ StoreStatus = Literal["admitted", "exists", "in_progress", "rejected"]
 class StoreDecision(_Spec):
     hash: str
     status: StoreStatus
-    reason: str | None = None
+    reason: str | None = None  # rejected: no_worker, no_space, not_admitted, throttled, parent_rejected
+    retry_after_s: float | None = None  # throttled: ask again after this
     location: ReplicaLocation | None = None
 
 

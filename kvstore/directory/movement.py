@@ -1,7 +1,8 @@
 """Moving blocks between tiers (order hbm -> dram -> nvme -> s3, per worker).
 
-    demote() -> n            # the reaper: tiers above their high watermark send LRU blocks one tier
-                             # down until the low watermark; the bottom tier drops them
+    demote() -> n            # the reaper: tiers above their high watermark send the victims their
+                             # eviction policy names one tier down (if the lower tier's admission
+                             # keeps them) until the low watermark; the bottom tier drops them
     make_room(tier, nbytes)  # before a save or a promotion: the same, cascading down first
     evict(...)               # the operator's `kvstore evict`, with a dry run
     promote(hits) -> ids     # blocks a reader can only find on NVMe or S3 are copied into DRAM
@@ -24,6 +25,8 @@ from kvstore.core import specs
 from kvstore.directory import repository as repo
 from kvstore.directory.models import Block, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
+from kvstore.directory.policy import VictimRow, block_key
+from kvstore.policies import Admit
 
 log = logging.getLogger(__name__)
 TIER_ORDER = ("hbm", "dram", "nvme", "s3")
@@ -65,12 +68,13 @@ class Movement:
 
     def evict(self, tier_id: int, worker_id: int, max_bytes: int | None, namespace_id: str | None,
               limit: int, dry_run: bool) -> dict:
-        """Operator eviction: up to `limit` LRU blocks (and `max_bytes`) go one tier down, or are
-        dropped at the bottom. `dry_run` only says what would go."""
+        """Operator eviction: up to `limit` blocks (and `max_bytes`) that the tier's eviction policy
+        names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
         to_free = max_bytes if max_bytes is not None else 1 << 62
         if dry_run:
             with self.service._tx() as tx:
-                chosen = _enough(repo.demotion_candidates(tx.session, tier_id, 1 << 30, namespace_id), to_free)
+                chosen = self._victims(tx, tx.session.get(Tier, tier_id), to_free, set(), namespace_id, limit,
+                                       dry_run=True)
             return {"replicas": len(chosen), "bytes": sum(r.reserved_bytes for r, _ in chosen),
                     "demoted": 0, "dropped": 0}
         return self._demote_tier(tier_id, worker_id, to_free, set(), namespace_id, limit)
@@ -106,10 +110,10 @@ class Movement:
             tier = tx.session.get(Tier, tier_id)
             worker = tx.session.get(Worker, worker_id)
             lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind)
-            candidates = repo.demotion_candidates(tx.session, tier_id, limit + len(protected), namespace_id)
-            victims = _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
+            victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
             kinds = repo.replica_kinds(tx.session, [b.id for _, b in victims])
-            copy = [(r, b) for r, b in victims if lower is not None and lower.kind not in kinds.get(b.id, set())]
+            copy = [(r, b) for r, b in victims if lower is not None and lower.kind not in kinds.get(b.id, set())
+                    and self._keep_below(lower, b)]
             drop = [r for r, b in victims if (r, b) not in copy]
             for replica in drop:  # the bottom tier, or a lower copy exists already
                 replica.state = DELETING
@@ -117,6 +121,26 @@ class Movement:
             tx.session.flush()
             svc._collect_deleting(tx)
             return plan, worker.control_url, [r.reserved_bytes for r in drop]
+
+    def _victims(self, tx, tier: Tier, to_free: int, protected: set[int], namespace_id: str | None,
+                 limit: int, dry_run: bool = False) -> list[tuple[Replica, Block]]:
+        """The tier's eviction policy names the victims; an operator's namespace eviction takes that
+        namespace's blocks least recently used first."""
+        if namespace_id is not None:
+            candidates = repo.demotion_candidates(tx.session, tier.id, limit + len(protected), namespace_id)
+            return _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
+        rows = [VictimRow(key=block_key(b.namespace_id, b.hash),
+                          parent=block_key(b.namespace_id, b.parent) if b.parent else None,
+                          last_access=b.last_access, depth=b.depth, hit_count=b.hit_count, nbytes=r.reserved_bytes,
+                          pinned=pinned, row=(r, b))
+                for r, b, pinned in repo.ready_replicas_of_tier(tx.session, tier.id)]
+        keep = {row.key for row in rows if row.row[1].id in protected}
+        return self.service.policies.victims(tier, rows, keep, to_free, limit, dry_run)
+
+    def _keep_below(self, lower: Tier, block: Block) -> bool:
+        """The lower tier's admission: is this victim worth keeping one tier down?"""
+        decision = self.service.policies.admit(lower, block_key(block.namespace_id, block.hash), block.nbytes)
+        return isinstance(decision, Admit)
 
     def _reserve(self, tx, worker: Worker, source: Tier, dest: Tier, victims) -> list[_Move]:
         """Pages on `dest` and a WRITING replica there for each victim that fits; sources become MOVING."""

@@ -222,6 +222,14 @@ def demotion_candidates(session: Session, tier_id: int, limit: int,
     return list(session.execute(query).tuples())
 
 
+def ready_replicas_of_tier(session: Session, tier_id: int) -> list[tuple[Replica, Block, bool]]:
+    """Every READY replica of a tier with its block, and whether a reader pins it."""
+    pinned = select(Lease.id).where(Lease.replica_id == Replica.id).exists()
+    query = (select(Replica, Block, pinned).join(Block, Replica.block_id == Block.id)
+             .where(Replica.tier_id == tier_id, Replica.state == READY))
+    return list(session.execute(query).tuples())
+
+
 def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]:
     """Per block, the tier kinds holding a READY or MOVING replica."""
     kinds: dict[int, set[str]] = {}

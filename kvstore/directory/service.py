@@ -28,10 +28,12 @@ from kvstore.client.worker import WorkerControlClient
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
+from kvstore.policies import Admit, Throttled
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.membership import Membership
 from kvstore.directory.movement import TIER_ORDER, Movement
+from kvstore.directory.policy import TierPolicies, block_key
 from kvstore.directory.models import Block, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, READY, WRITING
 from kvstore.directory.settings import DirectorySettings
@@ -60,6 +62,7 @@ class DirectoryService:
         self._clock = clock
         self._lock = threading.RLock()  # one writer at a time within this process
         self._worker_clients: dict[str, WorkerControlClient] = {}
+        self.policies = TierPolicies(settings.tier_eviction(), settings.tier_admission())
         self.movement = Movement(self)
         self.membership = Membership(self)
 
@@ -143,6 +146,9 @@ class DirectoryService:
                 decisions[block.hash] = specs.StoreDecision(hash=block.hash, status="rejected", reason="no_worker")
             return 0
         tier, worker = choice
+        wanted = self._admitted(tier, namespace_id, wanted, decisions)
+        if not wanted:
+            return 0
         client = self._worker_client(worker.control_url)
         result = client.allocate(specs.AllocRequest(token=token, kind=tier.kind, sizes=[b.nbytes for b in wanted]))
         if len(result.runs) != len(wanted):
@@ -173,6 +179,23 @@ class DirectoryService:
                 hash=block.hash, status="admitted", location=_location(worker, tier, runs, block.nbytes))
         repo.insert_replicas(tx.session, replicas)
         return len(admitted)
+
+    def _admitted(self, tier: Tier, namespace_id: str, wanted: list[specs.BlockToStore],
+                  decisions: dict) -> list[specs.BlockToStore]:
+        """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
+        admitted, rejected = [], set()
+        for block in wanted:
+            decision = self.policies.admit(tier, block_key(namespace_id, block.hash), block.nbytes)
+            if block.parent in rejected or not isinstance(decision, Admit):
+                reason = ("parent_rejected" if block.parent in rejected else
+                          "throttled" if isinstance(decision, Throttled) else "not_admitted")
+                rejected.add(block.hash)
+                decisions[block.hash] = specs.StoreDecision(
+                    hash=block.hash, status="rejected", reason=reason,
+                    retry_after_s=decision.retry_after_s if isinstance(decision, Throttled) else None)
+            else:
+                admitted.append(block)
+        return admitted
 
     def _new_blocks(self, tx: Tx, namespace_id: str, blocks: list[specs.BlockToStore],
                     existing: dict[str, Block], now: float) -> dict[str, int]:
@@ -246,6 +269,7 @@ class DirectoryService:
             self._namespace(tx, namespace_id)
             hits, _ = self._leading_hits(tx, namespace_id, hashes)
             repo.touch_blocks(tx.session, [b.id for b, _, _, _ in hits], self._clock())
+            self._policy_hits(tx, hits)
         self.metrics.count_lookup(len(hashes), len(hits))
         return _lookup_result(hits)
 
@@ -273,6 +297,7 @@ class DirectoryService:
             token, expires_at = secrets.token_hex(16), now + self.settings.lease_ttl_s
             repo.add_leases(tx.session, replica_ids, token, req.reader, expires_at)
             repo.touch_blocks(tx.session, [b.id for b, _, _, _ in hits], now)
+            self._policy_hits(tx, hits)
         self.metrics.count_lookup(len(req.hashes), len(hits))
         return specs.LoadPrepared(token=token, expires_at=expires_at, blocks=_lookup_result(hits).blocks)
 
@@ -293,6 +318,14 @@ class DirectoryService:
                 self._collect_deleting(tx)
         self.metrics.checksum_failures.inc(invalidated)
         return specs.LoadCompleted(released=len(pinned), invalidated=invalidated)
+
+    def _policy_hits(self, tx: Tx, hits) -> None:
+        """Tell the tier policies, deepest block first (a prefix stays more recent than its suffixes)."""
+        tiers_by_worker: dict[int, dict[str, Tier]] = {}
+        for block, _, tier, worker in reversed(hits):
+            tiers = tiers_by_worker.setdefault(worker.id, repo.tiers_of(tx.session, worker.id))
+            self.policies.hit([tier] + [t for t in tiers.values() if t.id != tier.id],
+                              block_key(block.namespace_id, block.hash))
 
     def _leading_hits(self, tx: Tx, namespace_id: str, hashes: list[str]):
         """The longest prefix of `hashes` with a visible replica, and the best replica of each."""

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvstore.core.errors import KVStoreError
+from kvstore.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, make_admission, make_eviction
+
+TIER_KINDS = ("hbm", "dram", "nvme", "s3")
 
 
 class DirectorySettings(BaseSettings):
@@ -16,3 +21,32 @@ class DirectorySettings(BaseSettings):
     heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="silence after which a worker is dead")
     reaper_interval_s: float = Field(0.5, gt=0, le=60)
     migrate_on_start: bool = Field(True, description="run alembic upgrade head at start-up")
+    eviction: str = Field(DEFAULT_EVICTION, description="eviction policy of every tier (kvstore/policies)")
+    admission: str = Field(DEFAULT_ADMISSION, description="admission of every tier: a name, size:MIN-MAX, or a "
+                           "comma-separated chain")
+    eviction_by_tier: dict[str, str] = Field(default_factory=dict, description='overrides, e.g. {"s3": "lru"}')
+    admission_by_tier: dict[str, str] = Field(default_factory=dict, description='overrides, e.g. {"nvme": "always"}')
+
+    @field_validator("eviction_by_tier", "admission_by_tier")
+    @classmethod
+    def _known_tiers(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(TIER_KINDS))
+        if unknown:
+            raise ValueError(f"unknown tier kinds {unknown}; choose from {list(TIER_KINDS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _known_policies(self) -> DirectorySettings:
+        try:
+            for kind in TIER_KINDS:
+                make_eviction(self.tier_eviction()[kind], 1)
+                make_admission(self.tier_admission()[kind], 1)
+        except KVStoreError as exc:
+            raise ValueError(exc.message) from None
+        return self
+
+    def tier_eviction(self) -> dict[str, str]:
+        return {kind: self.eviction_by_tier.get(kind, self.eviction) for kind in TIER_KINDS}
+
+    def tier_admission(self) -> dict[str, str]:
+        return {kind: self.admission_by_tier.get(kind, self.admission) for kind in TIER_KINDS}

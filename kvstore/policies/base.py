@@ -15,7 +15,7 @@ parent is gone is useless, so policies may prefer to evict suffixes first.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Protocol
 
 
@@ -29,5 +29,7 @@ class EvictionPolicy(Protocol):
     def remove(self, key: Hashable) -> None: ...
 
     def __contains__(self, key: Hashable) -> bool: ...
+
+    def __iter__(self) -> Iterator[Hashable]: ...  # the keys held, in no particular order
 
     def __len__(self) -> int: ...

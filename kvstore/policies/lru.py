@@ -36,5 +36,8 @@ class LRU:
     def __contains__(self, key) -> bool:
         return key in self._order
 
+    def __iter__(self):
+        return iter(list(self._order))
+
     def __len__(self) -> int:
         return len(self._order)

@@ -82,5 +82,8 @@ class PrefixLRU:
     def __contains__(self, key) -> bool:
         return key in self._stamp
 
+    def __iter__(self):
+        return iter(list(self._stamp))
+
     def __len__(self) -> int:
         return len(self._stamp)

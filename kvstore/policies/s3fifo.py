@@ -3,6 +3,7 @@ and a ghost FIFO remembering recently evicted keys. Frequencies are capped at 3.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 SMALL_FRACTION = 0.1
@@ -76,6 +77,9 @@ class S3FIFO:
 
     def __contains__(self, key) -> bool:
         return key in self._small or key in self._main
+
+    def __iter__(self):
+        return itertools.chain(list(self._small), list(self._main))
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.core.errors import KVStoreError
-from kvstore.policies import EVICTION, make_eviction
+from kvstore.policies import (EVICTION, LRU, AdaptiveDoorkeeper, Admit, AdmissionChain, Backpressure, Reject,
+                              Throttled, TinyLFU, make_admission, make_eviction)
 
 CAPACITY = 8
 
@@ -101,6 +102,7 @@ class PolicyMachine(RuleBasedStateMachine):
         for name, policy in self.policies.items():
             assert len(policy) == len(self.held[name]), name
             assert all(k in policy for k in self.held[name]), name
+            assert set(policy) == self.held[name], name
 
 
 TestPolicyMachine = PolicyMachine.TestCase
@@ -122,11 +124,82 @@ def test_doorkeeper_admits_on_the_second_sighting_and_forgets_when_full():
 
 
 def test_an_admission_chain_answers_with_the_first_refusal():
-    from kvstore.policies import Admit, AdmissionChain, Throttled
-
-    class Busy:
-        def admit(self, key):
-            return Throttled(retry_after_s=0.5)
-
+    busy = Backpressure(threshold=0.9, retry_after_s=0.5)
+    chain = make_admission("size:1KiB-4KiB,backpressure", 8)
+    chain.conditions[1] = busy
     assert AdmissionChain([]).admit("k") == Admit()
-    assert AdmissionChain([Busy()]).admit("k") == Throttled(0.5)
+    assert chain.admit("k", 2048) == Admit()
+    assert isinstance(chain.admit("k", 8192), Reject)  # too big: the size condition answers first
+    busy.pressure = 0.95
+    assert chain.admit("k", 2048) == Throttled(0.5)
+    assert isinstance(chain.admit("k", 100), Reject)
+
+
+def test_admission_specs_are_checked():
+    with pytest.raises(KVStoreError, match="unknown admission policy 'nope'"):
+        make_admission("adaptive,nope", 8)
+    with pytest.raises(KVStoreError, match="cannot read"):
+        make_admission("size:x-1", 8)
+
+
+def test_tinylfu_admits_by_recent_frequency_and_ages():
+    lfu = TinyLFU(capacity=4, threshold=2)
+    assert isinstance(lfu.admit("a"), Reject) and lfu.admit("a") == Admit()  # second sighting
+    for _ in range(5):
+        lfu.record("hot")
+    assert isinstance(lfu.admit("b", victim="hot"), Reject)  # seen once vs. five times
+    for _ in range(5):
+        lfu.record("b")
+    assert lfu.admit("b", victim="hot") == Admit()  # now seen 7 times vs. 5
+    before = lfu.sketch.estimate("b")
+    for i in range(TinyLFU.SAMPLE * 4):  # a full sample of other keys halves every counter
+        lfu.record(f"other{i}")
+    assert lfu.sketch.estimate("b") <= before // 2 + 1
+
+
+def test_tinylfu_lets_a_frequent_loser_in_now_and_then_so_residents_cannot_be_frozen():
+    lfu = TinyLFU(capacity=1024, seed=1)
+    for _ in range(15):
+        lfu.record("resident")
+    decisions = [lfu.admit("challenger", victim="resident") for _ in range(2000)]
+    wins = sum(d == Admit() for d in decisions)
+    assert 0 < wins < 100  # about 1/128 of the tries once the challenger is frequent enough
+
+
+def test_adaptive_doorkeeper_filters_when_one_off_blocks_flush_a_hot_set():
+    adaptive = AdaptiveDoorkeeper(256)
+    cache = LRU()
+    scan = iter(range(10**6))
+    for _ in range(40):
+        for key in [f"hot{i}" for i in range(100)] + [f"scan{next(scan)}" for _ in range(400)]:
+            _access(cache, adaptive, key, 256)
+    assert adaptive.filtering
+
+
+def test_adaptive_doorkeeper_admits_everything_when_second_uses_come_soon():
+    adaptive = AdaptiveDoorkeeper(256)
+    cache = LRU()
+    for i in range(20000):
+        _access(cache, adaptive, f"k{i // 2}", 256)  # each key twice in a row
+    assert not adaptive.filtering
+
+
+def _access(cache, admission, key, capacity):
+    if key in cache:
+        cache.touch(key)
+        admission.record(key)
+    elif admission.admit(key) == Admit():
+        if len(cache) >= capacity:
+            cache.evict(1)
+        cache.insert(key)
+
+
+def test_arc_keeps_a_reused_key_through_a_scan():
+    arc = make_eviction("arc", 4)
+    arc.insert("hot")
+    arc.touch("hot")  # seen twice: in the frequency list
+    for i in range(20):
+        if len(arc) >= 4:
+            arc.evict(1)
+        arc.insert(f"scan{i}")
+    assert "hot" in arc

@@ -1,0 +1,114 @@
+"""Synthetic prefix-cache traces for policy evaluation, in the format bench/hit_ratio.py reads.
+
+    python bench/synth_trace.py --kind chat|rag|scan|mixed --requests 20000 --seed 1 --out PATH
+
+One JSON object per line: `timestamp` (ms) and `hash_ids` (block ids in request order; equal ids
+are equal prefixes, as with chained block hashes). The generators model what prefix caches see:
+- chat: multi-turn sessions (a geometric number of turns, each re-sending the whole conversation
+  plus new blocks after a think time) behind a few shared system prompts of Zipf popularity;
+- rag: a system prompt, then one of many documents of Zipf popularity, then a unique question;
+- scan: chat traffic interleaved with long one-off prompts (batch jobs) that are never reused;
+- mixed: all three at once.
+Nothing here is fitted to a particular trace; the parameters are round numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import random
+import sys
+
+
+class Blocks:
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def new(self, n: int) -> list[int]:
+        return [next(self._next) for _ in range(n)]
+
+
+def zipf_weights(n: int, a: float) -> list[float]:
+    return [1 / (rank ** a) for rank in range(1, n + 1)]
+
+
+def chat(rng: random.Random, blocks: Blocks, rate_per_s: float = 4.0, prompts: int = 8,
+         continue_p: float = 0.6, think_s: float = 60.0):
+    """Yields (time_ms, hash_ids) forever; sessions interleave through an event queue."""
+    system = [blocks.new(rng.randint(1, 4)) for _ in range(prompts)]
+    weights = zipf_weights(prompts, 1.2)
+    queue: list = []
+    now, ids = 0.0, itertools.count()
+    while True:
+        now += rng.expovariate(rate_per_s)
+        history = rng.choices(system, weights)[0] + blocks.new(rng.randint(1, 12))
+        heapq.heappush(queue, (now, next(ids), history))
+        while queue and queue[0][0] <= now:
+            at, _, history = heapq.heappop(queue)
+            yield at, history + blocks.new(1)  # the last block is the partial one: never reused
+            if rng.random() < continue_p:
+                grown = history + blocks.new(rng.randint(1, 6))
+                heapq.heappush(queue, (at + rng.expovariate(1 / think_s), next(ids), grown))
+
+
+def rag(rng: random.Random, blocks: Blocks, rate_per_s: float = 4.0, documents: int = 5000):
+    system = blocks.new(2)
+    docs = [blocks.new(rng.randint(4, 32)) for _ in range(documents)]
+    weights = zipf_weights(documents, 0.9)
+    now = 0.0
+    while True:
+        now += rng.expovariate(rate_per_s)
+        yield now, system + rng.choices(docs, weights)[0] + blocks.new(rng.randint(1, 2))
+
+
+def scan(rng: random.Random, blocks: Blocks, scan_share: float = 0.1):
+    talk = chat(rng, blocks)
+    for at, hash_ids in talk:
+        if rng.random() < scan_share:
+            yield at, blocks.new(rng.randint(64, 256))
+        yield at, hash_ids
+
+
+def mixed(rng: random.Random, blocks: Blocks):
+    sources = [chat(rng, blocks, rate_per_s=2.0), rag(rng, blocks, rate_per_s=1.5), scan(rng, blocks, 0.05)]
+    heads = [next(s) for s in sources]
+    while True:
+        i = min(range(len(heads)), key=lambda j: heads[j][0])
+        yield heads[i]
+        heads[i] = next(sources[i])
+
+
+KINDS = {"chat": chat, "rag": rag, "scan": scan, "mixed": mixed}
+
+
+def generate(kind: str, requests: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    stream = KINDS[kind](rng, Blocks())
+    return [{"timestamp": int(at * 1000), "hash_ids": ids} for at, ids in itertools.islice(stream, requests)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", choices=sorted(KINDS), default="mixed")
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.requests <= 0:
+        sys.exit("error: --requests must be positive")
+    rows = generate(args.kind, args.requests, args.seed)
+    try:
+        with open(args.out, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    except OSError as exc:
+        sys.exit(f"error: cannot write {args.out}: {exc}")
+    distinct = len({k for row in rows for k in row["hash_ids"]})
+    print(f"{args.kind}: {len(rows)} requests, {sum(len(r['hash_ids']) for r in rows)} block accesses, "
+          f"{distinct} distinct blocks -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
