@@ -1,6 +1,8 @@
 """Prefix and block hit ratios of the eviction policies on a trace, with LRU and Belady's OPT.
 
     python bench/hit_ratio.py --trace PATH --capacities 0.02,0.05,0.1 --json OUT [--policies lru,s3fifo,...]
+    python bench/hit_ratio.py --trace PATH --tiers dram=0.02,nvme=0.1,s3=0.5 [--gbps dram=4.5,nvme=1.2,s3=0.4]
+                              [--block-bytes 64MiB] --json OUT [--policies ...]     # multi-tier mode
 
 A policy is an eviction policy name, optionally with admission conditions: `lru+doorkeeper`,
 `arc+size:0-1MiB+tinylfu`. `default` is what the directory runs out of the box.
@@ -23,9 +25,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiered  # noqa: E402
 from common import machine, print_table, write_json  # noqa: E402
 
 from kvstore.core.errors import KVStoreError  # noqa: E402
+from kvstore.core.sizes import parse_size  # noqa: E402
 from kvstore.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, EVICTION, Admit, make_admission  # noqa: E402
 from kvstore.policies import make_eviction  # noqa: E402
 from kvstore.policies.admission import Always  # noqa: E402
@@ -130,6 +134,12 @@ def main() -> None:
     parser.add_argument("--capacities", default="0.02,0.05,0.1")
     parser.add_argument("--policies", default="default," + ",".join(sorted(EVICTION)))
     parser.add_argument("--json", default="bench/out/hit_ratio.json")
+    parser.add_argument("--tiers", help="multi-tier mode: capacity fraction per tier, e.g. dram=0.02,nvme=0.1,s3=0.5")
+    parser.add_argument("--gbps", default="dram=4.5,nvme=1.2,s3=0.4",
+                        help="read GB/s per tier (defaults: store load / promote rates in docs/benchmarks.md)")
+    parser.add_argument("--block-bytes", default="64MiB", help="KV bytes of one block (Llama-3-8B, 512 tokens, bf16)")
+    parser.add_argument("--prefill-ms", type=float, default=30.0,
+                        help="recomputing one missed block (assumed: 512 tokens of an 8B model on one H100)")
     args = parser.parse_args()
     try:
         requests = load_trace(args.trace)
@@ -146,6 +156,8 @@ def main() -> None:
     except KVStoreError as exc:
         sys.exit(f"error: policy {label!r}: {exc}")
     distinct = len({key for request in requests for key in request})
+    if args.tiers:
+        return tiers_mode(args, requests, labels, distinct)
     results = []
     for fraction in capacities:
         capacity = max(1, int(fraction * distinct))
@@ -162,6 +174,37 @@ def main() -> None:
                   f'{r["block_hit_ratio"]:.3f}', f'{r["policy_us_per_request"]:.1f}'] for r in results])
     write_json(args.json, {"benchmark": "hit_ratio", "machine": machine(), "trace": os.path.basename(args.trace),
                            "requests": len(requests), "distinct_blocks": distinct, "results": results})
+
+
+def tiers_mode(args, requests: list[list[int]], labels: list[str], distinct: int) -> None:
+    try:
+        fractions = {k: float(v) for k, v in (part.split("=") for part in args.tiers.split(","))}
+        gbps = {k: float(v) for k, v in (part.split("=") for part in args.gbps.split(","))}
+        block_bytes = parse_size(args.block_bytes)
+        capacities = [max(1, int(fractions[t] * distinct)) for t in tiered.TIERS]
+        cost_ms = tiered.costs(block_bytes, gbps)
+    except (ValueError, KeyError, KVStoreError) as exc:
+        sys.exit(f"error: --tiers/--gbps need dram=,nvme=,s3= numbers and --block-bytes a size: {exc}")
+    results = []
+    for label in dict.fromkeys(labels + ["lru"]):  # LRU everywhere is the baseline
+        name, *admission = (DEFAULT if label == "default" else label).split("+")
+        hierarchy = tiered.build(lambda c: make_eviction(name, c),
+                                 (lambda c: make_admission(",".join(admission), c)) if admission else None, capacities)
+        row = tiered.simulate_tiers(hierarchy, requests, cost_ms, args.prefill_ms)
+        results.append({"policy": label, "tiers": fractions, **row})
+        print(f"{label:>14}: prefix hit {row['prefix_hit_ratio']:.3f}, KV {row['kv_ms_per_request']:.0f} ms/request",
+              flush=True)
+    lru = next(r for r in results if r["policy"] == "lru")
+    print()
+    print_table(["policy", "prefix hit", "from DRAM", "from NVMe", "from S3", "load ms/req", "load+prefill ms/req",
+                 "vs LRU"],
+                [[r["policy"], f'{r["prefix_hit_ratio"]:.3f}', *(f'{r["served"][t]:.3f}' for t in tiered.TIERS),
+                  f'{r["load_ms_per_request"]:.0f}', f'{r["kv_ms_per_request"]:.0f}',
+                  f'{r["kv_ms_per_request"] / lru["kv_ms_per_request"]:.3f}'] for r in results])
+    write_json(args.json, {"benchmark": "hit_ratio_tiers", "machine": machine(), "trace": os.path.basename(args.trace),
+                           "requests": len(requests), "distinct_blocks": distinct, "gbps": gbps,
+                           "block_bytes": block_bytes, "prefill_ms_per_block": args.prefill_ms, "cost_ms_per_block": dict(zip(tiered.TIERS, cost_ms)),
+                           "results": results})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvstore.core.errors import KVStoreError
-from kvstore.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, make_admission, make_eviction
+from kvstore.policies import (DEFAULT_ADMISSION, DEFAULT_ADMISSION_BY_TIER, DEFAULT_EVICTION, make_admission,
+                              make_eviction)
 
 TIER_KINDS = ("hbm", "dram", "nvme", "s3")
 
@@ -22,10 +23,11 @@ class DirectorySettings(BaseSettings):
     reaper_interval_s: float = Field(0.5, gt=0, le=60)
     migrate_on_start: bool = Field(True, description="run alembic upgrade head at start-up")
     eviction: str = Field(DEFAULT_EVICTION, description="eviction policy of every tier (kvstore/policies)")
-    admission: str = Field(DEFAULT_ADMISSION, description="admission of every tier: a name, size:MIN-MAX, or a "
-                           "comma-separated chain")
+    admission: str = Field(DEFAULT_ADMISSION, description="admission of the memory tiers (and of NVMe/S3 where "
+                           "admission_by_tier does not say): a name, size:MIN-MAX, or a comma-separated chain")
     eviction_by_tier: dict[str, str] = Field(default_factory=dict, description='overrides, e.g. {"s3": "lru"}')
-    admission_by_tier: dict[str, str] = Field(default_factory=dict, description='overrides, e.g. {"nvme": "always"}')
+    admission_by_tier: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ADMISSION_BY_TIER),
+                                              description='overrides; default: NVMe and S3 keep every demoted block')
 
     @field_validator("eviction_by_tier", "admission_by_tier")
     @classmethod

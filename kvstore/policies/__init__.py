@@ -36,6 +36,7 @@ ADMISSION = {
     "backpressure": lambda capacity: Backpressure(),
 }
 DEFAULT_EVICTION, DEFAULT_ADMISSION = "lru", "adaptive"
+DEFAULT_ADMISSION_BY_TIER = {"nvme": "always", "s3": "always"}  # capacity tiers keep what is demoted
 
 
 def make_eviction(name: str, capacity: int) -> EvictionPolicy:
@@ -61,5 +62,5 @@ def _condition(name: str, capacity: int):
 
 
 __all__ = ["ADMISSION", "ARC", "AdaptiveDoorkeeper", "Admit", "AdmissionChain", "Always", "Backpressure",
-           "DEFAULT_ADMISSION", "DEFAULT_EVICTION", "Doorkeeper", "EVICTION", "EvictionPolicy", "LRU", "PrefixLRU",
+           "DEFAULT_ADMISSION", "DEFAULT_ADMISSION_BY_TIER", "DEFAULT_EVICTION", "Doorkeeper", "EVICTION", "EvictionPolicy", "LRU", "PrefixLRU",
            "Reject", "S3FIFO", "SizeRange", "Throttled", "TinyLFU", "make_admission", "make_eviction"]

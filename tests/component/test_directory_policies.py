@@ -85,5 +85,7 @@ def test_unknown_policies_and_tiers_are_refused_at_start():
         DirectorySettings(eviction="mru")
     with pytest.raises(ValidationError, match="unknown tier kinds"):
         DirectorySettings(admission_by_tier={"tape": "always"})
-    settings = DirectorySettings(admission_by_tier={"s3": "always"})
-    assert settings.tier_admission() == {"hbm": "adaptive", "dram": "adaptive", "nvme": "adaptive", "s3": "always"}
+    assert DirectorySettings(admission="doorkeeper").tier_admission() == {
+        "hbm": "doorkeeper", "dram": "doorkeeper", "nvme": "always", "s3": "always"}  # capacity tiers keep demotions
+    settings = DirectorySettings(admission_by_tier={"s3": "tinylfu"})
+    assert settings.tier_admission() == {"hbm": "adaptive", "dram": "adaptive", "nvme": "adaptive", "s3": "tinylfu"}
