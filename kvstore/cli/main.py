@@ -6,6 +6,8 @@ import functools
 import json
 import logging
 import sys
+import time
+from contextlib import nullcontext
 from typing import Annotated
 
 import typer
@@ -58,10 +60,16 @@ def tiers(url: Url = "http://127.0.0.1:8700", output: Output = "table") -> None:
     console.print(table)
 
 
-@app.command()
+workers_app = typer.Typer(help="Registered storage workers: list (the default), drain, undrain.")
+app.add_typer(workers_app, name="workers")
+
+
+@workers_app.callback(invoke_without_command=True)
 @one_line_errors
-def workers(url: Url = "http://127.0.0.1:8700", output: Output = "table") -> None:
+def workers(ctx: typer.Context, url: Url = "http://127.0.0.1:8700", output: Output = "table") -> None:
     """Registered storage workers."""
+    if ctx.invoked_subcommand is not None:
+        return
     rows = DirectoryClient(url).workers()
     if output == "json":
         print(json.dumps([r.model_dump(exclude={"agent_metadata"}) for r in rows], indent=2))
@@ -71,6 +79,32 @@ def workers(url: Url = "http://127.0.0.1:8700", output: Output = "table") -> Non
         table.add_row(r.name, r.state, str(r.epoch), str(r.pid), r.control_url, r.agent_name,
                       f"{r.last_heartbeat:.1f}")
     console.print(table)
+
+
+@workers_app.command()
+@one_line_errors
+def drain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = "http://127.0.0.1:8700",
+          wait: Annotated[float, typer.Option(help="seconds to wait for the drain to finish; 0 = do not wait")] = 0.0
+          ) -> None:
+    """Stop new placements on a worker and move its memory tiers down; it ends `drained`."""
+    client = DirectoryClient(url)
+    info = client.drain(name)
+    deadline = time.monotonic() + wait
+    with console.status(f"draining {name} …", spinner="dots") if wait > 0 else nullcontext():
+        while info.state == "draining" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            info = client.worker(name)
+    console.print(f"worker {name}: {info.state}")
+    if wait > 0 and info.state != "drained":
+        raise KVStoreError("unavailable", f"worker {name} still {info.state} after {wait:g}s "
+                           "(pinned blocks wait for their readers or their lease TTL)")
+
+
+@workers_app.command()
+@one_line_errors
+def undrain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = "http://127.0.0.1:8700") -> None:
+    """Reverse a drain that has not finished: the worker takes placements again."""
+    console.print(f"worker {name}: {DirectoryClient(url).undrain(name).state}")
 
 
 @app.command()

@@ -43,8 +43,10 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
                     data_dir: Annotated[Path, typer.Option(help="SQLite file lives here")] = Path("var"),
                     database_url: Annotated[str | None, typer.Option(envvar="KVSTORE_DATABASE_URL",
                                                                      help="SQLAlchemy URL")] = None,
-                    lease_ttl: float = 30.0, eviction: Eviction = DEFAULT_EVICTION,
-                    admission: Admission = DEFAULT_ADMISSION) -> None:
+                    lease_ttl: float = 30.0,
+                    heartbeat_timeout: Annotated[float, typer.Option(help="seconds of silence before a worker "
+                                                                     "is dead")] = 10.0,
+                    eviction: Eviction = DEFAULT_EVICTION, admission: Admission = DEFAULT_ADMISSION) -> None:
     """Run the directory (FastAPI) on HOST:PORT."""
     import uvicorn
     from pydantic import ValidationError
@@ -56,7 +58,8 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
     data_dir.mkdir(parents=True, exist_ok=True)
     url = database_url or f"sqlite:///{(data_dir / 'directory.db').resolve()}"
     try:
-        settings = DirectorySettings(database_url=url, lease_ttl_s=lease_ttl, eviction=eviction, admission=admission)
+        settings = DirectorySettings(database_url=url, lease_ttl_s=lease_ttl, heartbeat_timeout_s=heartbeat_timeout,
+                                     eviction=eviction, admission=admission)
     except ValidationError as exc:
         raise typer.BadParameter(_problems(exc)) from None
     log.info("directory on http://%s:%d, database %s, eviction %s, admission %s", host, port, _redact(url),
@@ -121,9 +124,10 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
        s3_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL; none = AWS")] = None,
        s3_prefix: Annotated[str, typer.Option(help="object key prefix")] = "kvstore",
        s3_region: Annotated[str, typer.Option(help="S3 region")] = "us-east-1",
-       lease_ttl: Annotated[float, typer.Option(help="seconds")] = 30.0,
+       lease_ttl: Annotated[float, typer.Option(help="seconds before an unreleased pin expires")] = 30.0,
+       heartbeat_timeout: Annotated[float, typer.Option(help="seconds of silence before a worker is dead")] = 10.0,
        eviction: Eviction = DEFAULT_EVICTION, admission: Admission = DEFAULT_ADMISSION) -> None:
-    """Run the embedded stack: the directory on SQLite and one storage worker."""
+    """Run the embedded stack: the directory on SQLite and one storage worker (restarted if it dies)."""
     _logging()
     _size(dram_bytes, "--dram-bytes"), _size(page_bytes, "--page-bytes"), _size(nvme_bytes, "--nvme-bytes")
     _policies(eviction, admission)
@@ -132,27 +136,46 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
     exe = [sys.executable, "-m", "kvstore.cli.main"]
     children = [subprocess.Popen(exe + ["directory", "serve", "--host", host, "--port", str(port),
                                         "--data-dir", str(data_dir), "--lease-ttl", str(lease_ttl),
+                                        "--heartbeat-timeout", str(heartbeat_timeout),
                                         "--eviction", eviction, "--admission", admission])]
+    worker_cmd = exe + ["worker", "serve", "--directory-url", url, "--name", "worker-0", "--host", host,
+                        "--dram-bytes", dram_bytes, "--page-bytes", page_bytes, "--nvme-bytes", nvme_bytes,
+                        "--nvme-dir", str(nvme_dir), "--s3-prefix", s3_prefix, "--s3-region", s3_region] \
+        + (["--s3-bucket", s3_bucket] if s3_bucket else []) + (["--s3-endpoint", s3_endpoint] if s3_endpoint else [])
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         if not _wait_healthy(url, children[0], stop):
             raise typer.Exit(1)
-        children.append(subprocess.Popen(exe + ["worker", "serve", "--directory-url", url, "--name", "worker-0",
-                                                "--host", host, "--dram-bytes", dram_bytes,
-                                                "--page-bytes", page_bytes, "--nvme-bytes", nvme_bytes,
-                                                "--nvme-dir", str(nvme_dir), "--s3-prefix", s3_prefix,
-                                                "--s3-region", s3_region]
-                                    + (["--s3-bucket", s3_bucket] if s3_bucket else [])
-                                    + (["--s3-endpoint", s3_endpoint] if s3_endpoint else [])))
+        children.append(subprocess.Popen(worker_cmd))
         log.info("kvstore up: directory %s, data dir %s; Ctrl-C stops", url, data_dir.resolve())
+        restarts = Restarts()
         while not stop.wait(0.5):
-            if any(c.poll() is not None for c in children):
-                log.error("a kvstore process exited; stopping the stack")
+            if children[0].poll() is not None:
+                log.error("the directory exited (code %s); stopping the stack", children[0].returncode)
                 raise typer.Exit(1)
+            if children[1].poll() is not None:
+                delay = restarts.next_delay()
+                log.error("the worker exited (code %s); restarting it in %.0fs", children[1].returncode, delay)
+                if stop.wait(delay):
+                    break
+                children[1] = subprocess.Popen(worker_cmd)
     finally:
         _stop_all(children)
+
+
+class Restarts:
+    """Back-off between restarts of a crashing worker: 1 s, doubling to 30 s; reset after 60 s up."""
+
+    def __init__(self) -> None:
+        self.delay_s, self.last = 0.5, 0.0
+
+    def next_delay(self) -> float:
+        now = time.monotonic()
+        self.delay_s = 1.0 if now - self.last > 60 else min(30.0, self.delay_s * 2)
+        self.last = now
+        return self.delay_s
 
 
 def _policies(eviction: str, admission: str) -> None:

@@ -30,6 +30,15 @@ class DirectoryClient(JsonHttp):
     def workers(self) -> list[specs.WorkerInfo]:
         return [specs.WorkerInfo.model_validate(w) for w in self.call_raw("GET", "/v1/workers")]
 
+    def drain(self, name: str) -> specs.WorkerInfo:
+        return specs.WorkerInfo.model_validate(self.call_raw("POST", f"/v1/workers/{name}/drain", {}))
+
+    def undrain(self, name: str) -> specs.WorkerInfo:
+        return specs.WorkerInfo.model_validate(self.call_raw("POST", f"/v1/workers/{name}/undrain", {}))
+
+    def renew(self, token: str) -> specs.Renewed:
+        return self.call("POST", "/v1/leases/renew", specs.TokenBody(token=token), specs.Renewed)
+
     def prepare_store(self, body: specs.PrepareStore) -> specs.StorePrepared:
         return self.call("POST", "/v1/store/prepare", body, specs.StorePrepared)
 

@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +28,7 @@ from kvstore.client import DirectoryClient
 from kvstore.connector import layout
 from kvstore.connector.layout import LayerKV
 from kvstore.connector.peers import Peers
+from kvstore.connector.renewal import Renewal
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes, checksum
@@ -40,9 +42,10 @@ READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this siz
 
 class KVStoreClient:
     def __init__(self, url: str, namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 name: str | None = None, timeout_s: float = 60.0) -> None:
+                 name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True) -> None:
         self.namespace = namespace
         self.timeout_s = timeout_s
+        self.renew_leases = renew_leases  # keep leases and reservations alive during long transfers
         self.directory = DirectoryClient(url, timeout_s=timeout_s)
         self.namespace_id = self.directory.register_namespace(namespace)
         assert self.namespace_id == namespace.namespace_id, "directory computed another namespace id"
@@ -61,7 +64,9 @@ class KVStoreClient:
         hashes = [h.hex() for h in block_hashes(self.namespace, token_ids)]
         if not hashes:
             return 0
-        return self.directory.lookup(self.namespace_id, hashes).num_hit_blocks * self.namespace.block_tokens
+        with _miss_if_unreachable("lookup"):
+            return self.directory.lookup(self.namespace_id, hashes).num_hit_blocks * self.namespace.block_tokens
+        return 0
 
     def save(self, token_ids: Sequence[int], kv: LayerKV) -> int:
         """Store every full block of `token_ids` not yet stored; returns the leading tokens now held."""
@@ -117,10 +122,16 @@ class KVStoreClient:
         self.agent.register_dram(addr, nbytes)
 
     def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None) -> int:
-        """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held."""
+        """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held.
+        A directory that cannot be reached stores nothing (0), it does not raise."""
         assert len(hashes) == len(blocks), "one buffer per hash"
         if not hashes:
             return 0
+        with _miss_if_unreachable("save"):
+            return self._save_blocks(hashes, blocks, parent)
+        return 0
+
+    def _save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None) -> int:
         clock = _PhaseClock()
         parents = [parent] + hashes[:-1]
         prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore(
@@ -132,8 +143,9 @@ class KVStoreClient:
         if admitted:
             # hash on the helper thread while NIXL (which releases the GIL) writes the same bytes
             hashing = self._hasher.submit(lambda: {i: checksum(blocks[i]) for i, _ in admitted})
-            done = clock.timed("transfer", self._move, "WRITE", [(blocks[i], d.location) for i, d in admitted])
-            sums = clock.timed("checksum", hashing.result)  # only the wait beyond the transfer
+            with self._renewal(prepared.token, prepared.expires_at):
+                done = clock.timed("transfer", self._move, "WRITE", [(blocks[i], d.location) for i, d in admitted])
+                sums = clock.timed("checksum", hashing.result)  # only the wait beyond the transfer
             ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
             reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[i]) for i, d in admitted]
             body = specs.CompleteStore(token=prepared.token, blocks=reports)
@@ -148,8 +160,14 @@ class KVStoreClient:
         return held
 
     def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
-        """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified."""
+        """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified.
+        A directory that cannot be reached is a miss (0), it does not raise."""
         assert len(hashes) == len(blocks), "one buffer per hash"
+        with _miss_if_unreachable("load"):
+            return self._load_blocks(hashes, blocks)
+        return 0
+
+    def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
         clock = _PhaseClock()
         prepared = clock.timed("prepare", self.directory.prepare_load, specs.PrepareLoad(
             namespace_id=self.namespace_id, hashes=[h.hex() for h in hashes], reader=self.agent.name))
@@ -157,7 +175,8 @@ class KVStoreClient:
         if not hits:
             self.last_timings = clock.finish()
             return 0
-        done, digests = self._read_and_hash(hits, blocks, clock)
+        with self._renewal(prepared.token, prepared.expires_at):
+            done, digests = self._read_and_hash(hits, blocks, clock)
         verified, reports = 0, []
         for i, hit in enumerate(hits):
             good = done[i] and digests[i] == hit.checksum
@@ -171,6 +190,10 @@ class KVStoreClient:
             verified = 0  # the lease expired under us: the pages may have been reused, so a miss
         self.last_timings = clock.finish()
         return verified
+
+    def _renewal(self, token: str | None, expires_at: float | None) -> Renewal:
+        ttl_s = (expires_at - time.time()) if expires_at is not None else 0.0
+        return Renewal(self.directory, token if self.renew_leases and ttl_s > 0 else None, ttl_s)
 
     def _read_and_hash(self, hits: list[specs.BlockHit], blocks: list[np.ndarray], clock: "_PhaseClock"):
         """Read in groups of about READ_GROUP_BYTES; group k is hashed on the helper thread
@@ -215,6 +238,17 @@ class KVStoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextmanager
+def _miss_if_unreachable(what: str):
+    """The cache is optional: with the directory unreachable an engine computes instead."""
+    try:
+        yield
+    except KVStoreError as exc:
+        if exc.kind != "unavailable":
+            raise
+        log.warning("%s skipped, the directory is unreachable: %s", what, exc)
 
 
 def _accepted(complete, body) -> bool:

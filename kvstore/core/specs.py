@@ -238,10 +238,17 @@ class TierUsage(_Spec):
 class Stats(_Spec):
     blocks: int
     replicas: int
-    reservations: int
+    reservations: int  # replicas being written: engine stores and move destinations
     leases_active: int
     pins: int
     workers_active: int
+    inflight_moves: int = 0  # source replicas being copied to another tier
+    replicas_by_tier: dict[str, int] = Field(default_factory=dict)  # visible replicas per tier kind
+
+
+class Renewed(_Spec):
+    token: str
+    expires_at: float
 
 
 class AllocRequest(_Spec):

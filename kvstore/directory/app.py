@@ -31,6 +31,7 @@ def create_app(settings: DirectorySettings | None = None) -> FastAPI:
         db.upgrade(settings.database_url)
     engine = db.make_engine(settings.database_url)
     service = DirectoryService(db.make_sessions(engine), settings, DirectoryMetrics())
+    service.recover()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -119,6 +120,14 @@ def _routes(service: DirectoryService) -> APIRouter:
         service.membership.deregister(name, body.epoch)
         return {"ok": True}
 
+    @r.post("/v1/workers/{name}/drain")
+    def drain(name: str) -> specs.WorkerInfo:
+        return service.membership.drain(name)
+
+    @r.post("/v1/workers/{name}/undrain")
+    def undrain(name: str) -> specs.WorkerInfo:
+        return service.membership.undrain(name)
+
     @r.get("/v1/workers")
     def workers() -> list[specs.WorkerInfo]:
         return service.membership.workers()
@@ -134,6 +143,10 @@ def _routes(service: DirectoryService) -> APIRouter:
     @r.post("/v1/store/complete", response_model=specs.StoreCompleted)
     def complete_store(body: specs.CompleteStore) -> Response:
         return _json(service.complete_store(body))
+
+    @r.post("/v1/leases/renew")
+    def renew(body: specs.TokenBody) -> specs.Renewed:
+        return service.renew(body.token)
 
     @r.post("/v1/store/abort")
     def abort_store(body: specs.TokenBody) -> dict:

@@ -113,7 +113,7 @@ class Membership:
             worker = repo.worker_by_name(tx.session, name)
             if worker is None or worker.epoch != epoch or worker.state == "dead":
                 raise KVStoreError("conflict", "unknown worker or stale epoch; register again",
-                                   worker=name, epoch=epoch)
+                                   worker=name, epoch=epoch)  # a draining or drained worker keeps beating
             worker.heartbeat_at = self.service._clock()
 
     def deregister(self, name: str, epoch: int) -> None:
@@ -132,10 +132,50 @@ class Membership:
 
     def worker(self, name: str) -> specs.WorkerInfo:
         with self.service._tx() as tx:
-            worker = repo.worker_by_name(tx.session, name)
-            if worker is None:
-                raise KVStoreError("not_found", f"no worker named {name!r}", worker=name)
-            return _worker_info(worker, with_metadata=True)
+            return _worker_info(self._named(tx, name), with_metadata=True)
+
+    def drain(self, name: str) -> specs.WorkerInfo:
+        """No new placements; the reaper moves its memory tiers down (and NVMe to S3 when it has S3),
+        waits for its pins to go (they expire with their leases), then marks it drained."""
+        with self.service._tx() as tx:
+            worker = self._named(tx, name)
+            if worker.state in ("dead", "drained"):
+                raise KVStoreError("conflict", f"worker {name!r} is {worker.state}; nothing to drain", worker=name)
+            if worker.state == "active":
+                worker.state = "draining"
+                log.info("worker %s (epoch %d) draining", name, worker.epoch)
+            return _worker_info(worker, with_metadata=False)
+
+    def undrain(self, name: str) -> specs.WorkerInfo:
+        with self.service._tx() as tx:
+            worker = self._named(tx, name)
+            if worker.state != "draining" and worker.state != "active":
+                raise KVStoreError("conflict", f"worker {name!r} is {worker.state}: only a drain that has not "
+                                   "finished can be reversed (a drained worker registers again)", worker=name)
+            worker.state = "active"
+            log.info("worker %s (epoch %d) active again", name, worker.epoch)
+            return _worker_info(worker, with_metadata=False)
+
+    def finish_drains(self, tx: Tx) -> list[int]:
+        """Draining workers whose memory tiers hold nothing any more become drained; returns the ids of
+        those still draining."""
+        still = []
+        for worker in repo.workers(tx.session):
+            if worker.state != "draining":
+                continue
+            if repo.volatile_replicas_of_worker(tx.session, worker.id):
+                still.append(worker.id)
+                continue
+            worker.state = "drained"
+            log.info("worker %s (epoch %d) drained: it holds no memory-tier blocks; it may be stopped",
+                     worker.name, worker.epoch)
+        return still
+
+    def _named(self, tx: Tx, name: str) -> Worker:
+        worker = repo.worker_by_name(tx.session, name)
+        if worker is None:
+            raise KVStoreError("not_found", f"no worker named {name!r}", worker=name)
+        return worker
 
     def declare_dead(self, tx: Tx, now: float) -> int:
         dead = 0

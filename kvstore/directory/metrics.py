@@ -27,7 +27,10 @@ class DirectoryMetrics:
             ("blocks", "Blocks in the directory"), ("replicas", "Replicas in any state"),
             ("reservations", "Replicas being written (WRITING)"),
             ("leases_active", "Distinct reader leases"), ("pins", "Replicas pinned by leases"),
-            ("workers_active", "Workers in state active"))}
+            ("workers_active", "Workers in state active"), ("inflight_moves", "Replicas being copied to another tier"))}
+        self.replicas_by_tier = Gauge("kvstore_tier_replicas", "Visible replicas per tier kind, all workers", ["tier"], registry=r)
+        self.move_failures = Counter("kvstore_move_failures", "Blocks whose move between tiers failed",
+                                     ["route"], registry=r)
         self.tier_capacity = Gauge("kvstore_tier_capacity_bytes", "Tier capacity", ["worker", "kind"], registry=r)
         self.tier_used = Gauge("kvstore_tier_used_bytes", "Tier bytes reserved or used",
                                ["worker", "kind"], registry=r)
@@ -45,6 +48,8 @@ class DirectoryMetrics:
     def render(self, stats: specs.Stats, tiers: list[specs.TierUsage]) -> bytes:
         for name, gauge in self.gauges.items():
             gauge.set(getattr(stats, name))
+        for kind, count in stats.replicas_by_tier.items():
+            self.replicas_by_tier.labels(kind).set(count)
         for tier in tiers:
             self.tier_capacity.labels(tier.worker, tier.kind).set(tier.capacity_bytes or 0)
             self.tier_used.labels(tier.worker, tier.kind).set(tier.used_bytes)

@@ -4,6 +4,7 @@
                              # eviction policy names one tier down (if the lower tier's admission
                              # keeps them) until the low watermark; the bottom tier drops them
     make_room(tier, nbytes)  # before a save or a promotion: the same, cascading down first
+    drain(worker_ids)        # the reaper, for draining workers: memory tiers down, NVMe to S3
     evict(...)               # the operator's `kvstore evict`, with a dry run
     promote(hits) -> ids     # blocks a reader can only find on NVMe or S3 are copied into DRAM
     write_through() -> n     # the reaper: S3 copies for namespaces that ask for them
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
 from kvstore.directory import repository as repo
 from kvstore.directory.models import Block, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
@@ -38,12 +40,14 @@ class _Move:
     block_id: int
     source_id: int
     dest_id: int
+    dest_tier_id: int
     item: specs.MoveItem
 
 
 class Movement:
     def __init__(self, service) -> None:
         self.service = service  # DirectoryService: transactions, worker clients, roll-back
+        self._backoff: dict[int, tuple[float, float]] = {}  # destination tier id -> (retry at, delay s)
 
     # ---- demotion ----------------------------------------------------------------------
 
@@ -81,10 +85,14 @@ class Movement:
 
     def _demote_tier(self, tier_id: int, worker_id: int, to_free: int, protected: set[int],
                      namespace_id: str | None = None, limit: int = MAX_MOVES_PER_ROUND) -> dict:
+        outcome = {"replicas": 0, "bytes": 0, "demoted": 0, "dropped": 0}
         with self.service._tx() as tx:
             tier = tx.session.get(Tier, tier_id)
             lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind)
             lower_id = lower.id if lower is not None and lower.capacity_bytes is not None else None
+            backing_off = lower is not None and self._backoff.get(lower.id, (0.0, 0.0))[0] > time.monotonic()
+        if backing_off:
+            return outcome  # the tier below failed lately: keep the blocks where they are until it is retried
         if lower_id is not None:  # cascade: the tier below makes room first
             self.make_room(lower_id, worker_id, to_free, protected)
         t0 = time.perf_counter()
@@ -92,10 +100,11 @@ class Movement:
         outcome = {"replicas": len(plan) + len(dropped), "bytes": sum(dropped), "demoted": 0, "dropped": len(dropped)}
         if plan:
             t1 = time.perf_counter()
-            result = self.service._worker_client(lower_url).move(specs.MoveRequest(items=[m.item for m in plan]))
+            result = self._move(lower_url, plan)
             t2 = time.perf_counter()
             self._finish(plan, result, dest_state=READY)
             route = f"{plan[0].item.src_kind} -> {plan[0].item.dst_kind}"
+            self._note_outcome(lower.id, route, result)
             log.info("demoted %d blocks %s (%d failed): plan %.1f ms, move %.1f ms, commit %.1f ms",
                      sum(result.ok), route, len(plan) - sum(result.ok), (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                      (time.perf_counter() - t2) * 1e3)
@@ -162,8 +171,21 @@ class Movement:
         extra = [(token, runs) for runs in answer.runs[len(reserved):] if runs is not None]
         tx.after_commit.append(self.service._free_later(worker.control_url, extra))
         tx.session.flush()
-        return [_Move(block.id, replica.id, row.id, _item(replica, source, dest, token, runs, block))
+        return [_Move(block.id, replica.id, row.id, dest.id, _item(replica, source, dest, token, runs, block))
                 for replica, block, runs, row in reserved]
+
+    def drain(self, worker_ids: list[int]) -> int:
+        """One round for draining workers: their memory tiers go down (dropped if there is no tier
+        below), and NVMe goes to S3 when the worker has S3, so nothing is left only on its disk."""
+        moved = 0
+        for worker_id in worker_ids:
+            with self.service._tx() as tx:
+                tiers = {k: t.id for k, t in repo.tiers_of(tx.session, worker_id).items()}
+            for kind in ("hbm", "dram") + (("nvme",) if "s3" in tiers else ()):
+                if kind in tiers:
+                    outcome = self._demote_tier(tiers[kind], worker_id, 1 << 62, set())
+                    moved += outcome["demoted"] + outcome["dropped"]
+        return moved
 
     # ---- write-through ---------------------------------------------------------------------
 
@@ -188,7 +210,7 @@ class Movement:
         promoted: set[int] = set()
         by_source: dict[tuple[int, int], list] = {}
         for block, replica, tier, worker in hits:
-            if tier.kind in ("nvme", "s3"):
+            if tier.kind in ("nvme", "s3") and worker.state == "active":  # a draining worker takes nothing in
                 by_source.setdefault((worker.id, tier.id), []).append((block, replica, tier, worker))
         protected = {b.id for b, _, _, _ in hits}
         for (worker_id, tier_id), items in by_source.items():
@@ -213,10 +235,32 @@ class Movement:
             url = worker.control_url
         if not plan:
             return set()
-        result = self.service._worker_client(url).move(specs.MoveRequest(items=[m.item for m in plan]))
+        result = self._move(url, plan)
+        self._note_outcome(plan[0].dest_tier_id, f"{plan[0].item.src_kind} -> {dest_kind}", result)
         return self._finish(plan, result, dest_state=READY, source_stays=True)
 
     # ---- both ----------------------------------------------------------------------------
+
+    def _move(self, url: str, plan: list[_Move]) -> specs.MoveResult:
+        """The worker's move; a worker that cannot be reached failed every item (rolled back by _finish)."""
+        try:
+            return self.service._worker_client(url).move(specs.MoveRequest(items=[m.item for m in plan]))
+        except KVStoreError as exc:
+            return specs.MoveResult(ok=[False] * len(plan), errors=[str(exc)] * len(plan))
+
+    def _note_outcome(self, dest_tier_id: int, route: str, result: specs.MoveResult) -> None:
+        """Count failed moves; a route whose every move failed backs off (1 s doubling to 60 s)."""
+        failed = len(result.ok) - sum(result.ok)
+        if failed:
+            self.service.metrics.move_failures.labels(route).inc(failed)
+        if result.ok and not any(result.ok):
+            delay = min(60.0, 2 * self._backoff.get(dest_tier_id, (0.0, 0.5))[1])
+            self._backoff[dest_tier_id] = (time.monotonic() + delay, delay)
+            log.warning("moves %s failed (%d blocks): %s; the blocks stay where they are, retrying in %.0fs",
+                        route, failed, next((e for e in result.errors if e), "?"), delay)
+        elif dest_tier_id in self._backoff and any(result.ok):
+            del self._backoff[dest_tier_id]
+            log.info("moves %s succeed again", route)
 
     def _finish(self, plan: list[_Move], result: specs.MoveResult, dest_state: str,
                 source_stays: bool = False) -> set[int]:

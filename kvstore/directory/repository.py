@@ -6,7 +6,7 @@ from sqlalchemy import bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session, aliased
 
 from kvstore.directory.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
-from kvstore.directory.models.replica import READY, VISIBLE, WRITING
+from kvstore.directory.models.replica import MOVING, READY, VISIBLE, WRITING
 
 VOLATILE_TIERS = ("hbm", "dram")
 
@@ -139,6 +139,10 @@ def pinned_by_token(session: Session, token: str) -> list[tuple[Replica, Block]]
     return list(session.execute(query).tuples())
 
 
+def leases_with_token(session: Session, token: str) -> list[Lease]:
+    return list(session.scalars(select(Lease).where(Lease.token == token)))
+
+
 def delete_leases(session: Session, token: str) -> None:
     session.execute(delete(Lease).where(Lease.token == token))
 
@@ -188,7 +192,15 @@ def counts(session: Session) -> dict[str, int]:
         "leases_active": session.scalar(select(func.count(func.distinct(Lease.token)))) or 0,
         "pins": session.scalar(select(func.count(Lease.id))) or 0,
         "workers_active": session.scalar(select(func.count(Worker.id)).where(Worker.state == "active")) or 0,
+        "inflight_moves": session.scalar(select(func.count(Replica.id)).where(Replica.state == MOVING)) or 0,
     }
+
+
+def replicas_by_tier(session: Session) -> dict[str, int]:
+    """Visible replicas per tier kind, over all workers."""
+    query = (select(Tier.kind, func.count(Replica.id)).join(Tier, Replica.tier_id == Tier.id)
+             .where(Replica.state.in_(VISIBLE)).group_by(Tier.kind))
+    return {kind: n for kind, n in session.execute(query)}
 
 
 def visible_replica_rows(session: Session, namespace_id: str | None) -> list[Replica]:

@@ -35,7 +35,7 @@ from kvstore.directory.membership import Membership
 from kvstore.directory.movement import TIER_ORDER, Movement
 from kvstore.directory.policy import TierPolicies, block_key
 from kvstore.directory.models import Block, NamespaceRow, Replica, Tier, Worker
-from kvstore.directory.models.replica import DELETING, READY, WRITING
+from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
 from kvstore.directory.settings import DirectorySettings
 
 log = logging.getLogger(__name__)
@@ -222,10 +222,11 @@ class DirectoryService:
                 raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token",
                                    token=req.token)
             expired = rows[0].expires_at < now
+            stale = [(epoch, worker_epoch) for _, epoch, _, _, _, worker_epoch in rows if epoch != worker_epoch]
             failed, good, checksums = [], [], {}
             for replica_id, epoch, _, block_id, block_hash, worker_epoch in rows:
                 report = reports.get(block_hash)
-                if expired or report is None or not report.ok or report.checksum is None or epoch != worker_epoch:
+                if expired or stale or report is None or not report.ok or report.checksum is None:
                     failed.append(replica_id)
                 else:
                     good.append(replica_id)
@@ -237,7 +238,46 @@ class DirectoryService:
         if expired:
             raise KVStoreError("conflict", "the reservation expired before completion; nothing was committed",
                                token=req.token)
+        if stale:
+            raise KVStoreError("conflict", f"the worker restarted (epoch {stale[0][0]} -> {stale[0][1]}) after "
+                               "this reservation; its pages are gone and nothing was committed", token=req.token)
         return specs.StoreCompleted(committed=committed, rolled_back=len(rows) - committed)
+
+    def renew(self, token: str) -> specs.Renewed:
+        """Extend a reader's lease or a writer's reservation by its TTL from now (a long transfer)."""
+        now = self._clock()
+        with self._tx() as tx:
+            leases = repo.leases_with_token(tx.session, token)
+            if leases and all(lease.expires_at >= now for lease in leases):
+                expires_at = now + self.settings.lease_ttl_s
+                for lease in leases:
+                    lease.expires_at = expires_at
+                return specs.Renewed(token=token, expires_at=expires_at)
+            writing = [r for r, _, _, _ in repo.replicas_with_token(tx.session, token, WRITING)]
+            if writing and all(r.expires_at is not None and r.expires_at >= now for r in writing):
+                expires_at = now + self.settings.reservation_ttl_s
+                for replica in writing:
+                    replica.expires_at = expires_at
+                return specs.Renewed(token=token, expires_at=expires_at)
+        raise KVStoreError("conflict", "unknown, completed or expired token; it cannot be renewed", token=token)
+
+    def recover(self) -> int:
+        """At start: reservations open when the directory stopped are rolled back (their writers got
+        no answer they could trust), moves that were in flight are undone, and every live worker gets
+        a full heartbeat timeout to check in (the directory's own downtime is not their silence)."""
+        with self._tx() as tx:
+            rows = repo.replicas_in_state(tx.session, WRITING)
+            self._roll_back(tx, rows)
+            moving = repo.replicas_in_state(tx.session, MOVING)
+            for replica, _, _ in moving:
+                replica.state = READY
+            now = self._clock()
+            for worker in repo.workers(tx.session):
+                if worker.state != "dead":  # a heartbeat timeout from now to check in again
+                    worker.heartbeat_at = max(worker.heartbeat_at, now)
+        if rows or moving:
+            log.info("start-up: rolled back %d open reservations, %d moves in flight", len(rows), len(moving))
+        return len(rows)
 
     def abort_store(self, token: str) -> int:
         with self._tx() as tx:
@@ -356,12 +396,15 @@ class DirectoryService:
                 rows = repo.replicas_with_token(tx.session, token, WRITING)
                 self._roll_back(tx, [(r, t, w) for r, _, t, w in rows])
             dead = self.membership.declare_dead(tx, now)
+            draining = self.membership.finish_drains(tx)
             self._collect_deleting(tx)
         if leases or tokens or dead:
             log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, len(tokens), dead)
+        drained = self.movement.drain(draining) if draining else 0
         demoted = self.movement.demote()
         copied = self.movement.write_through()
-        return {"leases": leases, "reservations": len(tokens), "dead_workers": dead, "demoted": demoted,
+        return {"leases": leases, "reservations": len(tokens), "dead_workers": dead, "drained": drained,
+                "demoted": demoted,
                 "written_through": copied}
 
     def _collect_deleting(self, tx: Tx) -> None:
@@ -408,7 +451,7 @@ class DirectoryService:
 
     def stats(self) -> specs.Stats:
         with self._tx() as tx:
-            return specs.Stats(**repo.counts(tx.session))
+            return specs.Stats(**repo.counts(tx.session), replicas_by_tier=repo.replicas_by_tier(tx.session))
 
     # ---- helpers --------------------------------------------------------------------------
 
