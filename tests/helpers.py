@@ -54,9 +54,10 @@ def kvstore_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvstore.cli.main", *args]
 
 
-def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, **env} if env else None)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:

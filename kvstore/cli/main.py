@@ -187,7 +187,8 @@ def db_upgrade(database_url: Annotated[str, typer.Option(envvar="KVSTORE_DATABAS
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # operator commands print what they did; only problems are logged (servers raise this to INFO)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app()
 
 

@@ -223,6 +223,7 @@ def _stop_all(children: list[subprocess.Popen]) -> None:
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(logging.INFO)  # main() configured WARNING for operator commands
     for noisy in ("httpx", "alembic.runtime.plugins"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -57,15 +57,22 @@ class Mover:
     def move(self, req: specs.MoveRequest) -> specs.MoveResult:
         errors: dict[int, str | None] = {}
         by_route: dict[tuple[str, str], list[int]] = {}
+        s3_down = self.s3.unreachable() if self.s3 and any("s3" in (i.src_kind, i.dst_kind) for i in req.items) \
+            else None
         for i, item in enumerate(req.items):
+            if s3_down and "s3" in (item.src_kind, item.dst_kind):
+                errors[i] = s3_down  # fail fast: the directory backs off and retries later
+                continue
             by_route.setdefault((item.src_kind, item.dst_kind), []).append(i)
         for route, indices in by_route.items():
             if route in BATCHED and self._can(route) and len(indices) > 1:
                 errors.update(self._batch(route, [(i, req.items[i]) for i in indices]))
             else:
                 errors.update((i, self._move_one(req.items[i])) for i in indices)
+        if s3_down:
+            log.warning("%d moves to or from S3 refused: %s", sum(e == s3_down for e in errors.values()), s3_down)
         for i, error in errors.items():
-            if error:
+            if error and error != s3_down:
                 item = req.items[i]
                 log.warning("move of block %s %s->%s failed: %s", item.hash, item.src_kind, item.dst_kind, error)
         if self.nvme is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -44,10 +45,28 @@ class S3Tier:
         except botocore.exceptions.BotoCoreError as exc:
             raise KVStoreError("unavailable", f"cannot reach S3 at {endpoint or 'AWS'}: {exc}",
                                bucket=bucket) from None
+        self._probe = boto3.client("s3", endpoint_url=endpoint, region_name=region,
+                                   config=botocore.config.Config(s3={"addressing_style": style}, connect_timeout=1,
+                                                                 read_timeout=2, retries={"max_attempts": 1}))
+        self._healthy_until = 0.0
         self._agent = None
         self._dev_ids: dict[str, int] = {}
         self._next_dev = itertools.count(1)
         self._lock = threading.Lock()
+
+    def unreachable(self) -> str | None:
+        """Why the endpoint cannot take a transfer now, or None. NIXL OBJ retries an endpoint that is
+        down for many seconds per object, so moves ask this first (a HEAD, cached 2 s when fine)."""
+        import botocore.exceptions
+
+        if time.monotonic() < self._healthy_until:
+            return None
+        try:
+            self._probe.head_bucket(Bucket=self.bucket)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            return f"S3 endpoint {self.endpoint or 'AWS'} bucket {self.bucket!r} unreachable: {exc}"
+        self._healthy_until = time.monotonic() + 2.0
+        return None
 
     def backend_params(self) -> dict[str, str]:
         params = {"bucket": self.bucket, "region": self.region, "req_checksum": "required",

@@ -1,0 +1,72 @@
+"""Workers killed mid-save, mid-load and mid-demotion: nothing becomes visible with partial bytes,
+lookups stop returning the dead worker's memory replicas within the heartbeat timeout, and the
+restarted worker rejoins under a new epoch."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+from tests.fault.conftest import TTL_S, wait_for
+from tests.helpers import kvstore_cmd, wait_until
+from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS
+
+FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def dead(stack) -> bool:
+    return stack.client.worker("w0").state == "dead"
+
+
+def test_a_worker_killed_mid_save_commits_nothing_and_rejoins_under_a_new_epoch(stack):
+    proc = stack.engine("save", "--pause-at-complete", "1", wait=False)
+    wait_for(proc.markers / "paused", proc)  # the bytes are written, the completion not yet sent
+    stack.kill(stack.worker)
+    wait_until(lambda: dead(stack), TTL_S + 5, "worker declared dead")
+    assert stack.start_worker() == 2
+    (proc.markers / "resume").touch()
+    assert proc.wait(timeout=120) == 0
+    assert stack.result("save")["stored_tokens"] == 0  # the completion was refused: its pages died
+    assert stack.engine("load")["loaded_tokens"] == 0
+    stack.settled()
+    assert stack.engine("save", seed=1)["stored_tokens"] == FULL  # the new epoch takes saves
+    loaded = stack.engine("load", seed=1)
+    assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+    stack.settled()
+
+
+def test_a_worker_killed_mid_load_turns_the_load_into_a_miss(stack):
+    assert stack.engine("save")["stored_tokens"] == FULL
+    proc = stack.engine("load", "--pause-at-complete", "1", wait=False)
+    wait_for(proc.markers / "paused", proc)
+    stack.kill(stack.worker)
+    t0 = time.monotonic()
+    wait_until(lambda: stack.client.stats().replicas_by_tier.get("dram", 0) == 0, TTL_S + 5,
+               "the dead worker's DRAM replicas leave lookups")
+    assert time.monotonic() - t0 <= TTL_S + 5
+    stack.start_worker()
+    (proc.markers / "resume").touch()
+    assert proc.wait(timeout=120) == 0
+    assert stack.result("load")["loaded_tokens"] == 0  # complete_load refused: the bytes are not vouched for
+    stack.settled()
+
+
+def test_a_worker_killed_mid_demotion_leaves_only_verified_blocks(tmp_path, stack):
+    stack.close()  # this test wants an NVMe tier: start again with one
+    stack.worker_args = ["--nvme-bytes", "32MiB", "--nvme-dir", str(tmp_path / "nvme")]
+    stack.start_directory()
+    stack.start_worker()
+    for seed in (1, 2, 3):
+        assert stack.engine("save", seed=seed)["stored_tokens"] == FULL
+    evict = subprocess.Popen(kvstore_cmd("evict", "--tier", "dram", "--all", "--url", stack.url),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.3)
+    stack.kill(stack.worker)
+    evict.wait(timeout=120)
+    wait_until(lambda: dead(stack), TTL_S + 5, "worker declared dead")
+    stack.start_worker()
+    stack.settled()
+    for seed in (1, 2, 3):  # whatever survived on NVMe loads exactly; the rest is a miss, never wrong bytes
+        loaded = stack.engine("load", seed=seed)
+        assert loaded["max_abs_diff"] <= 1e-4, loaded
+    stack.settled()
