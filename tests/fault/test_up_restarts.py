@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import signal
 
+from kvstore.client import DirectoryClient
 from tests.fault.conftest import TTL_S
 from tests.helpers import free_port, kvstore_cmd, spawn, wait_http, wait_until
 from tests.integration.test_up import interrupt
-from kvstore.client import DirectoryClient
 
 
 def test_up_restarts_a_killed_worker_under_a_new_epoch(tmp_path):
