@@ -179,6 +179,9 @@ def test_health_metrics_and_tiers(stack):
     text = stack.http.get("/metrics").text
     assert f'kvstore_tier_used_bytes{{kind="dram",worker="w0"}} {4.0 * PAGE}' in text
     assert "kvstore_blocks 2.0" in text
+    assert 'kvstore_tier_replicas{tier="dram"} 2.0' in text and "kvstore_inflight_moves 0.0" in text
+    stats = stack.client.stats()
+    assert (stats.blocks, stats.replicas_by_tier, stats.inflight_moves, stats.reservations) == (2, {"dram": 2}, 0, 0)
     assert stack.http.get("/openapi.json").json()["info"]["title"] == "kvstore directory"
 
 

@@ -70,3 +70,25 @@ def test_a_worker_killed_mid_demotion_leaves_only_verified_blocks(tmp_path, stac
         loaded = stack.engine("load", seed=seed)
         assert loaded["max_abs_diff"] <= 1e-4, loaded
     stack.settled()
+
+
+def test_a_connector_follows_a_restarted_worker_into_its_new_epoch(stack):
+    import numpy as np
+
+    from kvstore.connector import KVStoreClient
+    from tests.fault.test_directory_restart import NS, load, prompt, save
+
+    client = KVStoreClient(stack.url, NS, staging_bytes=4 * NS.block_nbytes)
+    try:
+        assert save(client, *prompt(1)) == 4
+        stack.kill(stack.worker)
+        wait_until(lambda: dead(stack), TTL_S + 5, "worker declared dead")
+        assert load(client, prompt(1)[0])[0] == 0  # its DRAM died with it
+        assert stack.start_worker() == 2
+        hashes, blocks = prompt(2)
+        assert save(client, hashes, blocks) == 4  # the old agent metadata was swapped for the new one
+        n, out = load(client, hashes)
+        assert n == 4 and all(np.array_equal(a, b) for a, b in zip(out, blocks))
+    finally:
+        client.close()
+    stack.settled()
