@@ -77,6 +77,7 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                  nvme_bytes: Annotated[str, typer.Option(help="NVMe tier size; 0 = none")] = "0",
                  nvme_dir: Annotated[Path, typer.Option(help="slab files and manifest")] = Path("var/nvme"),
                  posix_queue: Annotated[str, typer.Option(help="aio or uring")] = "aio",
+                 gds: Annotated[str, typer.Option(help="HBM <-> NVMe via GDS_MT: auto, on or off")] = "auto",
                  s3_bucket: Annotated[str | None, typer.Option(help="S3 tier bucket; none = no S3 tier")] = None,
                  s3_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL; none = AWS")] = None,
                  s3_prefix: Annotated[str, typer.Option(help="object key prefix")] = "kvstore",
@@ -95,7 +96,7 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                                   page_bytes=_size(page_bytes, "--page-bytes"),
                                   hbm_bytes=_size(hbm_bytes, "--hbm-bytes"), hbm_device=hbm_device,
                                   nvme_bytes=_size(nvme_bytes, "--nvme-bytes"), nvme_dir=nvme_dir,
-                                  posix_queue=posix_queue, s3_bucket=s3_bucket, s3_endpoint=s3_endpoint,
+                                  posix_queue=posix_queue, gds=gds, s3_bucket=s3_bucket, s3_endpoint=s3_endpoint,
                                   s3_prefix=s3_prefix, s3_region=s3_region,
                                   bounce_bytes=_size(bounce_bytes, "--bounce-bytes"))
     except ValidationError as exc:

@@ -88,7 +88,7 @@ class Movement:
         outcome = {"replicas": 0, "bytes": 0, "demoted": 0, "dropped": 0}
         with self.service._tx() as tx:
             tier = tx.session.get(Tier, tier_id)
-            lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind)
+            lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind, tx.session.get(Worker, worker_id))
             lower_id = lower.id if lower is not None and lower.capacity_bytes is not None else None
             backing_off = lower is not None and self._backoff.get(lower.id, (0.0, 0.0))[0] > time.monotonic()
         if backing_off:
@@ -118,7 +118,7 @@ class Movement:
         with svc._tx() as tx:
             tier = tx.session.get(Tier, tier_id)
             worker = tx.session.get(Worker, worker_id)
-            lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind)
+            lower = _next_tier(repo.tiers_of(tx.session, worker_id), tier.kind, worker)
             victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
             kinds = repo.replica_kinds(tx.session, [b.id for _, b in victims])
             copy = [(r, b) for r, b in victims if lower is not None and lower.kind not in kinds.get(b.id, set())
@@ -206,7 +206,8 @@ class Movement:
     # ---- promotion ---------------------------------------------------------------------
 
     def promote(self, hits) -> set[int]:
-        """Stage NVMe-only hits into their worker's DRAM; returns the block ids now in DRAM."""
+        """Stage NVMe/S3-only hits into their worker's DRAM (NVMe into HBM when the worker has GDS:
+        disk to GPU directly); returns the block ids now in a memory tier."""
         promoted: set[int] = set()
         by_source: dict[tuple[int, int], list] = {}
         for block, replica, tier, worker in hits:
@@ -214,11 +215,13 @@ class Movement:
                 by_source.setdefault((worker.id, tier.id), []).append((block, replica, tier, worker))
         protected = {b.id for b, _, _, _ in hits}
         for (worker_id, tier_id), items in by_source.items():
+            worker, source = items[0][3], items[0][2]
             with self.service._tx() as tx:
-                dram = repo.tiers_of(tx.session, worker_id).get("dram")
-            if dram is not None:
-                self.make_room(dram.id, worker_id, sum(b.nbytes for b, _, _, _ in items), protected)
-            promoted |= self._copy(worker_id, tier_id, "dram", [r.id for _, r, _, _ in items], only_ready=False)
+                tiers = repo.tiers_of(tx.session, worker_id)
+            kind = "hbm" if source.kind == "nvme" and "hbm" in tiers and "GDS_MT" in worker.backends else "dram"
+            if kind in tiers:
+                self.make_room(tiers[kind].id, worker_id, sum(b.nbytes for b, _, _, _ in items), protected)
+            promoted |= self._copy(worker_id, tier_id, kind, [r.id for _, r, _, _ in items], only_ready=False)
         return promoted
 
     def _copy(self, worker_id: int, source_id: int, dest_kind: str, replica_ids: list[int],
@@ -289,8 +292,11 @@ class Movement:
         return done
 
 
-def _next_tier(tiers: dict[str, Tier], kind: str) -> Tier | None:
-    """The next tier down that this worker has, or None at the bottom."""
+def _next_tier(tiers: dict[str, Tier], kind: str, worker: Worker) -> Tier | None:
+    """The next tier down that this worker has, or None at the bottom. A worker with GDS sends HBM
+    straight to NVMe (GPU to disk without a bounce through host memory)."""
+    if kind == "hbm" and "nvme" in tiers and "GDS_MT" in worker.backends:
+        return tiers["nvme"]
     below = TIER_ORDER[TIER_ORDER.index(kind) + 1:]
     return next((tiers[k] for k in below if k in tiers), None)
 

@@ -151,6 +151,16 @@ class Agent:
         self._regs: list[Registration] = []
         self._peers: set[str] = set()
 
+    def add_backend(self, backend: str, params: dict[str, str]) -> bool:
+        """Create one more backend if this host can load it (e.g. GDS needs CUDA and cuFile); False if
+        not. Memory registered afterwards is registered with it too."""
+        try:
+            self._raw.create_backend(backend, dict(params))
+        except (nixl_bindings.nixlNotFoundError, nixl_bindings.nixlBackendError):
+            return False
+        self.backends.append(backend)
+        return True
+
     def register_dram(self, addr: int, nbytes: int) -> Registration:
         handle = self._raw.register_memory([(addr, nbytes, 0, "")], "DRAM")
         reg = Registration(addr, nbytes, "DRAM", handle)

@@ -13,6 +13,7 @@ fails the item, so corrupt bytes never become a replica.
     s3 -> dram     OBJ READ (ranged GETs; promotion)
     nvme -> s3     through the bounce buffer (registered once)
     hbm <-> dram   UCX on VRAM, loopback (GPU path, never run here)
+    hbm <-> nvme   GDS_MT (cuFile), VRAM <-> slab file, when the worker has it (GPU path, never run here)
 
 All blocks of one route in a request travel in one NIXL request.
 """
@@ -40,7 +41,7 @@ BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
 
 class Mover:
     def __init__(self, agent: Agent, arena: HostBuffer, page_bytes: int, nvme: NvmeTier | None,
-                 s3: S3Tier | None, bounce_bytes: int, hbm: HbmArena | None = None) -> None:
+                 s3: S3Tier | None, bounce_bytes: int, hbm: HbmArena | None = None, gds: bool = False) -> None:
         self.agent = agent
         self.arena = arena
         self.page_bytes = page_bytes
@@ -53,6 +54,7 @@ class Mover:
         self.nvme = nvme
         self.s3 = s3
         self.hbm = hbm
+        self.gds = gds
 
     def move(self, req: specs.MoveRequest) -> specs.MoveResult:
         errors: dict[int, str | None] = {}
@@ -119,6 +121,8 @@ class Mover:
     def _can(self, route: tuple[str, str]) -> bool:
         present = {"dram": True, "nvme": self.nvme is not None, "s3": self.s3 is not None,
                    "hbm": self.hbm is not None}
+        if route in (("hbm", "nvme"), ("nvme", "hbm")):
+            return self.gds
         return route in ROUTES and present[route[0]] and present[route[1]]
 
     def _move_one(self, item: specs.MoveItem) -> str | None:
@@ -146,6 +150,22 @@ class Mover:
             return error
         return None if self.hbm.checksum(item.dst_runs, item.nbytes) == item.checksum else \
             "checksum mismatch after copying to HBM"
+
+    def _hbm_to_nvme(self, item: specs.MoveItem) -> str | None:  # GPU path (GDS)
+        if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
+            return "checksum mismatch in HBM before demotion"
+        local, remote = _paired(self.hbm.rows(item.src_runs, item.nbytes), self.nvme.rows(item.dst_runs, item.nbytes))
+        error = self._post("WRITE", local, remote, "FILE", local_mem="VRAM")
+        if error is None:
+            self.nvme.record(item)
+        return error
+
+    def _nvme_to_hbm(self, item: specs.MoveItem) -> str | None:  # GPU path (GDS)
+        local, remote = _paired(self.hbm.rows(item.dst_runs, item.nbytes), self.nvme.rows(item.src_runs, item.nbytes))
+        error = self._post("READ", local, remote, "FILE", local_mem="VRAM")
+        if error is None and self.hbm.checksum(item.dst_runs, item.nbytes) != item.checksum:
+            return "checksum mismatch after reading from NVMe"
+        return error
 
     def _dram_to_nvme(self, item: specs.MoveItem) -> str | None:
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
@@ -211,9 +231,10 @@ class Mover:
         remote = self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, local)
         return self._post(op, local, remote, "OBJ")
 
-    def _post(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str) -> str | None:
-        """One NIXL request between local DRAM and one of this worker's own tiers; None when done."""
-        transfer = self.agent.submit(op, local, remote, self.agent.name, "DRAM", remote_mem)
+    def _post(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str,
+              local_mem: str = "DRAM") -> str | None:
+        """One NIXL request between local memory and one of this worker's own tiers; None when done."""
+        transfer = self.agent.submit(op, local, remote, self.agent.name, local_mem, remote_mem)
         return None if transfer.wait(300) == "done" else transfer.error
 
     def dram_rows(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> np.ndarray:

@@ -52,6 +52,10 @@ class StorageWorker:
         if self.s3:
             backends["OBJ"] = self.s3.backend_params()
         self.agent = Agent(f"{settings.name}-{uuid.uuid4().hex[:8]}", backends=backends)
+        self.gds = bool(self.hbm and self.nvme and settings.gds != "off" and self.agent.add_backend("GDS_MT", {}))
+        if self.hbm and self.nvme and settings.gds == "on" and not self.gds:
+            raise KVStoreError("unavailable", "--gds on: the GDS_MT backend cannot be loaded here (it needs "
+                               "CUDA 12 and cuFile); start with --gds auto or off")
         self.agent.register_dram(self.arena.addr, self.arena.nbytes)
         allocators = {"dram": self.allocator}
         if self.hbm:
@@ -61,7 +65,7 @@ class StorageWorker:
             self.nvme.register(self.agent)
             allocators["nvme"] = self.nvme.allocator
         self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes,
-                           self.hbm)
+                           self.hbm, gds=self.gds)
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
                                      on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {})
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0)

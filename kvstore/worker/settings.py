@@ -24,6 +24,8 @@ class WorkerSettings(BaseSettings):
     nvme_bytes: int = Field(0, ge=0, description="NVMe tier size in slab files; 0 = no NVMe tier")
     nvme_dir: Path = Field(Path("var/nvme"), description="where the slab files and their manifest live")
     posix_queue: Literal["aio", "uring"] = Field("aio", description="NIXL POSIX backend queue")
+    gds: Literal["auto", "on", "off"] = Field("auto", description="HBM <-> NVMe through GDS_MT when both tiers exist: "
+                                              "auto = if cuFile loads, on = refuse to start without it")
     s3_bucket: str | None = Field(None, min_length=3, description="S3 tier bucket; None = no S3 tier")
     s3_endpoint: str | None = Field(None, description="e.g. http://127.0.0.1:9000; None = AWS")
     s3_prefix: str = Field("kvstore", description="objects live at <prefix>/<namespace_id>/<hash>")

@@ -1,5 +1,6 @@
 """GPU paths: an HBM tier (CUDA arena registered as VRAM) read by engines over UCX and demoted to
-DRAM. Marked `gpu`: skipped without CUDA; these have not run on a GPU yet."""
+DRAM, or with GDS straight to NVMe and back. Marked `gpu`: skipped without CUDA; these have not
+run on a GPU yet."""
 
 from __future__ import annotations
 
@@ -44,6 +45,37 @@ def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):
         assert (tiers["hbm"]["num_blocks"], tiers["dram"]["num_blocks"]) == (0, FULL // BLOCK_TOKENS)
         loaded = run_engine(url, "load", tmp_path, 1)
         assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(directory)
+
+
+def test_hbm_and_nvme_move_through_gds(tmp_path):
+    """With HBM and NVMe and the GDS_MT backend (--gds on), HBM victims go straight to NVMe and an
+    NVMe-only prefix is promoted back into HBM, disk to GPU; loads stay exact."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
+                      tmp_path / "directory.log")
+    worker = None
+    try:
+        wait_http(url + "/healthz", proc=directory)
+        worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "gpu0", "--page-bytes",
+                                   "16KiB", "--hbm-bytes", "64MiB", "--dram-bytes", "64MiB", "--nvme-bytes", "64MiB",
+                                   "--nvme-dir", str(tmp_path / "nvme"), "--gds", "on"), tmp_path / "worker.log")
+        client = DirectoryClient(url)
+        wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker up")
+        assert "GDS_MT" in client.worker("gpu0").backends
+        assert run_engine(url, "save", tmp_path, 1)["stored_tokens"] == FULL
+        moved = subprocess.run(kvstore_cmd("evict", "--tier", "hbm", "--all", "--url", url), capture_output=True,
+                               text=True, timeout=120)
+        assert moved.returncode == 0, moved.stderr
+        kinds = {t.kind: t.num_blocks for t in client.tiers()}
+        assert (kinds["hbm"], kinds["dram"], kinds["nvme"]) == (0, 0, FULL // BLOCK_TOKENS)  # HBM -> NVMe directly
+        loaded = run_engine(url, "load", tmp_path, 1)  # promoted NVMe -> HBM through GDS, read over UCX
+        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+        assert {t.kind: t.num_blocks for t in client.tiers()}["hbm"] == FULL // BLOCK_TOKENS
     finally:
         if worker is not None:
             stop(worker)
