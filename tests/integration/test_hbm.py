@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from contextlib import contextmanager
 
 import pytest
 
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.gpu
 FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
 
 
-def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):
+@contextmanager
+def gpu_stack(tmp_path, *worker_args: str):
+    """A directory and a worker with a 64 MiB HBM tier (and `worker_args`); yields (url, client)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
@@ -27,9 +30,19 @@ def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):
     try:
         wait_http(url + "/healthz", proc=directory)
         worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "gpu0", "--page-bytes",
-                                   "16KiB", "--hbm-bytes", "64MiB", "--dram-bytes", "64MiB"), tmp_path / "worker.log")
+                                   "16KiB", "--hbm-bytes", "64MiB", "--dram-bytes", "64MiB", *worker_args),
+                       tmp_path / "worker.log")
         client = DirectoryClient(url)
         wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker up")
+        yield url, client
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(directory)
+
+
+def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):
+    with gpu_stack(tmp_path) as (url, client):
         assert run_engine(url, "save", tmp_path, 1)["stored_tokens"] == FULL
         tiers = {t.kind: t for t in client.tiers()}
         assert tiers["hbm"].num_blocks == FULL // BLOCK_TOKENS  # new blocks land in HBM first
@@ -45,27 +58,13 @@ def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):
         assert (tiers["hbm"]["num_blocks"], tiers["dram"]["num_blocks"]) == (0, FULL // BLOCK_TOKENS)
         loaded = run_engine(url, "load", tmp_path, 1)
         assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
-    finally:
-        if worker is not None:
-            stop(worker)
-        stop(directory)
 
 
 def test_hbm_and_nvme_move_through_gds(tmp_path):
     """With HBM and NVMe and the GDS_MT backend (--gds on), HBM victims go straight to NVMe and an
     NVMe-only prefix is promoted back into HBM, disk to GPU; loads stay exact."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
-                      tmp_path / "directory.log")
-    worker = None
-    try:
-        wait_http(url + "/healthz", proc=directory)
-        worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "gpu0", "--page-bytes",
-                                   "16KiB", "--hbm-bytes", "64MiB", "--dram-bytes", "64MiB", "--nvme-bytes", "64MiB",
-                                   "--nvme-dir", str(tmp_path / "nvme"), "--gds", "on"), tmp_path / "worker.log")
-        client = DirectoryClient(url)
-        wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker up")
+    with gpu_stack(tmp_path, "--nvme-bytes", "64MiB", "--nvme-dir", str(tmp_path / "nvme"), "--gds", "on") \
+            as (url, client):
         assert "GDS_MT" in client.worker("gpu0").backends
         assert run_engine(url, "save", tmp_path, 1)["stored_tokens"] == FULL
         moved = subprocess.run(kvstore_cmd("evict", "--tier", "hbm", "--all", "--url", url), capture_output=True,
@@ -76,7 +75,3 @@ def test_hbm_and_nvme_move_through_gds(tmp_path):
         loaded = run_engine(url, "load", tmp_path, 1)  # promoted NVMe -> HBM through GDS, read over UCX
         assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
         assert {t.kind: t.num_blocks for t in client.tiers()}["hbm"] == FULL // BLOCK_TOKENS
-    finally:
-        if worker is not None:
-            stop(worker)
-        stop(directory)
