@@ -28,7 +28,6 @@ from kvstore.client.worker import WorkerControlClient
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
-from kvstore.policies import Admit, Throttled
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.membership import Membership
@@ -37,6 +36,7 @@ from kvstore.directory.policy import TierPolicies, block_key
 from kvstore.directory.models import Block, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
 from kvstore.directory.settings import DirectorySettings
+from kvstore.policies import Admit, Throttled
 
 log = logging.getLogger(__name__)
 TIER_PREFERENCE = {kind: rank for rank, kind in enumerate(TIER_ORDER)}  # the best replica is the fastest
@@ -218,15 +218,14 @@ class DirectoryService:
         reports = {b.hash: b for b in req.blocks}
         with self._tx() as tx:
             rows = repo.writing_rows(tx.session, req.token)
-            if not rows:
-                raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token",
-                                   token=req.token)
+            if not rows:  # also what a worker restart leaves: its new epoch dropped the reservation
+                raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token (a worker "
+                                   "that restarted since prepare_store drops its reservations)", token=req.token)
             expired = rows[0].expires_at < now
-            stale = [(epoch, worker_epoch) for _, epoch, _, _, _, worker_epoch in rows if epoch != worker_epoch]
             failed, good, checksums = [], [], {}
             for replica_id, epoch, _, block_id, block_hash, worker_epoch in rows:
                 report = reports.get(block_hash)
-                if expired or stale or report is None or not report.ok or report.checksum is None:
+                if expired or report is None or not report.ok or report.checksum is None or epoch != worker_epoch:
                     failed.append(replica_id)
                 else:
                     good.append(replica_id)
@@ -238,9 +237,6 @@ class DirectoryService:
         if expired:
             raise KVStoreError("conflict", "the reservation expired before completion; nothing was committed",
                                token=req.token)
-        if stale:
-            raise KVStoreError("conflict", f"the worker restarted (epoch {stale[0][0]} -> {stale[0][1]}) after "
-                               "this reservation; its pages are gone and nothing was committed", token=req.token)
         return specs.StoreCompleted(committed=committed, rolled_back=len(rows) - committed)
 
     def renew(self, token: str) -> specs.Renewed:
@@ -404,8 +400,7 @@ class DirectoryService:
         demoted = self.movement.demote()
         copied = self.movement.write_through()
         return {"leases": leases, "reservations": len(tokens), "dead_workers": dead, "drained": drained,
-                "demoted": demoted,
-                "written_through": copied}
+                "demoted": demoted, "written_through": copied}
 
     def _collect_deleting(self, tx: Tx) -> None:
         rows = repo.replicas_in_state(tx.session, DELETING)

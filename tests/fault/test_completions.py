@@ -53,7 +53,7 @@ def test_duplicate_out_of_order_and_stale_completions_are_409_and_change_nothing
     late = prepare(client, 200)  # the worker restarts between prepare and complete: a new epoch
     stack.kill(stack.worker)
     assert stack.start_worker() == 2
-    conflict(client.complete_store, written(late))
+    assert "restarted" in conflict(client.complete_store, written(late))
     assert client.lookup(NS.namespace_id, [b.hash for b in late.blocks]).num_hit_blocks == 0
     assert client.lookup(NS.namespace_id, hashes).num_hit_blocks == 0  # memory replicas of epoch 1 are gone
     stack.settled()
