@@ -26,6 +26,7 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
+from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
 from kvstore.connector.peers import Peers
 from kvstore.connector.renewal import Renewal
@@ -105,6 +106,15 @@ class KVStoreClient:
                 break
         tokens = num_blocks * self.namespace.block_tokens
         return [(k[:, :tokens], v[:, :tokens]) for k, v in kv], tokens
+
+    def start_load_layers(self, token_ids: Sequence[int]) -> LayerwiseLoad:
+        """Post the reads of every layer of the cached prefix of `token_ids` (up to the staging
+        buffer's blocks) and return at once; see `kvstore.connector.layerwise`."""
+        return LayerwiseLoad(self, block_hashes(self.namespace, token_ids), time.perf_counter())
+
+    def complete_load(self, body: specs.CompleteLoad) -> bool:
+        """Release a lease; False when the directory refused it as stale (the reads are then a miss)."""
+        return _accepted(self.directory.complete_load, body)
 
     def _staging_views(self, n: int) -> list[np.ndarray]:
         size = self.namespace.block_nbytes

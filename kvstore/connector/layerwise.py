@@ -1,0 +1,164 @@
+"""Layer-wise loads: every layer's read is posted at once, and each layer is waited for on its
+own, so attention over layer l can start while layers l+1.. are still on the wire.
+
+    load = client.start_load_layers(token_ids)   # prepare_load (a lease) + one NIXL READ per layer
+    k, v = load.wait_layer(l)                     # [H, n, D] of layer l once its read completed
+    n = load.finish()                             # whole-block checksums + complete_load: verified blocks
+
+The store's block layout is layer-major ([L][K,V][T][H][D]), so layer l of a block is one
+contiguous slice at l x layer_bytes; a layer's read is one request with a descriptor per block
+(split where the block's pages are). A poller thread stamps each layer's completion, which gives:
+
+    T_post        prepare_load + posting every layer's read
+    T_xfer[l]     post -> completion of layer l
+    T_visible[l]  how long wait_layer(l) kept the caller waiting
+
+exported as Prometheus histograms (`kvstore_connector_*_seconds`) and in `timings()`. Bytes
+are used before `finish()` verifies them: an engine that sees finish() return fewer blocks than
+it consumed must recompute (the same contract as vLLM's load-error reporting).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+from prometheus_client import Histogram
+
+from kvstore.connector import layout
+from kvstore.core import specs
+from kvstore.core.keys import checksum
+
+BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
+T_POST = Histogram("kvstore_connector_load_post_seconds", "prepare_load + posting every layer's read",
+                   buckets=BUCKETS)
+T_XFER = Histogram("kvstore_connector_layer_xfer_seconds", "post -> completion of one layer's read",
+                   buckets=BUCKETS)
+T_VISIBLE = Histogram("kvstore_connector_layer_visible_seconds", "time a caller waited for one layer",
+                      buckets=BUCKETS)
+POLL_S = 200e-6  # the poller shares the cores with the model: not a busy loop
+
+
+def layer_rows(namespace, hits: list[tuple[int, specs.BlockHit]], staging: np.ndarray,
+               layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) descriptors of layer `layer` of the hit blocks: block i lands in staging
+    slot i; its remote slice is cut out of the block's page runs."""
+    layer_bytes = namespace.block_nbytes // namespace.num_layers
+    start, end = layer * layer_bytes, (layer + 1) * layer_bytes
+    local, remote = [], []
+    base = int(staging.ctypes.data)
+    for i, hit in hits:
+        offset = 0  # position within the block of the current run
+        for run_addr, run_len in hit.location.runs:
+            lo, hi = max(start, offset), min(end, offset + run_len)
+            if lo < hi:
+                local.append((base + i * namespace.block_nbytes + lo, hi - lo))
+                remote.append((run_addr + lo - offset, hi - lo))
+            offset += run_len
+    return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+
+
+class LayerwiseLoad:
+    def __init__(self, client, hashes: list[bytes], t0: float) -> None:
+        self.client, self.namespace = client, client.namespace
+        prepared = client.directory.prepare_load(specs.PrepareLoad(
+            namespace_id=client.namespace_id, hashes=[h.hex() for h in hashes[: client.slots]],
+            reader=client.agent.name))
+        self.token, self.hits = prepared.token, prepared.blocks
+        self.num_tokens = len(self.hits) * self.namespace.block_tokens
+        self._raw = client.staging.view(0, len(self.hits) * self.namespace.block_nbytes)
+        self._blocks = layout.block_view(self.namespace, self._raw) if self.hits else None
+        self._by_worker: dict[tuple[str, int], list[tuple[int, specs.BlockHit]]] = {}
+        for i, hit in enumerate(self.hits):
+            self._by_worker.setdefault((hit.location.worker, hit.location.epoch), []).append((i, hit))
+        self._peers = {key: client.peers.agent_for(*key) for key in self._by_worker}
+        layers = self.namespace.num_layers if self.hits else 0
+        self.transfers: list[list] = [[] for _ in range(layers)]  # per layer: one request per worker
+        self.posted_at: list[float] = [0.0] * layers
+        self.done_at: list[float | None] = [None] * layers
+        self.states: list[str] = ["pending"] * layers
+        self.t_visible: list[float] = [0.0] * layers
+        self._changed = threading.Condition()
+        if layers:
+            self._post(0)  # layer 0 now: the model needs it first; the rest are posted while it computes
+        self.t_post = time.perf_counter() - t0
+        T_POST.observe(self.t_post)
+        self._poller = threading.Thread(target=self._post_and_poll, name="kvstore-layer-poller", daemon=True)
+        self._poller.start()
+
+    def _post(self, layer: int) -> None:
+        self.posted_at[layer] = time.perf_counter()
+        for key, group in self._by_worker.items():
+            local, remote = layer_rows(self.namespace, group, self._raw, layer)
+            self.transfers[layer].append(self.client.agent.submit("READ", local, remote, self._peers[key],
+                                                                  "DRAM", "DRAM") if self._peers[key] else None)
+
+    def _post_and_poll(self) -> None:
+        for layer in range(1, len(self.transfers)):
+            self._post(layer)
+            self._poll_once()
+        while self._poll_once():
+            time.sleep(POLL_S)
+
+    def _poll_once(self) -> bool:
+        """Stamp the layers whose reads ended; True while some posted layer is still pending."""
+        pending = False
+        for i, requests in enumerate(self.transfers):
+            if self.states[i] != "pending" or not requests:
+                continue
+            polled = [t.poll() if t else "failed" for t in requests]
+            state = "failed" if "failed" in polled else "pending" if "pending" in polled else "done"
+            if state == "pending":
+                pending = True
+                continue
+            with self._changed:
+                self.done_at[i], self.states[i] = time.perf_counter(), state
+                self._changed.notify_all()
+        return pending
+
+    def wait_layer(self, layer: int, timeout_s: float = 60.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(K, V) [num_kv_heads, num_tokens, head_dim] of `layer`, or None if its read failed."""
+        if not self.hits:
+            return None
+        t0 = time.perf_counter()
+        with self._changed:
+            self._changed.wait_for(lambda: self.states[layer] != "pending", timeout_s)
+        self.t_visible[layer] = time.perf_counter() - t0
+        T_VISIBLE.observe(self.t_visible[layer])
+        if self.states[layer] != "done":
+            return None
+        n, ns = len(self.hits), self.namespace
+        kv = self._blocks[:, layer]  # [n, 2, T, H, D]
+        k, v = (kv[:, which].permute(2, 0, 1, 3).reshape(ns.num_kv_heads, n * ns.block_tokens, ns.head_dim)
+                for which in (0, 1))
+        return k, v
+
+    def finish(self) -> int:
+        """Wait for every layer, verify whole blocks, release the lease; returns the verified prefix."""
+        if not self.hits:
+            return 0
+        for layer in range(len(self.transfers)):
+            if self.states[layer] == "pending":
+                with self._changed:
+                    self._changed.wait_for(lambda layer=layer: self.states[layer] != "pending", 60.0)
+        self._poller.join()
+        for layer, done in enumerate(self.done_at):
+            if done is not None:
+                T_XFER.observe(done - self.posted_at[layer])
+        all_done = all(s == "done" for s in self.states)
+        verified, reports = 0, []
+        size = self.namespace.block_nbytes
+        for i, hit in enumerate(self.hits):
+            good = all_done and checksum(self._raw[i * size:(i + 1) * size]) == hit.checksum
+            reports.append(specs.BlockRead(hash=hit.hash, ok=good or not all_done))
+            verified += good and verified == i
+        if not self.client.complete_load(specs.CompleteLoad(token=self.token, blocks=reports)):
+            return 0  # the lease expired under us: what was read cannot be vouched for
+        return verified
+
+    def timings(self) -> dict:
+        return {"t_post_s": self.t_post,
+                "t_xfer_s": [(d - p) if d is not None else None for d, p in zip(self.done_at, self.posted_at)],
+                "t_visible_s": list(self.t_visible)}
