@@ -32,7 +32,7 @@ from kvstore.connector.peers import Peers
 from kvstore.connector.renewal import Renewal
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.core.keys import Namespace, block_hashes, checksum
+from kvstore.core.keys import LAYOUTS, Namespace, block_hashes, checksum
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent, Transfer
 
@@ -44,6 +44,9 @@ READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this siz
 class KVStoreClient:
     def __init__(self, url: str, namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True) -> None:
+        if namespace.layout != LAYOUTS[0]:
+            raise KVStoreError("invalid", f"KVStoreClient packs blocks as {LAYOUTS[0]}; namespace layout "
+                               f"{namespace.layout!r} is written by another connector (kvstore.connector.vllm)")
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.renew_leases = renew_leases  # keep leases and reservations alive during long transfers

@@ -21,7 +21,8 @@ from kvstore.core.errors import KVStoreError
 
 HASH_SCHEME = "kvstore-xxh3_128-int32le-v1"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-LAYOUTS = ("layer_kv_token_head_dim",)  # [L][K,V][T][H][D], DESIGN §2
+# [L][K,V][T][H][D] (DESIGN §2; KVStoreClient), and vLLM's per-layer pages [L][H][T][K|V] (connector.vllm)
+LAYOUTS = ("layer_kv_token_head_dim", "layer_head_token_kvdim")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,53 @@
+"""A kvstore stack (directory + worker processes from this environment) for the vLLM contract
+tests, and a runner for engine processes (tests_vllm/engine.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import DirectoryClient
+from tests.helpers import REPO, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+
+
+class Stack:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.port = tmp, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        self.procs.append(spawn(kvstore_cmd("directory", "serve", "--port", str(self.port), "--data-dir",
+                                            str(self.tmp / "var")), self.tmp / "directory.log"))
+        wait_http(self.url + "/healthz", proc=self.procs[0])
+        self.procs.append(spawn(kvstore_cmd("worker", "serve", "--directory-url", self.url, "--name", "w0",
+                                            "--dram-bytes", "64MiB", "--page-bytes", "4KiB"),
+                                self.tmp / "worker.log"))
+        client = DirectoryClient(self.url)
+        wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker up")
+
+    def engine(self, mode: str, *args: str, env: dict | None = None) -> dict:
+        out = self.tmp / f"{mode}-{len(list(self.tmp.glob('*.json')))}.json"
+        log = self.tmp / f"engine-{mode}.log"
+        with open(log, "ab") as f:
+            proc = subprocess.run([sys.executable, "-m", "tests_vllm.engine", mode, "--url", self.url, "--out",
+                                   str(out), *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=300,
+                                  env=env)
+        assert proc.returncode == 0, log.read_text()[-4000:]
+        return json.loads(out.read_text())
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc)
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = Stack(tmp_path)
+    s.start()
+    yield s
+    s.stop()
