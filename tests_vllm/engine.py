@@ -100,6 +100,7 @@ def run(args) -> dict:
     matched, load_async = scheduler.get_num_new_matched_tokens(request, 0)
     blocks = KVCacheBlocks(([KVCacheBlock(b) for b in block_ids],))
     scheduler.update_state_after_alloc(request, blocks, matched)
+    sources = {str(k.value): v for k, v in scheduler.get_external_cache_hit_sources(request, matched).items()}
     if args.evict_before_load:
         from kvstore.client import DirectoryClient
 
@@ -112,7 +113,7 @@ def run(args) -> dict:
     loaded = matched // BLOCK
     equal = [all(torch.equal(kv[name][block_ids[j]], expected_page(layer, j)) for layer, name in enumerate(LAYER_NAMES))
              for j in range(loaded)]
-    result = {"matched_tokens": matched, "load_async": load_async, "load_errors": sorted(errors),
+    result = {"matched_tokens": matched, "load_async": load_async, "load_errors": sorted(errors), "sources": sources,
               "loaded_blocks_equal": equal, "block_ids": block_ids,
               "keys": [h.hex() for h in request.block_hashes],
               "namespace_id": scheduler.namespace().namespace_id}

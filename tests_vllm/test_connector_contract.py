@@ -42,7 +42,7 @@ def test_engine_b_loads_what_engine_a_saved_into_other_block_ids(stack):
     assert (saved["matched_tokens"], saved["load_errors"]) == (0, [])  # nothing cached before
     loaded = stack.engine("load", "--first-block", "40")
     assert loaded["matched_tokens"] == FULL_BLOCKS * BLOCK and loaded["load_async"] is False
-    assert loaded["load_errors"] == []
+    assert loaded["load_errors"] == [] and loaded["sources"] == {"host": FULL_BLOCKS * BLOCK}  # from DRAM
     assert loaded["loaded_blocks_equal"] == [True] * FULL_BLOCKS  # B's pages 40.. equal A's pages 3..
     assert loaded["keys"] == saved["keys"] and loaded["namespace_id"] == saved["namespace_id"]
 

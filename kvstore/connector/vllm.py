@@ -16,7 +16,8 @@ vLLM's paged buffer and the worker, with no staging copy.
 
 Scheduler side: `get_num_new_matched_tokens` (a lookup: full blocks beyond the local hit,
 leaving at least one prompt token to compute), `update_state_after_alloc`,
-`build_connector_meta` (loads, and saves of prompts computed in this step).
+`get_external_cache_hit_sources` (host / disk / external by tier), `build_connector_meta`
+(loads, and saves of prompts computed in this step).
 Worker side: `register_kv_caches` (the backing buffer, registered once), `start_load_kv` (every
 layer's read posted), `wait_for_layer_load` (that layer only), `save_kv_layer` (that layer's
 writes posted), `wait_for_save` (saves committed with checksums; loads verified and released;
@@ -84,6 +85,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._namespace_id: str | None = None
         self._matched: dict[str, tuple[Any, int, int]] = {}  # req_id -> (request, first block, hit blocks)
         self._requests: dict[str, Any] = {}  # live requests seen by the scheduler side
+        self._sources: dict[str, list[str]] = {}  # req_id -> tier of each matched block
         self._loads: list[BlockPlan] = []
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
         if role == KVConnectorRole.SCHEDULER and self.hash_algo.startswith("xxhash") \
@@ -130,13 +132,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if len(hashes) <= first:
             return 0, False
         try:
-            hit = self.directory.lookup(self._namespace_id_now(), hashes).num_hit_blocks
+            found = self.directory.lookup(self._namespace_id_now(), hashes)
         except KVStoreError as exc:
             log.warning("lookup for %s failed (%s): computing it", request.request_id, exc)
             return 0, False
+        hit = found.num_hit_blocks
         if hit <= first:
             return 0, False
         self._matched[request.request_id] = (request, first, hit)
+        self._sources[request.request_id] = [b.location.tier for b in found.blocks[first:hit]]
         return (hit - first) * self.block_size - (num_computed_tokens % self.block_size), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -147,6 +151,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids = blocks.get_block_ids()[0]
         hashes = [h.hex() for h in request.block_hashes[first:hit]]
         self._loads.append(BlockPlan(request.request_id, hashes, list(block_ids[first:hit])))
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """The matched tokens by the tier that holds them: memory tiers of a storage worker are
+        `host`, NVMe is `disk`, S3 is `external_unspecified`; the shortfall of a partial first
+        block goes to the first block's tier."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        tiers = self._sources.pop(request.request_id, [])
+        if num_external_tokens == 0 or not tiers:
+            return {}
+        kinds = {"hbm": CacheHitSource.HOST, "dram": CacheHitSource.HOST, "nvme": CacheHitSource.DISK,
+                 "s3": CacheHitSource.EXTERNAL_UNSPECIFIED}
+        counts: dict = {}
+        for tier in tiers:
+            counts[kinds[tier]] = counts.get(kinds[tier], 0) + self.block_size
+        counts[kinds[tiers[0]]] -= len(tiers) * self.block_size - num_external_tokens
+        return {source: n for source, n in counts.items() if n > 0}
 
     def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(namespace_id=self._namespace_id_now(), loads=self._loads)
@@ -169,6 +190,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._sources.pop(request.request_id, None)
         return False, None  # saves complete within the step: nothing holds the blocks
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
