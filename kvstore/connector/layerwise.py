@@ -41,23 +41,30 @@ T_VISIBLE = Histogram("kvstore_connector_layer_visible_seconds", "time a caller 
 POLL_S = 200e-6  # the poller shares the cores with the model: not a busy loop
 
 
-def layer_rows(namespace, hits: list[tuple[int, specs.BlockHit]], staging: np.ndarray,
-               layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """(local, remote) descriptors of layer `layer` of the hit blocks: block i lands in staging
-    slot i; its remote slice is cut out of the block's page runs."""
-    layer_bytes = namespace.block_nbytes // namespace.num_layers
-    start, end = layer * layer_bytes, (layer + 1) * layer_bytes
+def slice_rows(blocks: list[tuple[int, list[tuple[int, int]]]], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) descriptors moving bytes [start, end) of stored blocks: for each block, the
+    local address that byte `start` goes to, and the (addr, len) runs the block lives in remotely
+    (split where the runs are)."""
     local, remote = [], []
-    base = int(staging.ctypes.data)
-    for i, hit in hits:
+    for dest, runs in blocks:
         offset = 0  # position within the block of the current run
-        for run_addr, run_len in hit.location.runs:
+        for run_addr, run_len in runs:
             lo, hi = max(start, offset), min(end, offset + run_len)
             if lo < hi:
-                local.append((base + i * namespace.block_nbytes + lo, hi - lo))
+                local.append((dest + lo - start, hi - lo))
                 remote.append((run_addr + lo - offset, hi - lo))
             offset += run_len
     return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+
+
+def layer_rows(namespace, hits: list[tuple[int, specs.BlockHit]], staging: np.ndarray,
+               layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer `layer` of the hit blocks; block i lands in staging slot i."""
+    layer_bytes = namespace.block_nbytes // namespace.num_layers
+    start = layer * layer_bytes
+    base = int(staging.ctypes.data)
+    return slice_rows([(base + i * namespace.block_nbytes + start, hit.location.runs) for i, hit in hits],
+                      start, start + layer_bytes)
 
 
 class LayerwiseLoad:

@@ -36,13 +36,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole, SupportsHMA)
 
 from kvstore.client import DirectoryClient
+from kvstore.connector.layerwise import slice_rows
 from kvstore.connector.peers import Peers
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
@@ -270,17 +270,9 @@ class _WorkerSide:
     def _rows(self, layer_index: int, layer: str, items: list[tuple[int, specs.ReplicaLocation]]):
         """(local, remote) rows of one layer for (vLLM block id, replica location) pairs: the page of
         block id in this layer <-> bytes [l x page, (l+1) x page) of the stored block."""
-        local, remote = [], []
-        for block_id, location in items:
-            addr, page = self._page(layer, block_id)
-            start, end, offset = layer_index * page, (layer_index + 1) * page, 0
-            for run_addr, run_len in location.runs:
-                lo, hi = max(start, offset), min(end, offset + run_len)
-                if lo < hi:
-                    local.append((addr + lo - start, hi - lo))
-                    remote.append((run_addr + lo - offset, hi - lo))
-                offset += run_len
-        return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+        pages = [(self._page(layer, block_id), location.runs) for block_id, location in items]
+        page = pages[0][0][1] if pages else 0
+        return slice_rows([(addr, runs) for (addr, _), runs in pages], layer_index * page, (layer_index + 1) * page)
 
     def _post(self, op: str, layer_index: int, layer: str, items) -> list:
         by_worker: dict[tuple[str, int], list] = {}
