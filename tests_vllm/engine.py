@@ -3,7 +3,7 @@ config, factory, Request (block hashes by vLLM), KVCacheBlocks and SchedulerOutp
 paged KV buffer in vLLM's per-layer [blocks, heads, block_size, 2 x head] layout.
 
     python -m tests_vllm.engine save|load --url URL --out R.json [--hash sha256] [--first-block 3]
-                                          [--evict-before-load]
+                                          [--evict-before-load] [--load-async]
 
 `save` fills the prompt's pages with known values and lets the connector save them; `load`
 starts from an empty buffer, asks the scheduler half what is cached, loads it into other block
@@ -36,10 +36,11 @@ PROMPT_TOKENS = 16 * 10 + 5  # 10 full blocks and a partial one
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def configs(url: str, hash_algo: str):
+def configs(url: str, hash_algo: str, load_async: bool = False):
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connector.vllm",
                                 kv_role="kv_both",
-                                kv_connector_extra_config={"directory_url": url, "model_id": "contract-model"})
+                                kv_connector_extra_config={"directory_url": url, "model_id": "contract-model",
+                                                           "load_async": load_async})
     vllm_config = VllmConfig(kv_transfer_config=transfer,
                              cache_config=CacheConfig(block_size=BLOCK, prefix_caching_hash_algo=hash_algo))
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
@@ -83,10 +84,28 @@ def step(scheduler, worker, request: Request, block_ids: list[int], computed: in
     return errors
 
 
+def async_load(scheduler, worker, request: Request, timeout_s: float = 60) -> tuple[set[int], set[str], set[str]]:
+    """vLLM's asynchronous mode: the step that starts the load does not schedule the request; the
+    engine polls get_transfer_results between steps until the request's load is reported."""
+    import time
+
+    worker.bind_connector_metadata(scheduler.build_connector_meta(SchedulerOutput.make_empty()))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    finished, failed, deadline = set(), set(), time.monotonic() + timeout_s
+    while request.request_id not in finished and time.monotonic() < deadline:
+        results = worker.get_transfer_results(set())
+        finished |= results.finished_recving
+        failed |= results.failed_recving
+        time.sleep(0.01)
+    return worker.get_block_ids_with_load_errors(), finished, failed
+
+
 def run(args) -> dict:
     hash_fn = get_hash_fn_by_name(args.hash)
     init_none_hash(hash_fn)
-    vllm_config, kv_cache_config = configs(args.url, args.hash)
+    vllm_config, kv_cache_config = configs(args.url, args.hash, args.load_async)
     scheduler = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     kv = paged_kv()
@@ -109,12 +128,17 @@ def run(args) -> dict:
         for layer, name in enumerate(LAYER_NAMES):  # the "forward": the prompt's KV lands in its pages
             for j in range(full):
                 kv[name][block_ids[j]] = expected_page(layer, j)
-    errors = step(scheduler, worker, request, block_ids, matched, kv)
+    finished = failed = set()
+    if load_async and matched:
+        errors, finished, failed = async_load(scheduler, worker, request)
+    else:
+        errors = step(scheduler, worker, request, block_ids, matched, kv)
     loaded = matched // BLOCK
     equal = [all(torch.equal(kv[name][block_ids[j]], expected_page(layer, j)) for layer, name in enumerate(LAYER_NAMES))
              for j in range(loaded)]
     result = {"matched_tokens": matched, "load_async": load_async, "load_errors": sorted(errors), "sources": sources,
-              "loaded_blocks_equal": equal, "block_ids": block_ids,
+              "loaded_blocks_equal": equal, "block_ids": block_ids, "finished_recving": sorted(finished),
+              "failed_recving": sorted(failed),
               "keys": [h.hex() for h in request.block_hashes],
               "namespace_id": scheduler.namespace().namespace_id}
     worker.shutdown()
@@ -130,6 +154,7 @@ def main() -> None:
     parser.add_argument("--hash", default="sha256")
     parser.add_argument("--first-block", type=int, default=0)
     parser.add_argument("--evict-before-load", action="store_true")
+    parser.add_argument("--load-async", action="store_true")
     args = parser.parse_args()
     result = run(args)
     with open(args.out, "w") as f:

@@ -55,6 +55,22 @@ def test_a_failed_load_is_reported_as_failed_never_as_loaded(stack):
     assert not any(failed["loaded_blocks_equal"])
 
 
+def test_an_asynchronous_load_is_reported_by_get_transfer_results(stack):
+    stack.engine("save", "--first-block", "3")
+    loaded = stack.engine("load", "--first-block", "40", "--load-async")
+    assert loaded["matched_tokens"] == FULL_BLOCKS * BLOCK and loaded["load_async"] is True
+    assert (loaded["finished_recving"], loaded["failed_recving"], loaded["load_errors"]) == (["req-load"], [], [])
+    assert loaded["loaded_blocks_equal"] == [True] * FULL_BLOCKS
+
+
+def test_a_failed_asynchronous_load_is_in_failed_recving_and_its_blocks_in_load_errors(stack):
+    stack.engine("save", "--first-block", "3")
+    failed = stack.engine("load", "--first-block", "40", "--load-async", "--evict-before-load")
+    assert failed["finished_recving"] == ["req-load"] and failed["failed_recving"] == ["req-load"]
+    assert failed["load_errors"] == failed["block_ids"][:FULL_BLOCKS]
+    assert not any(failed["loaded_blocks_equal"])
+
+
 @pytest.mark.parametrize("algo", ["sha256", "xxhash", "xxhash_cbor"])
 def test_stored_keys_are_vllms_own_block_hashes(stack, algo):
     from vllm.utils.hashing import get_hash_fn_by_name

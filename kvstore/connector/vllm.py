@@ -23,8 +23,9 @@ layer's read posted), `wait_for_layer_load` (that layer only), `save_kv_layer` (
 writes posted), `wait_for_save` (saves committed with checksums; loads verified and released;
 blocks that failed go to `get_block_ids_with_load_errors`, never reported as loaded).
 
-Loads and saves finish within the step (vLLM's synchronous mode): `request_finished` never
-delays freeing. Not handled yet: chunked prefill (a prompt computed over several steps is not
+Loads finish within the step by default; with `"load_async": true` vLLM schedules the request
+only once `get_transfer_results` reports its load finished (failed ones also in
+`failed_recving`). Saves finish within the step: `request_finished` never delays freeing. Not handled yet: chunked prefill (a prompt computed over several steps is not
 saved), hybrid (several KV cache groups) and MLA models, TP > 1 beyond the namespace's rank.
 """
 
@@ -39,7 +40,8 @@ from typing import Any
 import torch
 import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole, SupportsHMA)
+                                                                KVConnectorRole, KVConnectorTransferResults,
+                                                                SupportsHMA)
 
 from kvstore.client import DirectoryClient
 from kvstore.connector.layerwise import slice_rows
@@ -60,6 +62,19 @@ class BlockPlan:
     req_id: str
     hashes: list[str]
     block_ids: list[int]
+    load_async: bool = False  # a load vLLM does not wait for in the forward (get_transfer_results)
+
+
+@dataclass
+class _Load:
+    plan: BlockPlan
+    token: str | None
+    hits: list[specs.BlockHit]
+    by_layer: dict[str, list] = field(default_factory=dict)  # layer -> one transfer per worker
+
+    def state(self) -> str:
+        states = [t.poll() if t is not None else "failed" for ts in self.by_layer.values() for t in ts]
+        return "pending" if "pending" in states else "failed" if "failed" in states else "done"
 
 
 @dataclass
@@ -87,6 +102,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Any] = {}  # live requests seen by the scheduler side
         self._sources: dict[str, list[str]] = {}  # req_id -> tier of each matched block
         self._loads: list[BlockPlan] = []
+        self.load_async = bool(extra.get("load_async", False))
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
         if role == KVConnectorRole.SCHEDULER and self.hash_algo.startswith("xxhash") \
                 and os.environ.get("PYTHONHASHSEED") is None:
@@ -141,7 +157,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         self._matched[request.request_id] = (request, first, hit)
         self._sources[request.request_id] = [b.location.tier for b in found.blocks[first:hit]]
-        return (hit - first) * self.block_size - (num_computed_tokens % self.block_size), False
+        return (hit - first) * self.block_size - (num_computed_tokens % self.block_size), self.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
@@ -150,7 +166,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         _, first, hit = matched
         block_ids = blocks.get_block_ids()[0]
         hashes = [h.hex() for h in request.block_hashes[first:hit]]
-        self._loads.append(BlockPlan(request.request_id, hashes, list(block_ids[first:hit])))
+        self._loads.append(BlockPlan(request.request_id, hashes, list(block_ids[first:hit]), self.load_async))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """The matched tokens by the tier that holds them: memory tiers of a storage worker are
@@ -213,6 +229,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._worker.finish_step()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads that ended since the last call; a failed one is in both
+        finished_recving and failed_recving, and its blocks in get_block_ids_with_load_errors."""
+        finished, failed = self._worker.async_results() if self._worker else (set(), set())
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker else set()
 
@@ -232,8 +254,8 @@ class _WorkerSide:
         self.peers = Peers(self.agent, self.directory)
         self.caches: dict[str, torch.Tensor] = {}
         self._load_errors: set[int] = set()
-        self._loads: list[tuple[BlockPlan, str | None, list[specs.BlockHit]]] = []
-        self._load_xfers: dict[str, list] = {}
+        self._sync: list[_Load] = []  # loads of this forward
+        self._async: dict[str, _Load] = {}  # req_id -> a load vLLM polls for between steps
         self._saves: list[tuple[BlockPlan, str | None, list[tuple[int, specs.StoreDecision]]]] = []
         self._save_xfers: list = []
         self._saves_prepared = False
@@ -289,6 +311,8 @@ class _WorkerSide:
     # loads
 
     def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
+        """Take a lease on each plan's blocks and post every layer's read; synchronous loads are
+        waited for layer by layer in this forward, asynchronous ones polled between steps."""
         for plan in meta.loads:
             try:
                 prepared = self.directory.prepare_load(specs.PrepareLoad(
@@ -296,36 +320,53 @@ class _WorkerSide:
             except KVStoreError as exc:
                 log.warning("load of %s failed to start: %s", plan.req_id, exc)
                 prepared = specs.LoadPrepared(token=None, expires_at=None, blocks=[])
-            hits = prepared.blocks
-            self._load_errors.update(plan.block_ids[len(hits):])  # gone since the lookup: recompute
-            self._loads.append((plan, prepared.token, hits))
-        for index, layer in enumerate(self.connector._layer_names):
-            self._load_xfers[layer] = [t for plan, _, hits in self._loads if hits
-                                       for t in self._post("READ", index, layer, list(zip(plan.block_ids, (
-                                           h.location for h in hits))))]
+            load = _Load(plan, prepared.token, prepared.blocks)
+            self._load_errors.update(plan.block_ids[len(load.hits):])  # gone since the lookup: recompute
+            if load.hits:
+                pairs = list(zip(plan.block_ids, (h.location for h in load.hits)))
+                load.by_layer = {layer: self._post("READ", i, layer, pairs)
+                                 for i, layer in enumerate(self.connector._layer_names)}
+            if plan.load_async:
+                self._async[plan.req_id] = load
+            else:
+                self._sync.append(load)
 
     def wait_layer(self, layer: str) -> None:
-        for transfer in self._load_xfers.get(layer, []):
-            if transfer is not None:
-                transfer.wait(self.connector.extra.get("timeout_s", 30))
+        for load in self._sync:
+            for transfer in load.by_layer.get(layer, []):
+                if transfer is not None:
+                    transfer.wait(self.connector.extra.get("timeout_s", 30))
 
-    def _finish_loads(self) -> None:
-        layers = self.connector._layer_names
-        failed_layers = any(t is None or t.wait(30) != "done" for layer in layers for t in self._load_xfers.get(layer, []))
-        for plan, token, hits in self._loads:
-            reports, bad = [], failed_layers
-            for block_id, hit in zip(plan.block_ids, hits):
-                bad = bad or self._checksum(block_id) != hit.checksum  # a prefix: after one bad block, all
-                reports.append(specs.BlockRead(hash=hit.hash, ok=not bad or failed_layers))
-                if bad:
-                    self._load_errors.add(block_id)
-            if token is not None:
-                try:
-                    self.directory.complete_load(specs.CompleteLoad(token=token, blocks=reports))
-                except KVStoreError as exc:  # the lease expired: the bytes cannot be vouched for
-                    log.warning("load of %s refused at completion: %s", plan.req_id, exc)
-                    self._load_errors.update(plan.block_ids[:len(hits)])
-        self._loads, self._load_xfers = [], {}
+    def async_results(self) -> tuple[set[str], set[str]]:
+        finished, failed = set(), set()
+        for req_id, load in list(self._async.items()):
+            state = load.state()
+            if state == "pending":
+                continue
+            del self._async[req_id]
+            finished.add(req_id)
+            errors = self._finish_load(load, transfer_failed=state != "done")
+            if errors or len(load.hits) < len(load.plan.block_ids):
+                failed.add(req_id)
+        return finished, failed
+
+    def _finish_load(self, load: _Load, transfer_failed: bool) -> set[int]:
+        """Verify a finished load block by block, release its lease; returns the block ids that must
+        be recomputed (also kept for get_block_ids_with_load_errors)."""
+        reports, bad, errors = [], transfer_failed, set()
+        for block_id, hit in zip(load.plan.block_ids, load.hits):
+            bad = bad or self._checksum(block_id) != hit.checksum  # a prefix: after one bad block, all
+            reports.append(specs.BlockRead(hash=hit.hash, ok=not bad or transfer_failed))
+            if bad:
+                errors.add(block_id)
+        if load.token is not None:
+            try:
+                self.directory.complete_load(specs.CompleteLoad(token=load.token, blocks=reports))
+            except KVStoreError as exc:  # the lease expired: the bytes cannot be vouched for
+                log.warning("load of %s refused at completion: %s", load.plan.req_id, exc)
+                errors.update(load.plan.block_ids[:len(load.hits)])
+        self._load_errors |= errors
+        return errors
 
     def _checksum(self, block_id: int) -> str:
         """xxh3_64 of the stored block: this block's page of every layer, in layer order."""
@@ -371,7 +412,11 @@ class _WorkerSide:
             except KVStoreError as exc:
                 log.warning("save of %s not committed: %s", plan.req_id, exc)
         self._saves, self._save_xfers, self._saves_prepared = [], [], False
-        self._finish_loads()
+        for load in self._sync:
+            timeout = self.connector.extra.get("timeout_s", 30)
+            failed = any(t is None or t.wait(timeout) != "done" for ts in load.by_layer.values() for t in ts)
+            self._finish_load(load, transfer_failed=failed)
+        self._sync = []
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
