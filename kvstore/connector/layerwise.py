@@ -146,11 +146,7 @@ class LayerwiseLoad:
         """Wait for every layer, verify whole blocks, release the lease; returns the verified prefix."""
         if not self.hits:
             return 0
-        for layer in range(len(self.transfers)):
-            if self.states[layer] == "pending":
-                with self._changed:
-                    self._changed.wait_for(lambda layer=layer: self.states[layer] != "pending", 60.0)
-        self._poller.join()
+        self._poller.join()  # it returns once every layer is posted and has ended
         for layer, done in enumerate(self.done_at):
             if done is not None:
                 T_XFER.observe(done - self.posted_at[layer])
