@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.setup-done
 # what vllm.config, the v1 connector base/factory and kv_cache_utils import on a CPU host
 VLLM_IMPORTS := packaging pydantic regex psutil cbor2 pyzmq urllib3 'transformers>=5.16.1,<5.21' aiohttp \
 	requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
-	prometheus-client xgrammar fastapi partial-json-parser llguidance
+	prometheus-client xgrammar fastapi partial-json-parser llguidance einops
 ARGS ?=
 
 .PHONY: setup setup-vllm run test test-unit test-vllm bench clean
@@ -34,11 +34,13 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet torch==2.13.0
 	# --no-deps: its full requirements are the CUDA stack; these are the modules the contract needs
+	# (config, connector, kv_cache_utils, and the v1 Scheduler with a model config's architecture check)
 	$(VLLM_PY) -m pip install --quiet --no-deps vllm==0.33.0
 	$(VLLM_PY) -m pip install --quiet $(VLLM_IMPORTS)
 	$(VLLM_PY) -m pip install --quiet -e . pytest pytest-timeout
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -c "from vllm.config import VllmConfig; \
-		from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory"
+		from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory; \
+		from vllm.v1.core.sched.scheduler import Scheduler"
 	touch $(VLLM_STAMP)
 
 run: setup

@@ -30,11 +30,12 @@ class Stack:
         client = DirectoryClient(self.url)
         wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker up")
 
-    def engine(self, mode: str, *args: str, env: dict | None = None) -> dict:
-        out = self.tmp / f"{mode}-{len(list(self.tmp.glob('*.json')))}.json"
-        log = self.tmp / f"engine-{mode}.log"
+    def engine(self, *args: str, env: dict | None = None) -> dict:
+        """Run one engine process (tests_vllm/engine.py) to the end; its report."""
+        out = self.tmp / f"engine-{len(list(self.tmp.glob('engine-*.json')))}.json"
+        log = out.with_suffix(".log")
         with open(log, "ab") as f:
-            proc = subprocess.run([sys.executable, "-m", "tests_vllm.engine", mode, "--url", self.url, "--out",
+            proc = subprocess.run([sys.executable, "-m", "tests_vllm.engine", "--url", self.url, "--out",
                                    str(out), *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=300,
                                   env=env)
         assert proc.returncode == 0, log.read_text()[-4000:]

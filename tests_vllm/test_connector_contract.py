@@ -1,74 +1,173 @@
 """KVStoreConnector against the real vLLM 0.33 classes on the CPU (make setup-vllm): the factory
-builds both roles from a VllmConfig, and two engine processes driven through vLLM's call order
-move a prompt's paged KV through a real kvstore stack."""
+builds both roles from a VllmConfig, and engine processes made of vLLM's own Scheduler and the
+connector's worker half (tests_vllm/engine.py) move prompts' paged KV through a real kvstore
+stack (directory + worker processes, NIXL UCX)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
+import torch
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
 
+from kvstore.client import DirectoryClient
 from kvstore.connector.vllm import KVStoreConnector
 from kvstore.core.errors import KVStoreError
-from kvstore.client import DirectoryClient
-from tests_vllm.engine import BLOCK, PROMPT_TOKENS, configs, prompt
+from tests_vllm.engine import BLOCK, HEAD, HEADS, LAYER_NAMES, LAYERS, PROMPT_TOKENS, configs, prompt
 
 FULL_BLOCKS = PROMPT_TOKENS // BLOCK  # 10; a load leaves the last token to compute: all 10 fit
+CHUNK = ("--max-batched-tokens", "64")  # A prefills its 165 tokens in three steps: 64, 64, 37
 
 
 def test_the_factory_builds_both_roles_from_a_vllm_config():
-    vllm_config, kv_cache_config = configs("http://127.0.0.1:1", "sha256")
+    vllm_config, kv_cache_config = configs("http://127.0.0.1:1")
     assert vllm_config.kv_transfer_config.kv_connector_module_path == "kvstore.connector.vllm"
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         connector = KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
         assert isinstance(connector, KVStoreConnector) and connector.role == role
         connector.shutdown()
+    # its per-layer hooks must run between the layers: vLLM then keeps CUDA graphs piecewise
+    assert KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config).requires_piecewise_for_cudagraph({})
 
 
 def test_a_config_without_directory_url_is_refused_with_one_clear_message():
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connector.vllm",
                                 kv_role="kv_both")
     vllm_config = VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=BLOCK))
-    _, kv_cache_config = configs("http://127.0.0.1:1", "sha256")
+    _, kv_cache_config = configs("http://127.0.0.1:1")
     with pytest.raises(KVStoreError, match="needs directory_url"):
         KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
-def test_engine_b_loads_what_engine_a_saved_into_other_block_ids(stack):
-    saved = stack.engine("save", "--first-block", "3")
-    assert (saved["matched_tokens"], saved["load_errors"]) == (0, [])  # nothing cached before
-    loaded = stack.engine("load", "--first-block", "40")
-    assert loaded["matched_tokens"] == FULL_BLOCKS * BLOCK and loaded["load_async"] is False
-    assert loaded["load_errors"] == [] and loaded["sources"] == {"host": FULL_BLOCKS * BLOCK}  # from DRAM
-    assert loaded["loaded_blocks_equal"] == [True] * FULL_BLOCKS  # B's pages 40.. equal A's pages 3..
-    assert loaded["keys"] == saved["keys"] and loaded["namespace_id"] == saved["namespace_id"]
+def full(**kw):
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, **kw)
 
 
-def test_a_failed_load_is_reported_as_failed_never_as_loaded(stack):
-    stack.engine("save", "--first-block", "3")
-    failed = stack.engine("load", "--first-block", "40", "--evict-before-load")  # gone after the lookup
-    assert failed["matched_tokens"] == FULL_BLOCKS * BLOCK
-    assert failed["load_errors"] == failed["block_ids"][:FULL_BLOCKS]
-    assert not any(failed["loaded_blocks_equal"])
+@pytest.mark.parametrize("groups, message", [
+    ([KVCacheGroupSpec(LAYER_NAMES[:2], full()),
+      KVCacheGroupSpec(LAYER_NAMES[2:], SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD,
+                                                         dtype=torch.float32, sliding_window=64))],
+     "one KV cache group; this model has 2"),
+    ([KVCacheGroupSpec(LAYER_NAMES, MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD,
+                                                     dtype=torch.float32))], "MLAAttentionSpec"),
+    ([KVCacheGroupSpec(LAYER_NAMES, full(head_size_v=2 * HEAD))], "different head sizes"),
+], ids=["hybrid", "mla", "head_size_v"])
+def test_kv_caches_the_store_cannot_describe_are_refused_at_start_up(groups, message):
+    vllm_config, _ = configs("http://127.0.0.1:1")
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(KVStoreError, match=message):
+            KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
+
+
+def test_each_tensor_parallel_rank_stores_its_shard_under_its_own_namespace(stack):
+    from vllm.config import ParallelConfig
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    ids = {}
+    for rank in (0, 1):
+        vllm_config, kv_cache_config = configs(stack.url)
+        vllm_config.parallel_config = ParallelConfig(tensor_parallel_size=2)
+        vllm_config.kv_transfer_config.kv_connector_extra_config["tp_rank"] = rank  # vLLM's group is not set up here
+        scheduler = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        ids[rank] = (meta.namespace_id, worker._rank_namespace_id(meta))
+        expected = dataclasses.replace(scheduler.namespace(), tp_rank=rank, tp_size=2).namespace_id
+        worker.shutdown()
+        scheduler.shutdown()
+    assert ids[0][0] == ids[1][0] == ids[0][1]  # the scheduler looks up rank 0's namespace
+    assert ids[1][1] != ids[0][1] and ids[1][1] == expected  # rank 1 saves and loads its own heads elsewhere
+
+
+@pytest.mark.parametrize("block, dtype", [(2 * BLOCK, torch.float32), (BLOCK, torch.float16)],
+                         ids=["block_size", "dtype"])
+def test_pages_that_do_not_match_the_namespace_are_refused_at_registration(block, dtype):
+    vllm_config, kv_cache_config = configs("http://127.0.0.1:1")
+    worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    backing = torch.zeros(LAYERS, 8, HEADS, block, 2 * HEAD, dtype=dtype)  # not what the namespace says
+    with pytest.raises(KVStoreError, match="do not match the namespace"):
+        worker.register_kv_caches({name: backing[i] for i, name in enumerate(LAYER_NAMES)})
+    worker.shutdown()
+
+
+def test_a_prompt_prefilled_in_chunks_is_saved_and_engine_b_loads_it_into_other_block_ids(stack):
+    a = stack.engine(*CHUNK, "--hold-blocks", "3")
+    saved = a["requests"]["req-0"]
+    assert saved["matched"] == [0, False] and saved["computed_prompt_tokens"] == PROMPT_TOKENS
+    assert saved["kv_exact"] and saved["store_hits_at_free"] == FULL_BLOCKS  # all 10 committed before the free
+    b = stack.engine("--hold-blocks", "30")
+    loaded = b["requests"]["req-0"]
+    assert loaded["matched"] == [FULL_BLOCKS * BLOCK, False] and loaded["sources"] == {"host": FULL_BLOCKS * BLOCK}
+    assert loaded["computed_prompt_tokens"] == PROMPT_TOKENS - FULL_BLOCKS * BLOCK  # B computed only 5 tokens
+    assert loaded["kv_exact"] and b["load_errors"] == []  # B's pages hold A's KV, in other block ids
+    assert loaded["load_block_ids"] == loaded["first_block_ids"][:FULL_BLOCKS]
+    assert set(loaded["load_block_ids"]).isdisjoint(saved["block_ids"])
+    assert loaded["keys"] == saved["keys"] and b["namespace_id"] == a["namespace_id"]
+    counts = b["histogram_counts"]  # the layer-wise timings of the vLLM path
+    assert (counts["load_post"], counts["layer_xfer"], counts["layer_visible"]) == (1, LAYERS, LAYERS)
+    assert a["histogram_counts"]["save"] == 3  # one per prefill chunk
+
+
+def test_blocks_are_freed_only_after_their_saves_are_committed(stack):
+    a = stack.engine("--slow-save-s", "1.0")  # every save stays in flight for a second
+    saved = a["requests"]["req-0"]
+    assert saved["sent_step"] == saved["freed_step"] > saved["finished_step"]  # vLLM held the blocks meanwhile
+    assert saved["store_hits_at_free"] == FULL_BLOCKS and saved["kv_exact"]
+    b = stack.engine()  # nothing to save (all loaded): request_finished lets vLLM free at once
+    loaded = b["requests"]["req-0"]
+    assert loaded["freed_step"] == loaded["finished_step"] and "sent_step" not in loaded
+
+
+def test_a_preempted_request_keeps_its_blocks_until_its_saves_are_flushed(stack):
+    # 15 usable blocks, two 100-token prompts decoding 40 tokens each: vLLM must preempt one
+    a = stack.engine("--prompts", "2", "--prompt-tokens", "100", "--num-blocks", "16", "--max-tokens", "40",
+                     "--slow-save-s", "3.0")
+    assert a["preempted"] and a["unfreed"] == []
+    for req_id in a["preempted"]:
+        report = a["requests"][req_id]
+        assert report["saves_in_flight_at_preemption"] >= 1  # the save was still running ...
+        assert report["store_hits_after_flush"] == 100 // BLOCK  # ... and was committed before the blocks' reuse
+    assert all(r["kv_exact"] and r["store_hits_at_free"] == 100 // BLOCK for r in a["requests"].values())
+
+
+def test_a_failed_load_is_recomputed_and_never_saved_over(stack):
+    stack.engine()
+    longer = ("--prompt-tokens", str(PROMPT_TOKENS + 2 * BLOCK))  # the same prompt and two more blocks
+    b = stack.engine(*longer, "--evict-before-load")  # the blocks go after the lookup
+    loaded = b["requests"]["req-0"]
+    assert loaded["matched"] == [FULL_BLOCKS * BLOCK, False]
+    assert b["load_errors"] == sorted(loaded["load_block_ids"]) and len(b["load_errors"]) == FULL_BLOCKS
+    assert loaded["kv_exact"] and loaded["computed_prompt_tokens"] > PROMPT_TOKENS  # vLLM recomputed them
+    # blocks 10 and 11 were computed in the step of the failed load, over bad KV: not committed
+    assert DirectoryClient(stack.url).lookup(b["namespace_id"], loaded["keys"][FULL_BLOCKS:]).num_hit_blocks == 0
 
 
 def test_an_asynchronous_load_is_reported_by_get_transfer_results(stack):
-    stack.engine("save", "--first-block", "3")
-    loaded = stack.engine("load", "--first-block", "40", "--load-async")
-    assert loaded["matched_tokens"] == FULL_BLOCKS * BLOCK and loaded["load_async"] is True
-    assert (loaded["finished_recving"], loaded["failed_recving"], loaded["load_errors"]) == (["req-load"], [], [])
-    assert loaded["loaded_blocks_equal"] == [True] * FULL_BLOCKS
+    stack.engine(*CHUNK)
+    b = stack.engine("--load-async", "--hold-blocks", "30")
+    loaded = b["requests"]["req-0"]
+    assert loaded["matched"] == [FULL_BLOCKS * BLOCK, True]
+    assert (b["finished_recving"], b["failed_recving"], b["load_errors"]) == (["req-0"], [], [])
+    assert loaded["kv_exact"] and loaded["computed_prompt_tokens"] == PROMPT_TOKENS - FULL_BLOCKS * BLOCK
 
 
 def test_a_failed_asynchronous_load_is_in_failed_recving_and_its_blocks_in_load_errors(stack):
-    stack.engine("save", "--first-block", "3")
-    failed = stack.engine("load", "--first-block", "40", "--load-async", "--evict-before-load")
-    assert failed["finished_recving"] == ["req-load"] and failed["failed_recving"] == ["req-load"]
-    assert failed["load_errors"] == failed["block_ids"][:FULL_BLOCKS]
-    assert not any(failed["loaded_blocks_equal"])
+    stack.engine()
+    b = stack.engine("--load-async", "--evict-before-load")
+    loaded = b["requests"]["req-0"]
+    assert b["finished_recving"] == ["req-0"] and b["failed_recving"] == ["req-0"]
+    assert b["load_errors"] == sorted(loaded["load_block_ids"]) and len(b["load_errors"]) == FULL_BLOCKS
+    assert loaded["kv_exact"] and loaded["computed_prompt_tokens"] == PROMPT_TOKENS  # recomputed by vLLM
 
 
 @pytest.mark.parametrize("algo", ["sha256", "xxhash", "xxhash_cbor"])
@@ -77,7 +176,7 @@ def test_stored_keys_are_vllms_own_block_hashes(stack, algo):
     from vllm.v1.core import kv_cache_utils
 
     env = {**os.environ, "PYTHONHASHSEED": "1234"}  # xxhash seeds NONE_HASH from it (else at random)
-    saved = stack.engine("save", "--hash", algo, env=env)
+    a = stack.engine("--hash", algo, env=env)
     os.environ["PYTHONHASHSEED"] = "1234"
     try:
         hash_fn = get_hash_fn_by_name(algo)
@@ -89,5 +188,5 @@ def test_stored_keys_are_vllms_own_block_hashes(stack, algo):
             expected.append(parent.hex())
     finally:
         del os.environ["PYTHONHASHSEED"]
-    assert saved["keys"][:FULL_BLOCKS] == expected
-    assert DirectoryClient(stack.url).lookup(saved["namespace_id"], expected).num_hit_blocks == FULL_BLOCKS
+    assert a["requests"]["req-0"]["keys"][:FULL_BLOCKS] == expected
+    assert DirectoryClient(stack.url).lookup(a["namespace_id"], expected).num_hit_blocks == FULL_BLOCKS

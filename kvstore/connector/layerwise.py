@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -67,6 +68,84 @@ def layer_rows(namespace, hits: list[tuple[int, specs.BlockHit]], staging: np.nd
                       start, start + layer_bytes)
 
 
+class LayerClock:
+    """Posts the reads of layers 0..n-1 (layer 0 at once, the rest from a helper thread, so the
+    caller can start computing) and stamps each layer's completion for T_xfer and T_visible.
+
+        clock = LayerClock(n, post, t0)   # post(layer) -> one transfer per worker (None = failed)
+        clock.wait(l)                      # "done" | "failed" once layer l ended
+        clock.finish()                     # every layer ended: True if all of them are "done"
+
+    A layer still pending after `timeout_s` counts as failed."""
+
+    def __init__(self, num_layers: int, post: Callable[[int], list], t0: float, timeout_s: float = 60.0) -> None:
+        self._post_fn, self.timeout_s = post, timeout_s
+        self.transfers: list[list] = [[] for _ in range(num_layers)]
+        self.posted_at: list[float] = [0.0] * num_layers
+        self.done_at: list[float | None] = [None] * num_layers
+        self.states: list[str] = ["pending"] * num_layers
+        self.t_visible: list[float] = [0.0] * num_layers
+        self._changed = threading.Condition()
+        self._deadline = time.perf_counter() + timeout_s
+        if num_layers:
+            self._post(0)  # layer 0 now: the model needs it first; the rest are posted while it computes
+        self.t_post = time.perf_counter() - t0
+        T_POST.observe(self.t_post)
+        self._poller = threading.Thread(target=self._post_and_poll, name="kvstore-layer-poller", daemon=True)
+        self._poller.start()
+
+    def _post(self, layer: int) -> None:
+        self.posted_at[layer] = time.perf_counter()
+        self.transfers[layer] = self._post_fn(layer)
+
+    def _post_and_poll(self) -> None:
+        for layer in range(1, len(self.transfers)):
+            self._post(layer)
+            self._poll_once()
+        while self._poll_once():
+            time.sleep(POLL_S)
+
+    def _poll_once(self) -> bool:
+        """Stamp the layers whose reads ended; True while some posted layer is still pending."""
+        pending, late = False, time.perf_counter() > self._deadline
+        for i, requests in enumerate(self.transfers):
+            if self.states[i] != "pending" or (not requests and self.posted_at[i] == 0.0):
+                continue
+            polled = [t.poll() if t else "failed" for t in requests]
+            state = "failed" if "failed" in polled else "pending" if "pending" in polled else "done"
+            if state == "pending" and not late:
+                pending = True
+                continue
+            with self._changed:
+                self.done_at[i], self.states[i] = time.perf_counter(), "failed" if state == "pending" else state
+                self._changed.notify_all()
+        return pending
+
+    def state(self) -> str:
+        """"pending" while a layer is, else "failed" if any layer failed, else "done"."""
+        return "pending" if "pending" in self.states else "failed" if "failed" in self.states else "done"
+
+    def wait(self, layer: int) -> str:
+        t0 = time.perf_counter()
+        with self._changed:
+            self._changed.wait_for(lambda: self.states[layer] != "pending", self.timeout_s)
+        self.t_visible[layer] = time.perf_counter() - t0
+        T_VISIBLE.observe(self.t_visible[layer])
+        return self.states[layer]
+
+    def finish(self) -> bool:
+        self._poller.join()  # it returns once every layer is posted and has ended (or timed out)
+        for layer, done in enumerate(self.done_at):
+            if done is not None:
+                T_XFER.observe(done - self.posted_at[layer])
+        return all(s == "done" for s in self.states)
+
+    def timings(self) -> dict:
+        return {"t_post_s": self.t_post,
+                "t_xfer_s": [(d - p) if d is not None else None for d, p in zip(self.done_at, self.posted_at)],
+                "t_visible_s": list(self.t_visible)}
+
+
 class LayerwiseLoad:
     def __init__(self, client, hashes: list[bytes], t0: float) -> None:
         self.client, self.namespace = client, client.namespace
@@ -81,60 +160,19 @@ class LayerwiseLoad:
         for i, hit in enumerate(self.hits):
             self._by_worker.setdefault((hit.location.worker, hit.location.epoch), []).append((i, hit))
         self._peers = {key: client.peers.agent_for(*key) for key in self._by_worker}
-        layers = self.namespace.num_layers if self.hits else 0
-        self.transfers: list[list] = [[] for _ in range(layers)]  # per layer: one request per worker
-        self.posted_at: list[float] = [0.0] * layers
-        self.done_at: list[float | None] = [None] * layers
-        self.states: list[str] = ["pending"] * layers
-        self.t_visible: list[float] = [0.0] * layers
-        self._changed = threading.Condition()
-        if layers:
-            self._post(0)  # layer 0 now: the model needs it first; the rest are posted while it computes
-        self.t_post = time.perf_counter() - t0
-        T_POST.observe(self.t_post)
-        self._poller = threading.Thread(target=self._post_and_poll, name="kvstore-layer-poller", daemon=True)
-        self._poller.start()
+        self.clock = LayerClock(self.namespace.num_layers if self.hits else 0, self._post, t0)
 
-    def _post(self, layer: int) -> None:
-        self.posted_at[layer] = time.perf_counter()
+    def _post(self, layer: int) -> list:
+        transfers = []
         for key, group in self._by_worker.items():
             local, remote = layer_rows(self.namespace, group, self._raw, layer)
-            self.transfers[layer].append(self.client.agent.submit("READ", local, remote, self._peers[key],
-                                                                  "DRAM", "DRAM") if self._peers[key] else None)
+            transfers.append(self.client.agent.submit("READ", local, remote, self._peers[key],
+                                                      "DRAM", "DRAM") if self._peers[key] else None)
+        return transfers
 
-    def _post_and_poll(self) -> None:
-        for layer in range(1, len(self.transfers)):
-            self._post(layer)
-            self._poll_once()
-        while self._poll_once():
-            time.sleep(POLL_S)
-
-    def _poll_once(self) -> bool:
-        """Stamp the layers whose reads ended; True while some posted layer is still pending."""
-        pending = False
-        for i, requests in enumerate(self.transfers):
-            if self.states[i] != "pending" or not requests:
-                continue
-            polled = [t.poll() if t else "failed" for t in requests]
-            state = "failed" if "failed" in polled else "pending" if "pending" in polled else "done"
-            if state == "pending":
-                pending = True
-                continue
-            with self._changed:
-                self.done_at[i], self.states[i] = time.perf_counter(), state
-                self._changed.notify_all()
-        return pending
-
-    def wait_layer(self, layer: int, timeout_s: float = 60.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(K, V) [num_kv_heads, num_tokens, head_dim] of `layer`, or None if its read failed."""
-        if not self.hits:
-            return None
-        t0 = time.perf_counter()
-        with self._changed:
-            self._changed.wait_for(lambda: self.states[layer] != "pending", timeout_s)
-        self.t_visible[layer] = time.perf_counter() - t0
-        T_VISIBLE.observe(self.t_visible[layer])
-        if self.states[layer] != "done":
+        if not self.hits or self.clock.wait(layer) != "done":
             return None
         n, ns = len(self.hits), self.namespace
         kv = self._blocks[:, layer]  # [n, 2, T, H, D]
@@ -146,11 +184,7 @@ class LayerwiseLoad:
         """Wait for every layer, verify whole blocks, release the lease; returns the verified prefix."""
         if not self.hits:
             return 0
-        self._poller.join()  # it returns once every layer is posted and has ended
-        for layer, done in enumerate(self.done_at):
-            if done is not None:
-                T_XFER.observe(done - self.posted_at[layer])
-        all_done = all(s == "done" for s in self.states)
+        all_done = self.clock.finish()
         verified, reports = 0, []
         size = self.namespace.block_nbytes
         for i, hit in enumerate(self.hits):
@@ -162,6 +196,4 @@ class LayerwiseLoad:
         return verified
 
     def timings(self) -> dict:
-        return {"t_post_s": self.t_post,
-                "t_xfer_s": [(d - p) if d is not None else None for d, p in zip(self.done_at, self.posted_at)],
-                "t_visible_s": list(self.t_visible)}
+        return self.clock.timings()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 
 from kvstore.client import DirectoryClient
 from kvstore.core.errors import KVStoreError
@@ -21,9 +22,14 @@ class Peers:
         self._agent = agent
         self._directory = directory
         self._known: dict[str, tuple[int, str]] = {}  # worker -> (epoch, agent name)
+        self._lock = threading.Lock()  # the vLLM connector asks from its saver and poller threads too
 
     def agent_for(self, worker: str, epoch: int) -> str | None:
         """The NIXL agent name to address `worker` at `epoch`, or None if it is not that epoch."""
+        with self._lock:
+            return self._agent_for(worker, epoch)
+
+    def _agent_for(self, worker: str, epoch: int) -> str | None:
         known = self._known.get(worker)
         if known and known[0] == epoch:
             return known[1]

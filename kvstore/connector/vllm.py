@@ -17,23 +17,27 @@ vLLM's paged buffer and the worker, with no staging copy.
 Scheduler side: `get_num_new_matched_tokens` (a lookup: full blocks beyond the local hit,
 leaving at least one prompt token to compute), `update_state_after_alloc`,
 `get_external_cache_hit_sources` (host / disk / external by tier), `build_connector_meta`
-(loads, and saves of prompts computed in this step).
-Worker side: `register_kv_caches` (the backing buffer, registered once), `start_load_kv` (every
-layer's read posted), `wait_for_layer_load` (that layer only), `save_kv_layer` (that layer's
-writes posted), `wait_for_save` (saves committed with checksums; loads verified and released;
-blocks that failed go to `get_block_ids_with_load_errors`, never reported as loaded).
+(loads; saves of the prompt blocks each step completes, so a prompt prefilled in chunks is saved
+chunk by chunk; preempted requests), `request_finished` (True while saves may be in flight:
+vLLM frees the blocks once the worker reports the request in finished_sending).
+Worker side (`vllm_worker.PagedKVWorker`): `register_kv_caches` (the backing buffer, registered
+once), `start_load_kv` (each layer's read posted), `wait_for_layer_load` (that layer only),
+`save_kv_layer` (the layer handed to the saver thread), `wait_for_save` (closes the step's saves
+without waiting for them; verifies and releases its loads), `handle_preemptions` (waits for the
+saves of preempted requests before their blocks are reused), `get_transfer_results`.
 
 Loads finish within the step by default; with `"load_async": true` vLLM schedules the request
 only once `get_transfer_results` reports its load finished (failed ones also in
-`failed_recving`). Saves finish within the step: `request_finished` never delays freeing. Not handled yet: chunked prefill (a prompt computed over several steps is not
-saved), hybrid (several KV cache groups) and MLA models, TP > 1 beyond the namespace's rank.
+`failed_recving`). Refused at start-up: several KV cache groups (hybrid models), MLA and other
+non-full attention, K and V of different head sizes, dtypes the store does not name, and
+pipeline parallelism. Each TP rank stores its shard under its own namespace (its tp_rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,44 +48,64 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 SupportsHMA)
 
 from kvstore.client import DirectoryClient
-from kvstore.connector.layerwise import slice_rows
-from kvstore.connector.peers import Peers
-from kvstore.core import specs
+from kvstore.connector.vllm_worker import BlockPlan, PagedKVWorker
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace
-from kvstore.transfer import Agent
 
 log = logging.getLogger(__name__)
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
           torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
-
-
-@dataclass
-class BlockPlan:
-    """Blocks of one request to move: store keys (hex) and the vLLM block ids they map to."""
-    req_id: str
-    hashes: list[str]
-    block_ids: list[int]
-    load_async: bool = False  # a load vLLM does not wait for in the forward (get_transfer_results)
-
-
-@dataclass
-class _Load:
-    plan: BlockPlan
-    token: str | None
-    hits: list[specs.BlockHit]
-    by_layer: dict[str, list] = field(default_factory=dict)  # layer -> one transfer per worker
-
-    def state(self) -> str:
-        states = [t.poll() if t is not None else "failed" for ts in self.by_layer.values() for t in ts]
-        return "pending" if "pending" in states else "failed" if "failed" in states else "done"
+__all__ = ["BlockPlan", "KVStoreConnector", "KVStoreConnectorMetadata"]
 
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
-    namespace_id: str = ""
+    namespace_id: str = ""  # the scheduler's namespace: TP rank 0
+    namespace: Namespace | None = None  # each TP rank stores its own shard under this with its tp_rank
     loads: list[BlockPlan] = field(default_factory=list)
     saves: list[BlockPlan] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # requests whose blocks vLLM freed: flush their saves
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side saves: its vLLM block ids and how many prompt blocks are handed
+    to saves so far."""
+    request: Any
+    block_ids: list[int]
+    saved: int = 0
+    saving: bool = False  # a save was scheduled: its blocks may be freed only after finished_sending
+
+
+def _tp_rank(extra: dict) -> int:
+    """This worker's tensor-parallel rank (vLLM's process group), or `tp_rank` from the extra
+    config where vLLM's distributed state is not set up (tests)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, AttributeError, ImportError):
+        return int(extra.get("tp_rank", 0))
+
+
+def check_kv_cache_config(kv_cache_config) -> Any:
+    """The one full-attention KV spec the connector handles, or a one-line refusal at start-up."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KVStoreError("invalid", f"KVStoreConnector handles one KV cache group; this model has {len(groups)} "
+                           "(a hybrid model): start vLLM with --disable-hybrid-kv-cache-manager or without the connector")
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec:  # its subclasses too: MLA, sink, ...
+        raise KVStoreError("invalid", f"KVStoreConnector handles full attention with separate K and V pages; "
+                           f"{type(spec).__name__} (MLA, sliding window, ...) is not supported yet")
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise KVStoreError("invalid", f"K and V of different head sizes ({spec.head_size}, {spec.head_size_v}) "
+                           "are not supported yet")
+    if spec.dtype not in DTYPES:
+        raise KVStoreError("invalid", f"KV dtype {spec.dtype} is not one the store names ({', '.join(DTYPES.values())})")
+    return spec
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -91,24 +115,42 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not extra.get("directory_url"):
             raise KVStoreError("invalid", "kv_connector_extra_config needs directory_url, e.g. "
                                '{"directory_url": "http://127.0.0.1:8700"}')
+        self._spec = check_kv_cache_config(kv_cache_config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise KVStoreError("invalid", "KVStoreConnector does not handle pipeline parallelism yet "
+                               f"(pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size})")
         self.block_size = vllm_config.cache_config.block_size
         self.hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
         self.extra = extra
-        self.directory = DirectoryClient(extra["directory_url"], timeout_s=float(extra.get("timeout_s", 30)))
+        self.timeout_s = float(extra.get("timeout_s", 30))
+        self.directory = DirectoryClient(extra["directory_url"], timeout_s=self.timeout_s)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-        self._spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self._namespace_id: str | None = None
+        self._ns: Namespace | None = None
+        self._rank_namespaces: dict[str, str] = {}  # scheduler namespace id -> this TP rank's namespace id
+        self.tp_rank = _tp_rank(extra) if role == KVConnectorRole.WORKER else 0
         self._matched: dict[str, tuple[Any, int, int]] = {}  # req_id -> (request, first block, hit blocks)
-        self._requests: dict[str, Any] = {}  # live requests seen by the scheduler side
+        self._requests: dict[str, Any] = {}  # requests seen by the scheduler side, until scheduled
+        self._tracked: dict[str, _Tracked] = {}  # scheduled requests, until finished
         self._sources: dict[str, list[str]] = {}  # req_id -> tier of each matched block
         self._loads: list[BlockPlan] = []
+        self._loaded: dict[str, int] = {}  # req_id -> prompt blocks the store already holds (loaded, not saved)
         self.load_async = bool(extra.get("load_async", False))
-        self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
+        self._worker = None
+        if role == KVConnectorRole.WORKER:
+            page = (self._spec.num_kv_heads, self.block_size, 2 * self._spec.head_size)
+            self._worker = PagedKVWorker(self.directory, self._layer_names, page, self._spec.dtype, self.timeout_s)
         if role == KVConnectorRole.SCHEDULER and self.hash_algo.startswith("xxhash") \
                 and os.environ.get("PYTHONHASHSEED") is None:
             log.warning("prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block hashes at "
                         "random, so no other engine will ever hit what this one stores; set PYTHONHASHSEED "
                         "to the same value everywhere, or use sha256", self.hash_algo)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: wait_for_layer_load and save_kv_layer run between the layers, which a captured
+        full CUDA graph would skip on replay."""
+        return True
 
     # ---- keys -------------------------------------------------------------------------
 
@@ -122,19 +164,28 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not model:
             raise KVStoreError("invalid", "no model: set model_config or kv_connector_extra_config.model_id")
         spec = self._spec
-        if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-            raise KVStoreError("invalid", "K and V of different head sizes are not supported yet")
         return Namespace(
             model_id=str(model), model_revision=str(self.extra.get("model_revision", "")),
             num_layers=len(self._layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
             dtype=DTYPES[spec.dtype], block_tokens=self.block_size, layout="layer_head_token_kvdim",
-            tp_rank=int(self.extra.get("tp_rank", 0)), tp_size=self._vllm_config.parallel_config.tensor_parallel_size,
+            tp_rank=0, tp_size=self._vllm_config.parallel_config.tensor_parallel_size,
             hash_scheme=f"vllm-{self.hash_algo}-none:{xxhash.xxh64_hexdigest(none_hash)}")
 
     def _namespace_id_now(self) -> str:
         if self._namespace_id is None:
-            self._namespace_id = self.directory.register_namespace(self.namespace())
+            self._ns = self.namespace()
+            self._namespace_id = self.directory.register_namespace(self._ns)
         return self._namespace_id
+
+    def _rank_namespace_id(self, meta: KVStoreConnectorMetadata) -> str:
+        """The namespace this TP rank's shard of the KV lives in. The scheduler looks up rank 0's;
+        a block another rank lacks is a load error there, and vLLM recomputes it."""
+        if self.tp_rank == 0 or meta.namespace is None:
+            return meta.namespace_id
+        if meta.namespace_id not in self._rank_namespaces:
+            self._rank_namespaces[meta.namespace_id] = self.directory.register_namespace(
+                dataclasses.replace(meta.namespace, tp_rank=self.tp_rank))
+        return self._rank_namespaces[meta.namespace_id]
 
     # ---- scheduler side ---------------------------------------------------------------
 
@@ -166,7 +217,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         _, first, hit = matched
         block_ids = blocks.get_block_ids()[0]
         hashes = [h.hex() for h in request.block_hashes[first:hit]]
-        self._loads.append(BlockPlan(request.request_id, hashes, list(block_ids[first:hit]), self.load_async))
+        self._loads.append(BlockPlan(request.request_id, hashes, list(block_ids[first:hit]),
+                                     load_async=self.load_async))
+        self._loaded[request.request_id] = hit  # blocks 0..hit are in the store: never saved again
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """The matched tokens by the tier that holds them: memory tiers of a storage worker are
@@ -186,28 +239,55 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return {source: n for source, n in counts.items() if n > 0}
 
     def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(namespace_id=self._namespace_id_now(), loads=self._loads)
+        """This step's loads, the saves of the prompt blocks it completes, and its preemptions."""
+        meta = KVStoreConnectorMetadata(namespace_id=self._namespace_id_now(), namespace=self._ns,
+                                        loads=self._loads)
         self._loads = []
+        progress = []  # (tracked, tokens computed once this step ran)
         for new in scheduler_output.scheduled_new_reqs:
-            prompt = new.prompt_token_ids or []
-            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            if new.num_computed_tokens + scheduled < len(prompt):
-                continue  # chunked prefill: not saved (see the module docstring)
-            request = self._requests.get(new.req_id)
+            request = self._requests.pop(new.req_id, None)
             if request is None:
                 continue
-            full = len(prompt) // self.block_size
-            meta.saves.append(BlockPlan(new.req_id, [h.hex() for h in request.block_hashes[:full]],
-                                        list(new.block_ids[0][:full])))
+            tracked = self._tracked[new.req_id] = _Tracked(request, list(new.block_ids[0]),
+                                                           saved=self._loaded.pop(new.req_id, 0))
+            progress.append((tracked, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted earlier: vLLM gives the whole list again
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids += new_ids[0]
+            progress.append((tracked, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)))
+        for tracked, computed in progress:
+            request = tracked.request
+            ready = min(computed, len(request.prompt_token_ids or ()), len(request.block_hashes) * self.block_size,
+                        len(tracked.block_ids) * self.block_size) // self.block_size
+            if ready <= tracked.saved:
+                continue
+            hashes = [h.hex() for h in request.block_hashes[:ready]]
+            meta.saves.append(BlockPlan(request.request_id, hashes[tracked.saved:],
+                                        tracked.block_ids[tracked.saved:ready],
+                                        parent=hashes[tracked.saved - 1] if tracked.saved else None))
+            tracked.saved, tracked.saving = ready, True
+        meta.preempted = {r for r in scheduler_output.preempted_req_ids or () if r in self._tracked}
         return meta
 
     def on_new_request(self, request) -> None:
         self._requests[request.request_id] = request
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """True when a save of this request was scheduled: vLLM then keeps its blocks until the
+        worker reports it in finished_sending (once every save of it is committed or failed)."""
         self._requests.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
-        return False, None  # saves complete within the step: nothing holds the blocks
+        self._matched.pop(request.request_id, None)
+        self._loaded.pop(request.request_id, None)
+        tracked = self._tracked.pop(request.request_id, None)
+        return tracked is not None and tracked.saving, None
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids)
@@ -217,23 +297,40 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVStoreConnectorMetadata) -> None:
+        if kv_connector_metadata.preempted:
+            self._worker.flush(kv_connector_metadata.preempted)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self._worker.start_loads(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        self._worker.start_loads(self._rank_namespace_id(meta), meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        self._worker.save_layer(self._get_connector_metadata(), layer_name)
+        meta = self._get_connector_metadata()
+        self._worker.save_layer(self._rank_namespace_id(meta), meta.saves, layer_name)
 
     def wait_for_save(self) -> None:
-        self._worker.finish_step()
+        meta = self._get_connector_metadata()
+        self._worker.finish_step(self._rank_namespace_id(meta), meta.saves)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Asynchronous loads that ended since the last call; a failed one is in both
-        finished_recving and failed_recving, and its blocks in get_block_ids_with_load_errors."""
-        finished, failed = self._worker.async_results() if self._worker else (set(), set())
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        """Saves of finished requests that are committed (finished_sending: vLLM frees their blocks),
+        and asynchronous loads that ended (a failed one is in finished_recving and failed_recving,
+        its blocks in get_block_ids_with_load_errors)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        finished, failed = self._worker.async_results()
+        return KVConnectorTransferResults(finished_sending=self._worker.sent(finished_req_ids),
+                                          finished_recving=finished, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving), for callers of the older interface; vLLM 0.33 calls
+        get_transfer_results, which also carries failed_recving."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker else set()
@@ -242,186 +339,3 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker:
             self._worker.close()
         self.directory.close()
-
-
-class _WorkerSide:
-    """NIXL between vLLM's paged KV buffer and the workers: one request per (layer, worker)."""
-
-    def __init__(self, connector: KVStoreConnector) -> None:
-        self.connector = connector
-        self.directory = connector.directory
-        self.agent = Agent(f"vllm-kvstore-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
-        self.peers = Peers(self.agent, self.directory)
-        self.caches: dict[str, torch.Tensor] = {}
-        self._load_errors: set[int] = set()
-        self._sync: list[_Load] = []  # loads of this forward
-        self._async: dict[str, _Load] = {}  # req_id -> a load vLLM polls for between steps
-        self._saves: list[tuple[BlockPlan, str | None, list[tuple[int, specs.StoreDecision]]]] = []
-        self._save_xfers: list = []
-        self._saves_prepared = False
-
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = self.connector._layer_names
-        missing = [n for n in names if n not in kv_caches]
-        if missing:
-            raise KVStoreError("invalid", f"register_kv_caches lacks layers {missing[:3]}")
-        storages = {}
-        for name in names:
-            t = kv_caches[name]
-            if t.dim() != 4 or not t[0].is_contiguous():
-                raise KVStoreError("invalid", f"layer {name}: expected [blocks, heads, block_size, head+head_v] "
-                                   f"pages, got shape {tuple(t.shape)} strides {t.stride()}")
-            ns_heads, ns_block, ns_c = t.shape[1:]
-            spec = self.connector._spec
-            if (ns_heads, ns_block, ns_c) != (spec.num_kv_heads, self.connector.block_size, 2 * spec.head_size):
-                raise KVStoreError("invalid", f"layer {name}: pages {tuple(t.shape[1:])} do not match the namespace "
-                                   f"({spec.num_kv_heads}, {self.connector.block_size}, {2 * spec.head_size})")
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = (storage.nbytes(), t.device)
-        for addr, (nbytes, device) in storages.items():  # vLLM backs every layer with one allocation
-            if device.type == "cuda":
-                self.agent.register_vram(addr, nbytes, device.index or 0)  # GPU path, not run here
-            else:
-                self.agent.register_dram(addr, nbytes)
-        self.caches = {name: kv_caches[name] for name in names}
-
-    def _page(self, layer: str, block_id: int) -> tuple[int, int]:
-        page = self.caches[layer][block_id]
-        return page.data_ptr(), page.numel() * page.element_size()
-
-    def _rows(self, layer_index: int, layer: str, items: list[tuple[int, specs.ReplicaLocation]]):
-        """(local, remote) rows of one layer for (vLLM block id, replica location) pairs: the page of
-        block id in this layer <-> bytes [l x page, (l+1) x page) of the stored block."""
-        pages = [(self._page(layer, block_id), location.runs) for block_id, location in items]
-        page = pages[0][0][1] if pages else 0
-        return slice_rows([(addr, runs) for (addr, _), runs in pages], layer_index * page, (layer_index + 1) * page)
-
-    def _post(self, op: str, layer_index: int, layer: str, items) -> list:
-        by_worker: dict[tuple[str, int], list] = {}
-        for block_id, location in items:
-            by_worker.setdefault((location.worker, location.epoch), []).append((block_id, location))
-        mem = "VRAM" if self.caches[layer].is_cuda else "DRAM"
-        transfers = []
-        for (worker, epoch), group in by_worker.items():
-            peer = self.peers.agent_for(worker, epoch)
-            local, remote = self._rows(layer_index, layer, group)
-            transfers.append(self.agent.submit(op, local, remote, peer, mem, "DRAM") if peer else None)
-        return transfers
-
-    # loads
-
-    def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
-        """Take a lease on each plan's blocks and post every layer's read; synchronous loads are
-        waited for layer by layer in this forward, asynchronous ones polled between steps."""
-        for plan in meta.loads:
-            try:
-                prepared = self.directory.prepare_load(specs.PrepareLoad(
-                    namespace_id=meta.namespace_id, hashes=plan.hashes, reader=self.agent.name))
-            except KVStoreError as exc:
-                log.warning("load of %s failed to start: %s", plan.req_id, exc)
-                prepared = specs.LoadPrepared(token=None, expires_at=None, blocks=[])
-            load = _Load(plan, prepared.token, prepared.blocks)
-            self._load_errors.update(plan.block_ids[len(load.hits):])  # gone since the lookup: recompute
-            if load.hits:
-                pairs = list(zip(plan.block_ids, (h.location for h in load.hits)))
-                load.by_layer = {layer: self._post("READ", i, layer, pairs)
-                                 for i, layer in enumerate(self.connector._layer_names)}
-            if plan.load_async:
-                self._async[plan.req_id] = load
-            else:
-                self._sync.append(load)
-
-    def wait_layer(self, layer: str) -> None:
-        for load in self._sync:
-            for transfer in load.by_layer.get(layer, []):
-                if transfer is not None:
-                    transfer.wait(self.connector.extra.get("timeout_s", 30))
-
-    def async_results(self) -> tuple[set[str], set[str]]:
-        finished, failed = set(), set()
-        for req_id, load in list(self._async.items()):
-            state = load.state()
-            if state == "pending":
-                continue
-            del self._async[req_id]
-            finished.add(req_id)
-            errors = self._finish_load(load, transfer_failed=state != "done")
-            if errors or len(load.hits) < len(load.plan.block_ids):
-                failed.add(req_id)
-        return finished, failed
-
-    def _finish_load(self, load: _Load, transfer_failed: bool) -> set[int]:
-        """Verify a finished load block by block, release its lease; returns the block ids that must
-        be recomputed (also kept for get_block_ids_with_load_errors)."""
-        reports, bad, errors = [], transfer_failed, set()
-        for block_id, hit in zip(load.plan.block_ids, load.hits):
-            bad = bad or self._checksum(block_id) != hit.checksum  # a prefix: after one bad block, all
-            reports.append(specs.BlockRead(hash=hit.hash, ok=not bad or transfer_failed))
-            if bad:
-                errors.add(block_id)
-        if load.token is not None:
-            try:
-                self.directory.complete_load(specs.CompleteLoad(token=load.token, blocks=reports))
-            except KVStoreError as exc:  # the lease expired: the bytes cannot be vouched for
-                log.warning("load of %s refused at completion: %s", load.plan.req_id, exc)
-                errors.update(load.plan.block_ids[:len(load.hits)])
-        self._load_errors |= errors
-        return errors
-
-    def _checksum(self, block_id: int) -> str:
-        """xxh3_64 of the stored block: this block's page of every layer, in layer order."""
-        hasher = xxhash.xxh3_64()
-        for layer in self.connector._layer_names:
-            page = self.caches[layer][block_id]
-            hasher.update((page.cpu() if page.is_cuda else page).contiguous().view(torch.uint8).numpy())
-        return hasher.hexdigest()
-
-    # saves
-
-    def save_layer(self, meta: KVStoreConnectorMetadata, layer: str) -> None:
-        if not meta.saves:
-            return
-        if not self._saves_prepared:  # first layer of the step: reserve every block of every save
-            self._saves_prepared = True
-            nbytes = sum(self._page(name, 0)[1] for name in self.connector._layer_names)
-            for plan in meta.saves:
-                try:
-                    prepared = self.directory.prepare_store(specs.PrepareStore(
-                        namespace_id=meta.namespace_id, writer=self.agent.name, blocks=[
-                            specs.BlockToStore(hash=h, parent=p, nbytes=nbytes)
-                            for h, p in zip(plan.hashes, [None] + plan.hashes[:-1])]))
-                except KVStoreError as exc:
-                    log.warning("save of %s skipped: %s", plan.req_id, exc)
-                    continue
-                admitted = [(plan.block_ids[i], d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
-                self._saves.append((plan, prepared.token, admitted))
-        index = self.connector._layer_names.index(layer)
-        for plan, _, admitted in self._saves:
-            if admitted:
-                self._save_xfers += self._post("WRITE", index, layer, [(b, d.location) for b, d in admitted])
-
-    def finish_step(self) -> None:
-        """End of the step: commit this step's saves, verify and release its loads."""
-        ok = all(t is not None and t.wait(30) == "done" for t in self._save_xfers)
-        for plan, token, admitted in self._saves:
-            if not admitted:
-                continue
-            reports = [specs.BlockWritten(hash=d.hash, ok=ok, checksum=self._checksum(b)) for b, d in admitted]
-            try:
-                self.directory.complete_store(specs.CompleteStore(token=token, blocks=reports))
-            except KVStoreError as exc:
-                log.warning("save of %s not committed: %s", plan.req_id, exc)
-        self._saves, self._save_xfers, self._saves_prepared = [], [], False
-        for load in self._sync:
-            timeout = self.connector.extra.get("timeout_s", 30)
-            failed = any(t is None or t.wait(timeout) != "done" for ts in load.by_layer.values() for t in ts)
-            self._finish_load(load, transfer_failed=failed)
-        self._sync = []
-
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def close(self) -> None:
-        self.peers.close()
-        self.agent.close()

@@ -202,6 +202,9 @@ class DirectoryService:
         """Ids of `blocks`, inserting the ones the directory has not seen. Depth follows the parent chain."""
         ids = {h: b.id for h, b in existing.items()}
         depths = {h: b.depth for h, b in existing.items()}
+        outside = {b.parent for b in blocks if b.parent and b.parent not in depths} - {b.hash for b in blocks}
+        if outside:  # a chain saved in several calls (chunked prefill): continue from the stored parent
+            depths.update({h: b.depth for h, b in repo.blocks_by_hash(tx.session, namespace_id, sorted(outside)).items()})
         rows = []
         for block in blocks:
             if block.hash in ids:

@@ -45,6 +45,23 @@ def test_a_block_is_visible_only_after_complete(stack):
     assert stack.client.stats().reservations == 0
 
 
+def test_a_chain_saved_over_several_calls_continues_its_depth(stack):
+    """Chunked prefill saves a prompt's blocks step by step; each call names the stored parent."""
+    from sqlalchemy import select
+
+    from kvstore.directory.db import make_engine, make_sessions
+    from kvstore.directory.models.block import Block
+
+    hashes = chain(4)
+    complete(stack, prepare(stack, hashes[:2]))
+    complete(stack, prepare(stack, hashes[2:], parent=hashes[1]))
+    engine = make_engine(stack.settings.database_url)
+    with make_sessions(engine)() as session:
+        depths = dict(session.execute(select(Block.hash, Block.depth)).all())
+    engine.dispose()
+    assert [depths[h] for h in hashes] == [0, 1, 2, 3]
+
+
 def test_locations_cover_the_block_in_worker_addresses(stack):
     prepared = prepare(stack, chain(1))
     location = prepared.blocks[0].location
