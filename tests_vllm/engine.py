@@ -5,7 +5,7 @@ token's KV into a paged buffer in vLLM's per-layer [blocks, heads, block_size, 2
 
     python -m tests_vllm.engine --url URL --out R.json [--hash sha256] [--prompts 1]
         [--max-batched-tokens 256] [--hold-blocks 0] [--load-async] [--evict-before-load]
-        [--slow-save-s 0] [--num-blocks 64] [--max-tokens 2]
+        [--slow-save-s 0] [--wait-saves] [--num-blocks 64] [--max-tokens 2]
 
 The KV of position p in layer l is a function of (l, the tokens up to p), so a page holds the
 right values only if the model computed it or the store returned what another engine computed
@@ -183,6 +183,8 @@ class Engine:
         if not out.has_sync_kv_loads:
             self.worker.start_load_kv(None)
         self.worker.wait_for_save()
+        if self.args.wait_saves:  # let this step's saves end before the next forward touches a page
+            self.worker._worker.flush(set(self.worker._worker._pending))
         results = self.worker.get_transfer_results(out.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
@@ -239,10 +241,15 @@ class Engine:
         return computed
 
     def _write(self, req_id: str, layer: int, start: int, n: int) -> None:
+        """This step's positions of one layer. Like attention, the result depends on the KV already in
+        the pages: if the position before `start` does not hold its KV (a load that failed), what
+        is written is wrong too."""
         tokens = self.scheduler.requests[req_id].all_token_ids
         hashes, table, page = prefix_hashes(tokens[:start + n]), self.tables[req_id], self.kv[LAYER_NAMES[layer]]
+        context_ok = start == 0 or torch.equal(page[table[(start - 1) // BLOCK], :, (start - 1) % BLOCK],
+                                               kv_of(hashes[start - 1], layer))
         for p in range(start, start + n):
-            page[table[p // BLOCK], :, p % BLOCK] = kv_of(hashes[p], layer)
+            page[table[p // BLOCK], :, p % BLOCK] = kv_of(hashes[p], layer) + (0.0 if context_ok else 1000.0)
 
     def _check(self, req_id: str) -> bool:
         """Every computed position of every layer holds the KV of its prefix (read before any reuse)."""
@@ -301,6 +308,7 @@ def main() -> None:
     parser.add_argument("--load-async", action="store_true")
     parser.add_argument("--evict-before-load", action="store_true")
     parser.add_argument("--slow-save-s", type=float, default=0.0)
+    parser.add_argument("--wait-saves", action="store_true")
     args = parser.parse_args()
     engine = Engine(args)
     result = engine.run([prompt(i, args.prompt_tokens) for i in range(args.prompts)])

@@ -140,16 +140,20 @@ def test_a_preempted_request_keeps_its_blocks_until_its_saves_are_flushed(stack)
     assert all(r["kv_exact"] and r["store_hits_at_free"] == 100 // BLOCK for r in a["requests"].values())
 
 
-def test_a_failed_load_is_recomputed_and_never_saved_over(stack):
+def test_a_failed_load_is_recomputed_saved_again_and_never_saved_over(stack):
     stack.engine()
     longer = ("--prompt-tokens", str(PROMPT_TOKENS + 2 * BLOCK))  # the same prompt and two more blocks
-    b = stack.engine(*longer, "--evict-before-load")  # the blocks go after the lookup
+    # the blocks go after the lookup; each step's saves end before the next step (the recompute) writes
+    b = stack.engine(*longer, "--evict-before-load", "--wait-saves")
     loaded = b["requests"]["req-0"]
     assert loaded["matched"] == [FULL_BLOCKS * BLOCK, False]
     assert b["load_errors"] == sorted(loaded["load_block_ids"]) and len(b["load_errors"]) == FULL_BLOCKS
     assert loaded["kv_exact"] and loaded["computed_prompt_tokens"] > PROMPT_TOKENS  # vLLM recomputed them
-    # blocks 10 and 11 were computed in the step of the failed load, over bad KV: not committed
-    assert DirectoryClient(stack.url).lookup(b["namespace_id"], loaded["keys"][FULL_BLOCKS:]).num_hit_blocks == 0
+    assert loaded["store_hits_at_free"] == FULL_BLOCKS + 2  # the recomputed blocks were saved again ...
+    # ... and blocks 10 and 11 hold what the recompute wrote, not what the step over the missing KV wrote
+    c = stack.engine(*longer)
+    again = c["requests"]["req-0"]
+    assert again["matched"] == [(FULL_BLOCKS + 2) * BLOCK, False] and again["kv_exact"] and c["load_errors"] == []
 
 
 def test_an_asynchronous_load_is_reported_by_get_transfer_results(stack):
