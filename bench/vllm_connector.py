@@ -12,6 +12,8 @@ B runs the same prompts and loads them. Reported, medians over repeats:
 
     A  hook ms / save step     time inside the worker half's hooks in a step that saves
     A  save ms                 mean of kvstore_connector_save_seconds (first layer handed over -> committed)
+    sync hook ms / save step   the same engine A on another fresh stack, each step waiting for its saves
+                               to commit (--wait-saves): what synchronous saves would cost the forward
     B  hook ms / load step     the same for the step that loads
     B  overlap                 1 - sum(T_visible) / sum(T_xfer) of the loads
 
@@ -49,19 +51,25 @@ def engine(url: str, tmp: str, name: str, *args: str) -> dict:
 def one_run(args) -> dict:
     common = ("--prompts", str(args.prompts), "--prompt-tokens", str(args.prompt_tokens), "--num-blocks",
               str(args.prompts * (args.prompt_tokens // 16 + 2) + 1), "--max-tokens", "1")
+    chunked = ("--max-batched-tokens", "256")
     with local_stack(dram_bytes="512MiB", page_bytes="4KiB") as url, tempfile.TemporaryDirectory() as tmp:
-        a = engine(url, tmp, "a", *common, "--max-batched-tokens", "256")
+        a = engine(url, tmp, "a", *common, *chunked)
         b = engine(url, tmp, "b", *common, "--max-batched-tokens", str(args.prompts * args.prompt_tokens))
+    with local_stack(dram_bytes="512MiB", page_bytes="4KiB") as url, tempfile.TemporaryDirectory() as tmp:
+        sync = engine(url, tmp, "sync", *common, *chunked, "--wait-saves")  # each step waits for its saves
     saves = [s["hook_s"] for s in a["step_log"] if s["saves"]]
+    sync_saves = [s["hook_s"] for s in sync["step_log"] if s["saves"]]
     loads = [s["hook_s"] for s in b["step_log"] if s["loads"]]
     xfer, visible = b["histogram_sums"]["layer_xfer"], b["histogram_sums"]["layer_visible"]
     hit = sum(r["matched"][0] for r in b["requests"].values())
     return {"a_hook_ms_per_save_step": 1e3 * statistics.median(saves), "a_save_steps": len(saves),
+            "sync_hook_ms_per_save_step": 1e3 * statistics.median(sync_saves),
+            "sync_over_async": statistics.median(sync_saves) / statistics.median(saves),
             "a_save_ms": 1e3 * a["histogram_sums"]["save"] / max(1, a["histogram_counts"]["save"]),
             "b_hook_ms_per_load_step": 1e3 * statistics.median(loads) if loads else None,
             "b_sum_xfer_ms": 1e3 * xfer, "b_sum_visible_ms": 1e3 * visible,
             "b_overlap": 1 - visible / xfer if xfer else None, "b_hit_tokens": hit,
-            "kv_exact": all(r["kv_exact"] for e in (a, b) for r in e["requests"].values())}
+            "kv_exact": all(r["kv_exact"] for e in (a, b, sync) for r in e["requests"].values())}
 
 
 def main() -> None:

@@ -183,8 +183,10 @@ class Engine:
         if not out.has_sync_kv_loads:
             self.worker.start_load_kv(None)
         self.worker.wait_for_save()
-        if self.args.wait_saves:  # let this step's saves end before the next forward touches a page
+        if self.args.wait_saves:  # synchronous saves: the step ends once its saves are committed
+            t0 = time.perf_counter()
             self.worker._worker.flush(set(self.worker._worker._pending))
+            self._hook_s += time.perf_counter() - t0
         results = self.worker.get_transfer_results(out.finished_req_ids)
         invalid = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
