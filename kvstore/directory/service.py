@@ -321,22 +321,25 @@ class DirectoryService:
                                        num_hit_blocks=result.num_hit_blocks, block_tokens=namespace.block_tokens)
 
     def prepare_load(self, req: specs.PrepareLoad) -> specs.LoadPrepared:
-        with self._tx() as tx:
-            self._namespace(tx, req.namespace_id)
-            hits, _ = self._leading_hits(tx, req.namespace_id, req.hashes)
-        if any(tier.kind not in READABLE_BY_ENGINES for _, _, tier, _ in hits):
+        """Pin the leading hits an engine can read. One transaction when they all are in memory
+        tiers; otherwise the NVMe-only ones are staged into DRAM first and the hits read again."""
+        promoted = False
+        while True:
+            now = self._clock()
+            with self._tx() as tx:
+                self._namespace(tx, req.namespace_id)
+                hits, _ = self._leading_hits(tx, req.namespace_id, req.hashes)
+                if promoted or all(tier.kind in READABLE_BY_ENGINES for _, _, tier, _ in hits):
+                    hits = _readable_prefix(hits)
+                    if not hits:
+                        return specs.LoadPrepared(token=None, expires_at=None, blocks=[])
+                    token, expires_at = secrets.token_hex(16), now + self.settings.lease_ttl_s
+                    repo.add_leases(tx.session, [r.id for _, r, _, _ in hits], token, req.reader, expires_at)
+                    repo.touch_blocks(tx.session, [b.id for b, _, _, _ in hits], now)
+                    self._policy_hits(tx, hits)
+                    break
             self.movement.promote(hits)  # stage NVMe-only blocks into DRAM first
-        now = self._clock()
-        with self._tx() as tx:
-            hits, _ = self._leading_hits(tx, req.namespace_id, req.hashes)
-            hits = _readable_prefix(hits)
-            replica_ids = [r.id for _, r, _, _ in hits]
-            if not hits:
-                return specs.LoadPrepared(token=None, expires_at=None, blocks=[])
-            token, expires_at = secrets.token_hex(16), now + self.settings.lease_ttl_s
-            repo.add_leases(tx.session, replica_ids, token, req.reader, expires_at)
-            repo.touch_blocks(tx.session, [b.id for b, _, _, _ in hits], now)
-            self._policy_hits(tx, hits)
+            promoted = True
         self.metrics.count_lookup(len(req.hashes), len(hits))
         return specs.LoadPrepared(token=token, expires_at=expires_at, blocks=_lookup_result(hits).blocks)
 
@@ -362,7 +365,9 @@ class DirectoryService:
         """Tell the tier policies, deepest block first (a prefix stays more recent than its suffixes)."""
         tiers_by_worker: dict[int, dict[str, Tier]] = {}
         for block, _, tier, worker in reversed(hits):
-            tiers = tiers_by_worker.setdefault(worker.id, repo.tiers_of(tx.session, worker.id))
+            if worker.id not in tiers_by_worker:  # once per worker (setdefault would query per block)
+                tiers_by_worker[worker.id] = repo.tiers_of(tx.session, worker.id)
+            tiers = tiers_by_worker[worker.id]
             self.policies.hit([tier] + [t for t in tiers.values() if t.id != tier.id],
                               block_key(block.namespace_id, block.hash))
 
