@@ -5,7 +5,7 @@ token's KV into a paged buffer in vLLM's per-layer [blocks, heads, block_size, 2
 
     python -m tests_vllm.engine --url URL --out R.json [--hash sha256] [--prompts 1]
         [--max-batched-tokens 256] [--hold-blocks 0] [--load-async] [--evict-before-load]
-        [--slow-save-s 0] [--wait-saves] [--num-blocks 64] [--max-tokens 2]
+        [--slow-save-s 0] [--wait-saves] [--num-blocks 64] [--max-tokens 2] [--followup 0]
 
 The KV of position p in layer l is a function of (l, the tokens up to p), so a page holds the
 right values only if the model computed it or the store returned what another engine computed
@@ -69,6 +69,11 @@ def configs(url: str, hash_algo: str = "sha256", load_async: bool = False, max_b
 
 def prompt(index: int = 0, tokens: int = PROMPT_TOKENS) -> list[int]:
     return torch.randint(3, 30_000, (tokens,), generator=torch.Generator().manual_seed(7 + index)).tolist()
+
+
+def followup(tokens: list[int], n: int) -> list[int]:
+    """`tokens` and the first n tokens generated for them (the stand-in samples 1000 + length)."""
+    return tokens + [1000 + len(tokens) + j for j in range(n)]
 
 
 def prefix_hashes(tokens: list[int]) -> list[int]:
@@ -220,6 +225,8 @@ class Engine:
                 report["finished_step"] = self.steps
                 report["kv_exact"] = self._check(req_id)
                 report["block_ids"] = self.tables[req_id]
+                if request is not None:  # still held (its saves run): every full block's key, outputs too
+                    report["all_keys"] = [h.hex() for h in request.block_hashes]
             if "freed_step" not in report and request is None:
                 report["freed_step"] = self.steps
         if not out.num_scheduled_tokens:
@@ -311,9 +318,11 @@ def main() -> None:
     parser.add_argument("--evict-before-load", action="store_true")
     parser.add_argument("--slow-save-s", type=float, default=0.0)
     parser.add_argument("--wait-saves", action="store_true")
+    parser.add_argument("--followup", type=int, default=0,
+                        help="the next turn: each prompt followed by the first N tokens this engine generates for it")
     args = parser.parse_args()
     engine = Engine(args)
-    result = engine.run([prompt(i, args.prompt_tokens) for i in range(args.prompts)])
+    result = engine.run([followup(prompt(i, args.prompt_tokens), args.followup) for i in range(args.prompts)])
     engine.close()
     with open(args.out, "w") as f:
         json.dump(result, f)

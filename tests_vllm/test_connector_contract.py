@@ -156,6 +156,17 @@ def test_a_failed_load_is_recomputed_saved_again_and_never_saved_over(stack):
     assert again["matched"] == [(FULL_BLOCKS + 2) * BLOCK, False] and again["kv_exact"] and c["load_errors"] == []
 
 
+def test_generated_blocks_are_saved_so_the_next_turn_hits_the_answer_too(stack):
+    a = stack.engine("--max-tokens", "40")  # 165 prompt + 40 generated tokens; the last one's KV is never computed
+    first = a["requests"]["req-0"]
+    assert first["kv_exact"] and first["store_hits_at_free"] == FULL_BLOCKS
+    assert DirectoryClient(stack.url).lookup(a["namespace_id"], first["all_keys"]).num_hit_blocks == 12  # 204 // 16
+    b = stack.engine("--followup", "40", "--hold-blocks", "20")  # the next turn: the prompt and the answer
+    turn = b["requests"]["req-0"]
+    assert turn["matched"] == [12 * BLOCK, False] and turn["kv_exact"] and b["load_errors"] == []
+    assert turn["computed_prompt_tokens"] == PROMPT_TOKENS + 40 - 12 * BLOCK
+
+
 def test_an_asynchronous_load_is_reported_by_get_transfer_results(stack):
     stack.engine(*CHUNK)
     b = stack.engine("--load-async", "--hold-blocks", "30")

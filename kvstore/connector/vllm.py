@@ -137,6 +137,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._loaded: dict[str, int] = {}  # req_id -> prompt blocks the store already holds (loaded, not saved)
         self._load_targets: dict[str, tuple[int, list[int]]] = {}  # req_id -> (first block, block ids) of its load
         self.load_async = bool(extra.get("load_async", False))
+        self.save_decode = bool(extra.get("save_decode", True))  # blocks of generated tokens too (multi-turn)
         self._worker = None
         if role == KVConnectorRole.WORKER:
             page = (self._spec.num_kv_heads, self.block_size, 2 * self._spec.head_size)
@@ -267,8 +268,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             progress.append((tracked, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)))
         for tracked, computed in progress:
             request = tracked.request
-            ready = min(computed, len(request.prompt_token_ids or ()), len(request.block_hashes) * self.block_size,
-                        len(tracked.block_ids) * self.block_size) // self.block_size
+            limit = len(request.block_hashes) if self.save_decode else len(request.prompt_token_ids or ()) // self.block_size
+            ready = min(computed // self.block_size, limit, len(tracked.block_ids))
             if ready <= tracked.saved:
                 continue
             hashes = [h.hex() for h in request.block_hashes[:ready]]
