@@ -32,6 +32,7 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
                          VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -124,6 +125,10 @@ class Engine:
         self._hook_s = 0.0
         self._spy_on_the_scheduler_half()
         self._time_the_worker_hooks()
+        # what vLLM's front end does with the stats the scheduler returns: a log line and /metrics
+        self.front_prom = KVConnectorProm(self.vllm_config, ["model_name", "engine"], {0: ["contract", "0"]})
+        self.front_log = KVConnectorLogging(self.vllm_config.kv_transfer_config)
+        self.logged: list[str] = []
 
     def _spy_on_the_scheduler_half(self) -> None:
         """Record what the connector answered vLLM (the calls still go to it unchanged)."""
@@ -217,8 +222,13 @@ class Engine:
             logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
             kv_connector_output=KVConnectorOutput(
                 finished_sending=results.finished_sending, finished_recving=results.finished_recving,
-                failed_recving=results.failed_recving, invalid_block_ids=invalid))
-        self.scheduler.update_from_output(out, runner_output)
+                failed_recving=results.failed_recving, invalid_block_ids=invalid,
+                kv_connector_stats=self.worker.get_kv_connector_stats()))
+        for outputs in self.scheduler.update_from_output(out, runner_output).values():
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.front_prom.observe(stats.kv_connector_stats, 0)
+                self.front_log.observe(stats.kv_connector_stats)
         for req_id, report in self.report.items():
             request = self.scheduler.requests.get(req_id)
             if "finished_step" not in report and (request is None or RequestStatus.is_finished(request.status)):
@@ -291,8 +301,13 @@ class Engine:
                       for name in ("load_post", "layer_xfer", "layer_visible", "save")}
         sums = {name: REGISTRY.get_sample_value(f"kvstore_connector_{name}_seconds_sum") or 0.0
                 for name in ("load_post", "layer_xfer", "layer_visible", "save")}
+        self.front_log.log(log_fn=lambda fmt, *args: self.logged.append(fmt % args))
+        vllm_metrics = {name: REGISTRY.get_sample_value(f"vllm:kvstore_{name}_seconds_count",
+                                                        {"model_name": "contract", "engine": "0"}) or 0
+                        for name in ("load_post", "layer_xfer", "layer_visible", "save")}
         return {"requests": self.report, "steps": self.steps, "load_errors": sorted(self.invalid),
                 "histogram_counts": histograms, "histogram_sums": sums, "step_log": self.step_log,
+                "vllm_metric_counts": vllm_metrics, "vllm_log": self.logged,
                 "finished_recving": sorted(self.recving), "failed_recving": sorted(self.failed_recving),
                 "preempted": sorted(self.preempted), "unfreed": sorted(self.scheduler.requests),
                 "namespace_id": self.scheduler.connector._namespace_id_now()}

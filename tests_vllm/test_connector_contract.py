@@ -116,6 +116,10 @@ def test_a_prompt_prefilled_in_chunks_is_saved_and_engine_b_loads_it_into_other_
     counts = b["histogram_counts"]  # the layer-wise timings of the vLLM path
     assert (counts["load_post"], counts["layer_xfer"], counts["layer_visible"]) == (1, LAYERS, LAYERS)
     assert a["histogram_counts"]["save"] == 3  # one per prefill chunk
+    # the same timings through vLLM's own path: stats -> scheduler -> front end's log and /metrics
+    assert b["vllm_metric_counts"] == {"load_post": 1, "layer_xfer": LAYERS, "layer_visible": LAYERS, "save": 0}
+    assert a["vllm_metric_counts"]["save"] == 3 and "save_count=3" in a["vllm_log"][0]
+    assert "layer_xfer_count=4" in b["vllm_log"][0]
 
 
 def test_blocks_are_freed_only_after_their_saves_are_committed(stack):

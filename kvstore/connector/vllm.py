@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 SupportsHMA)
 
 from kvstore.client import DirectoryClient
+from kvstore.connector.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.connector.vllm_worker import BlockPlan, PagedKVWorker
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace
@@ -351,6 +352,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         get_transfer_results, which also carries failed_recving."""
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
+
+    def get_kv_connector_stats(self):
+        """This worker's timings since the last step, for vLLM's logger and /metrics."""
+        if self._worker is None:
+            return None
+        stats = KVStoreConnectorStats(data=self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker else set()

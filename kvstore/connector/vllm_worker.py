@@ -39,6 +39,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.transfer import Agent
 
 log = logging.getLogger(__name__)
+STAT_SERIES = ("load_post_s", "layer_xfer_s", "layer_visible_s", "save_s")
 T_SAVE = Histogram("kvstore_connector_save_seconds", "a step's saves: first layer handed over -> committed",
                    buckets=BUCKETS)
 
@@ -87,6 +88,8 @@ class PagedKVWorker:
         self._finished: set[str] = set()  # requests vLLM finished whose blocks wait for their saves
         self._saved = threading.Condition()
         self._saves: queue.SimpleQueue = queue.SimpleQueue()
+        self._stats: dict[str, list[float]] = {k: [] for k in STAT_SERIES}  # since take_stats(), for vLLM
+        self._stats_lock = threading.Lock()
         self._saver = threading.Thread(target=self._run_saves, name="kvstore-saver", daemon=True)
         self._saver.start()
 
@@ -189,10 +192,26 @@ class PagedKVWorker:
                 failed.add(req_id)
         return finished, failed
 
+    def _observe(self, series: str, values: list[float]) -> None:
+        with self._stats_lock:
+            self._stats[series] += values
+
+    def take_stats(self) -> dict[str, list[float]]:
+        """The timings observed since the last call (vLLM ships them to its logger and /metrics)."""
+        with self._stats_lock:
+            stats, self._stats = self._stats, {k: [] for k in STAT_SERIES}
+        return stats
+
     def _finish_load(self, load: _Load) -> set[int]:
         """Verify a finished load block by block and release its lease; returns the block ids that
         must be recomputed (also kept for get_block_ids_with_load_errors)."""
         transfer_failed = load.clock is not None and not load.clock.finish()
+        if load.clock is not None:
+            timings = load.clock.timings()
+            self._observe("load_post_s", [timings["t_post_s"]])
+            self._observe("layer_xfer_s", [t for t in timings["t_xfer_s"] if t is not None])
+            if not load.plan.load_async:  # nobody waits per layer for an asynchronous load
+                self._observe("layer_visible_s", timings["t_visible_s"])
         reports, bad = [], transfer_failed
         errors = set(load.plan.block_ids[len(load.hits):])  # gone from the store since the lookup
         for block_id, hit in zip(load.plan.block_ids, load.hits):
@@ -303,7 +322,9 @@ class PagedKVWorker:
                     self.directory.complete_store(specs.CompleteStore(token=prepared.token, blocks=reports))
                 except KVStoreError as exc:
                     log.warning("save not committed: %s", exc)
-        T_SAVE.observe(time.perf_counter() - step.started)
+        elapsed = time.perf_counter() - step.started
+        T_SAVE.observe(elapsed)
+        self._observe("save_s", [elapsed])
 
     def sent(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished (now or earlier) whose saves are all committed: their blocks can go."""
