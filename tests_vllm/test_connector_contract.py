@@ -32,6 +32,7 @@ def test_the_factory_builds_both_roles_from_a_vllm_config():
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         connector = KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
         assert isinstance(connector, KVStoreConnector) and connector.role == role
+        assert connector.requires_kv_delivery is False  # a cache: vLLM keeps in-flight output at preemption
         connector.shutdown()
     # its per-layer hooks must run between the layers: vLLM then keeps CUDA graphs piecewise
     assert KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config).requires_piecewise_for_cudagraph({})

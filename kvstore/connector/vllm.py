@@ -149,6 +149,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                         "random, so no other engine will ever hit what this one stores; set PYTHONHASHSEED "
                         "to the same value everywhere, or use sha256", self.hash_algo)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a cache, not a hand-off. A save a preemption cuts short is a future miss (and
+        handle_preemptions lets the saves finish first), so vLLM need not drop in-flight output."""
+        return False
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """True: wait_for_layer_load and save_kv_layer run between the layers, which a captured
