@@ -59,6 +59,9 @@ class DirectoryClient(JsonHttp):
     def prepare_load(self, body: specs.PrepareLoad) -> specs.LoadPrepared:
         return self.call("POST", "/v1/load/prepare", body, specs.LoadPrepared)
 
+    def prepare_loads(self, body: specs.PrepareLoads) -> specs.LoadsPrepared:
+        return self.call("POST", "/v1/load/prepare-batch", body, specs.LoadsPrepared)
+
     def complete_load(self, body: specs.CompleteLoad) -> specs.LoadCompleted:
         return self.call("POST", "/v1/load/complete", body, specs.LoadCompleted)
 

@@ -2,11 +2,11 @@
 workers, one request per (layer, storage worker), with no staging copy. It imports nothing from
 vLLM; `kvstore.connector.vllm` hands it plain plans.
 
-Loads. `start_loads` takes a lease per plan and posts its reads layer by layer through a
-`LayerClock` (T_post, T_xfer and T_visible histograms, as for the engine-neutral layer-wise
-load). `wait_layer` waits for one layer of this step's synchronous loads; `finish_step` verifies
-them (whole-block checksums) and releases their leases; asynchronous loads are polled between
-steps by `async_results`. A block that did not arrive intact is a load error, never loaded.
+Loads. `start_loads` leases the step's synchronous loads in one directory call (asynchronous
+ones one by one) and posts their reads layer by layer through a `LayerClock` (T_post, T_xfer and
+T_visible, as for the engine-neutral layer-wise load). `wait_layer` waits for one layer of this
+step's synchronous loads; `finish_step` verifies them (whole-block checksums) and releases their
+lease; asynchronous loads are polled between steps by `async_results`. A block that did not arrive intact is a load error, never loaded.
 
 Saves are asynchronous. `save_layer` hands the layer to the saver thread, which reserves the
 step's blocks (one prepare_store per request), posts each layer's writes once that layer's KV is
@@ -163,25 +163,33 @@ class PagedKVWorker:
     # ---- loads --------------------------------------------------------------------------
 
     def start_loads(self, namespace_id: str, plans: list[BlockPlan]) -> None:
-        """Take a lease on each plan's blocks and post its reads, layer 0 first; synchronous loads are
-        waited for layer by layer in this forward, asynchronous ones polled between steps."""
+        """Lease the plans' blocks and post their reads, layer 0 first. The step's synchronous loads
+        share one lease (one directory call), waited for layer by layer in this forward;
+        asynchronous ones get a lease each, as they finish at different steps."""
+        sync = [p for p in plans if not p.load_async]
+        if sync:
+            self._sync += self._start(namespace_id, sync)
         for plan in plans:
-            t0 = time.perf_counter()
-            try:
-                prepared = self.directory.prepare_load(specs.PrepareLoad(
-                    namespace_id=namespace_id, hashes=plan.hashes, reader=self.agent.name))
-            except KVStoreError as exc:
-                log.warning("load of %s failed to start: %s", plan.req_id, exc)
-                prepared = specs.LoadPrepared(token=None, expires_at=None, blocks=[])
-            load = _Load(plan, prepared.token, prepared.blocks)
-            if load.hits:
-                groups = self._by_worker(list(zip(plan.block_ids, (h.location for h in load.hits))))
+            if plan.load_async:
+                self._async[plan.req_id] = self._start(namespace_id, [plan])[0]
+
+    def _start(self, namespace_id: str, plans: list[BlockPlan]) -> list[_Load]:
+        t0 = time.perf_counter()
+        try:
+            prepared = self.directory.prepare_loads(specs.PrepareLoads(
+                namespace_id=namespace_id, chains=[p.hashes for p in plans], reader=self.agent.name))
+        except KVStoreError as exc:
+            log.warning("loads of %s failed to start: %s", [p.req_id for p in plans], exc)
+            prepared = specs.LoadsPrepared(token=None, expires_at=None, chains=[[] for _ in plans])
+        loads = []
+        for plan, hits in zip(plans, prepared.chains):
+            load = _Load(plan, prepared.token, hits)
+            if hits:
+                groups = self._by_worker(list(zip(plan.block_ids, (h.location for h in hits))))
                 load.clock = LayerClock(len(self.layer_names), lambda i, g=groups: self._post("READ", i, g), t0,
                                         self.timeout_s)
-            if plan.load_async:
-                self._async[plan.req_id] = load
-            else:
-                self._sync.append(load)
+            loads.append(load)
+        return loads
 
     def wait_layer(self, layer: str) -> None:
         index = self.layer_names.index(layer)
@@ -197,7 +205,7 @@ class PagedKVWorker:
                 continue
             del self._async[req_id]
             finished.add(req_id)
-            if self._finish_load(load):
+            if self._finish_loads([load])[req_id]:
                 failed.add(req_id)
         return finished, failed
 
@@ -211,9 +219,8 @@ class PagedKVWorker:
             stats, self._stats = self._stats, {k: [] for k in STAT_SERIES}
         return stats
 
-    def _finish_load(self, load: _Load) -> set[int]:
-        """Verify a finished load block by block and release its lease; returns the block ids that
-        must be recomputed (also kept for get_block_ids_with_load_errors)."""
+    def _verify(self, load: _Load) -> tuple[list[specs.BlockRead], set[int]]:
+        """(what to tell the directory, block ids vLLM must recompute) for a finished load."""
         transfer_failed = load.clock is not None and not load.clock.finish()
         if load.clock is not None:
             timings = load.clock.timings()
@@ -221,22 +228,35 @@ class PagedKVWorker:
             self._observe("layer_xfer_s", [t for t in timings["t_xfer_s"] if t is not None])
             if not load.plan.load_async:  # nobody waits per layer for an asynchronous load
                 self._observe("layer_visible_s", timings["t_visible_s"])
-        reports, bad = [], transfer_failed
-        errors = set(load.plan.block_ids[len(load.hits):])  # gone from the store since the lookup
         loaded = load.plan.block_ids[:len(load.hits)]
-        sums = [None] * len(loaded) if transfer_failed else self._checksums(loaded)
-        for block_id, hit, checksum in zip(loaded, load.hits, sums):
-            bad = bad or checksum != hit.checksum  # a prefix: after one bad block, all
-            reports.append(specs.BlockRead(hash=hit.hash, ok=not bad or transfer_failed))
+        errors = set(load.plan.block_ids[len(load.hits):])  # gone from the store since the lookup
+        if transfer_failed:  # the bytes say nothing about the stored blocks: recompute all, blame none
+            return [specs.BlockRead(hash=h.hash, ok=True) for h in load.hits], errors | set(loaded)
+        reports, bad = [], False
+        for block_id, hit, checksum in zip(loaded, load.hits, self._checksums(loaded)):
+            reports.append(specs.BlockRead(hash=hit.hash, ok=checksum == hit.checksum))
+            bad = bad or checksum != hit.checksum  # vLLM recomputes from the first bad block on
             if bad:
                 errors.add(block_id)
-        if load.token is not None:
+        return reports, errors
+
+    def _finish_loads(self, loads: list[_Load]) -> dict[str, set[int]]:
+        """Verify loads that share one lease and release it; the block ids each request must
+        recompute (also kept for get_block_ids_with_load_errors)."""
+        reports, errors = [], {}
+        for load in loads:
+            read, errors[load.plan.req_id] = self._verify(load)
+            reports += read
+        token = loads[0].token if loads else None
+        if token is not None:
             try:
-                self.directory.complete_load(specs.CompleteLoad(token=load.token, blocks=reports))
+                self.directory.complete_load(specs.CompleteLoad(token=token, blocks=reports))
             except KVStoreError as exc:  # the lease expired: the bytes cannot be vouched for
-                log.warning("load of %s refused at completion: %s", load.plan.req_id, exc)
-                errors.update(load.plan.block_ids[:len(load.hits)])
-        self._load_errors |= errors
+                log.warning("loads of %s refused at completion: %s", list(errors), exc)
+                for load in loads:
+                    errors[load.plan.req_id] |= set(load.plan.block_ids[:len(load.hits)])
+        for bad in errors.values():
+            self._load_errors |= bad
         return errors
 
     def take_load_errors(self) -> set[int]:
@@ -269,7 +289,7 @@ class PagedKVWorker:
         """End of the step: verify and release its synchronous loads; close its saves (they finish
         on the saver thread). A request whose load failed computed this step's blocks over bad KV:
         its saves of this step are not committed."""
-        failed = {load.plan.req_id for load in self._sync if self._finish_load(load)}
+        failed = {req_id for req_id, bad in self._finish_loads(self._sync).items() if bad}
         self._sync = []
         step = self._save_step(namespace_id, plans)
         if step is not None:

@@ -209,6 +209,26 @@ class LoadPrepared(_Spec):
     blocks: list[BlockHit]
 
 
+class PrepareLoads(_Spec):
+    """Several prefixes leased at once (an engine step's loads): one token, each block pinned once."""
+    namespace_id: str
+    chains: list[list[HexHash]] = Field(max_length=4096)
+    reader: str = ""
+
+    @field_validator("chains")
+    @classmethod
+    def _bounded(cls, chains: list[list[str]]) -> list[list[str]]:
+        if sum(len(c) for c in chains) > 100_000:
+            raise ValueError("at most 100000 hashes in all chains together")
+        return chains
+
+
+class LoadsPrepared(_Spec):
+    token: str | None  # null when no chain had a hit
+    expires_at: float | None
+    chains: list[list[BlockHit]]  # the leading hits of each chain, in the request's order
+
+
 class BlockRead(_Spec):
     hash: HexHash
     ok: bool

@@ -168,6 +168,10 @@ def _routes(service: DirectoryService) -> APIRouter:
     def prepare_load(body: specs.PrepareLoad) -> Response:
         return _json(service.prepare_load(body))
 
+    @r.post("/v1/load/prepare-batch", response_model=specs.LoadsPrepared)
+    def prepare_loads(body: specs.PrepareLoads) -> Response:
+        return _json(service.prepare_loads(body))
+
     @r.post("/v1/load/complete", response_model=specs.LoadCompleted)
     def complete_load(body: specs.CompleteLoad) -> Response:
         return _json(service.complete_load(body))

@@ -321,27 +321,37 @@ class DirectoryService:
                                        num_hit_blocks=result.num_hit_blocks, block_tokens=namespace.block_tokens)
 
     def prepare_load(self, req: specs.PrepareLoad) -> specs.LoadPrepared:
-        """Pin the leading hits an engine can read. One transaction when they all are in memory
-        tiers; otherwise the NVMe-only ones are staged into DRAM first and the hits read again."""
+        batch = self.prepare_loads(specs.PrepareLoads(namespace_id=req.namespace_id, chains=[req.hashes],
+                                                      reader=req.reader))
+        return specs.LoadPrepared(token=batch.token, expires_at=batch.expires_at, blocks=batch.chains[0])
+
+    def prepare_loads(self, req: specs.PrepareLoads) -> specs.LoadsPrepared:
+        """Pin the leading hits an engine can read of every chain, under one token (a block that
+        chains share is pinned once). One transaction when they all are in memory tiers; otherwise
+        the NVMe-only ones are staged into DRAM first and the hits read again."""
         promoted = False
         while True:
             now = self._clock()
             with self._tx() as tx:
                 self._namespace(tx, req.namespace_id)
-                hits, _ = self._leading_hits(tx, req.namespace_id, req.hashes)
-                if promoted or all(tier.kind in READABLE_BY_ENGINES for _, _, tier, _ in hits):
-                    hits = _readable_prefix(hits)
-                    if not hits:
-                        return specs.LoadPrepared(token=None, expires_at=None, blocks=[])
+                chains = [self._leading_hits(tx, req.namespace_id, hashes)[0] for hashes in req.chains]
+                pinned = {hit[1].id: hit for hits in chains for hit in hits}  # replica id -> hit
+                if promoted or all(tier.kind in READABLE_BY_ENGINES for _, _, tier, _ in pinned.values()):
+                    chains = [_readable_prefix(hits) for hits in chains]
+                    pinned = {hit[1].id: hit for hits in chains for hit in hits}
+                    if not pinned:
+                        return specs.LoadsPrepared(token=None, expires_at=None, chains=[[] for _ in chains])
                     token, expires_at = secrets.token_hex(16), now + self.settings.lease_ttl_s
-                    repo.add_leases(tx.session, [r.id for _, r, _, _ in hits], token, req.reader, expires_at)
-                    repo.touch_blocks(tx.session, [b.id for b, _, _, _ in hits], now)
-                    self._policy_hits(tx, hits)
+                    repo.add_leases(tx.session, list(pinned), token, req.reader, expires_at)
+                    repo.touch_blocks(tx.session, [b.id for b, _, _, _ in pinned.values()], now)
+                    self._policy_hits(tx, list(pinned.values()))
                     break
-            self.movement.promote(hits)  # stage NVMe-only blocks into DRAM first
+            self.movement.promote(list(pinned.values()))  # stage NVMe-only blocks into DRAM first
             promoted = True
-        self.metrics.count_lookup(len(req.hashes), len(hits))
-        return specs.LoadPrepared(token=token, expires_at=expires_at, blocks=_lookup_result(hits).blocks)
+        for hashes, hits in zip(req.chains, chains):
+            self.metrics.count_lookup(len(hashes), len(hits))
+        return specs.LoadsPrepared(token=token, expires_at=expires_at,
+                                   chains=[_lookup_result(hits).blocks for hits in chains])
 
     def complete_load(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
         failed = {b.hash for b in req.blocks if not b.ok}

@@ -62,6 +62,22 @@ def test_a_chain_saved_over_several_calls_continues_its_depth(stack):
     assert [depths[h] for h in hashes] == [0, 1, 2, 3]
 
 
+def test_several_prefixes_are_leased_under_one_token_and_shared_blocks_pinned_once(stack):
+    one = [h.hex() for h in block_hashes(NS, list(range(16)))]  # 4 blocks
+    two = [h.hex() for h in block_hashes(NS, list(range(8)) + list(range(500, 508)))]  # its first 2 are one's
+    complete(stack, prepare(stack, one))
+    complete(stack, prepare(stack, two[2:], parent=two[1]))
+    batch = stack.client.prepare_loads(specs.PrepareLoads(namespace_id=stack.namespace_id, reader="engine",
+                                                          chains=[one, two, chain(1, start=900)]))
+    assert [[b.hash for b in hits] for hits in batch.chains] == [one, two, []]
+    assert (stack.client.stats().leases_active, stack.client.stats().pins) == (1, 6)  # 4 + 2 replicas
+    released = stack.client.complete_load(specs.CompleteLoad(token=batch.token, blocks=[
+        specs.BlockRead(hash=h, ok=True) for h in sorted(set(one + two))]))
+    assert released.released == 6 and stack.client.stats().pins == 0
+    empty = stack.client.prepare_loads(specs.PrepareLoads(namespace_id=stack.namespace_id, chains=[chain(1, start=900)]))
+    assert (empty.token, empty.chains) == (None, [[]])
+
+
 def test_locations_cover_the_block_in_worker_addresses(stack):
     prepared = prepare(stack, chain(1))
     location = prepared.blocks[0].location
