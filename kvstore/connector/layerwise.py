@@ -9,7 +9,7 @@ The store's block layout is layer-major ([L][K,V][T][H][D]), so layer l of a blo
 contiguous slice at l x layer_bytes; a layer's read is one request with a descriptor per block
 (split where the block's pages are). A poller thread stamps each layer's completion, which gives:
 
-    T_post        prepare_load + posting every layer's read
+    T_post        prepare_load + posting layer 0's read (the poller posts layers 1..)
     T_xfer[l]     post -> completion of layer l
     T_visible[l]  how long wait_layer(l) kept the caller waiting
 
@@ -33,7 +33,7 @@ from kvstore.core import specs
 from kvstore.core.keys import checksum
 
 BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
-T_POST = Histogram("kvstore_connector_load_post_seconds", "prepare_load + posting every layer's read",
+T_POST = Histogram("kvstore_connector_load_post_seconds", "prepare_load + posting layer 0's read",
                    buckets=BUCKETS)
 T_XFER = Histogram("kvstore_connector_layer_xfer_seconds", "post -> completion of one layer's read",
                    buckets=BUCKETS)

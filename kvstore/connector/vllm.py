@@ -135,8 +135,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._tracked: dict[str, _Tracked] = {}  # scheduled requests, until finished
         self._sources: dict[str, list[str]] = {}  # req_id -> tier of each matched block
         self._loads: list[BlockPlan] = []
-        self._loaded: dict[str, int] = {}  # req_id -> prompt blocks the store already holds (loaded, not saved)
-        self._load_targets: dict[str, tuple[int, list[int]]] = {}  # req_id -> (first block, block ids) of its load
+        # req_id -> (first block, vLLM block ids) its load fills: blocks 0..first + len(ids) are in the
+        # store, so not saved again; a block that fails to load is cut off with what follows
+        self._loaded: dict[str, tuple[int, list[int]]] = {}
         self.load_async = bool(extra.get("load_async", False))
         self.save_decode = bool(extra.get("save_decode", True))  # blocks of generated tokens too (multi-turn)
         self._worker = None
@@ -228,8 +229,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         hashes = [h.hex() for h in request.block_hashes[first:hit]]
         self._loads.append(BlockPlan(request.request_id, hashes, list(block_ids[first:hit]),
                                      load_async=self.load_async))
-        self._loaded[request.request_id] = hit  # blocks 0..hit are in the store: never saved again
-        self._load_targets[request.request_id] = (first, list(block_ids[first:hit]))
+        self._loaded[request.request_id] = (first, list(block_ids[first:hit]))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """The matched tokens by the tier that holds them: memory tiers of a storage worker are
@@ -258,9 +258,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             request = self._requests.pop(new.req_id, None)
             if request is None:
                 continue
-            self._load_targets.pop(new.req_id, None)
-            tracked = self._tracked[new.req_id] = _Tracked(request, list(new.block_ids[0]),
-                                                           saved=self._loaded.pop(new.req_id, 0))
+            first, loaded = self._loaded.pop(new.req_id, (0, []))
+            tracked = self._tracked[new.req_id] = _Tracked(request, list(new.block_ids[0]), saved=first + len(loaded))
             progress.append((tracked, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -297,10 +296,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             bad = [i for i, b in enumerate(tracked.block_ids[:tracked.saved]) if b in invalid]
             if bad:
                 tracked.saved = bad[0]
-        for req_id, (first, block_ids) in self._load_targets.items():  # asynchronous loads not scheduled yet
+        for req_id, (first, block_ids) in self._loaded.items():  # asynchronous loads not scheduled yet
             bad = [i for i, b in enumerate(block_ids) if b in invalid]
-            if bad and req_id in self._loaded:
-                self._loaded[req_id] = min(self._loaded[req_id], first + bad[0])
+            if bad:
+                self._loaded[req_id] = (first, block_ids[:bad[0]])
 
     def on_new_request(self, request) -> None:
         self._requests[request.request_id] = request
@@ -312,7 +311,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._sources.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loaded.pop(request.request_id, None)
-        self._load_targets.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
         return tracked is not None and tracked.saving, None
 
