@@ -83,7 +83,7 @@ class ServerThread:
 
     def __enter__(self) -> "ServerThread":
         self._thread.start()
-        wait_http(self.url + "/healthz")
+        wait_http(self.url + "/readyz")
         return self
 
     def __exit__(self, *exc) -> None:

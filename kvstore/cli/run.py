@@ -202,7 +202,7 @@ def _wait_healthy(url: str, child: subprocess.Popen, stop: threading.Event, time
             log.error("the directory exited with code %s", child.returncode)
             return False
         try:
-            if httpx.get(url + "/healthz", timeout=1).is_success:
+            if httpx.get(url + "/readyz", timeout=1).is_success:
                 return True
         except httpx.HTTPError:
             pass

@@ -48,8 +48,9 @@ class DirectoryClient(JsonHttp):
     def abort_store(self, token: str) -> None:
         self.call_raw("POST", "/v1/store/abort", specs.TokenBody(token=token))
 
-    def lookup(self, namespace_id: str, hashes: list[str]) -> specs.LookupResult:
-        body = specs.LookupRequest(namespace_id=namespace_id, hashes=hashes)
+    def lookup(self, namespace_id: str, hashes: list[str], locations: bool = False) -> specs.LookupResult:
+        """The leading hits and their count per tier; each hit's location too with `locations`."""
+        body = specs.LookupRequest(namespace_id=namespace_id, hashes=hashes, locations=locations)
         return self.call("POST", "/v1/lookup", body, specs.LookupResult)
 
     def lookup_tokens(self, namespace_id: str, token_ids: list[int]) -> specs.TokenLookupResult:

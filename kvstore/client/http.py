@@ -19,19 +19,22 @@ class JsonHttp:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
 
-    def call(self, method: str, path: str, body: BaseModel | None, answer: type[M]) -> M:
-        return answer.model_validate_json(self._request(method, path, body).content)
+    def call(self, method: str, path: str, body: BaseModel | None, answer: type[M],
+             timeout_s: float | None = None) -> M:
+        return answer.model_validate_json(self._request(method, path, body, timeout_s).content)
 
     def call_raw(self, method: str, path: str, body: BaseModel | dict | None = None):
         return self._request(method, path, body).json()
 
-    def _request(self, method: str, path: str, body: BaseModel | dict | None) -> httpx.Response:
+    def _request(self, method: str, path: str, body: BaseModel | dict | None,
+                 timeout_s: float | None = None) -> httpx.Response:
         if isinstance(body, BaseModel):
             content, headers = body.model_dump_json().encode(), {"content-type": "application/json"}
         else:
             content, headers = (json.dumps(body).encode(), {"content-type": "application/json"}) if body else (None, {})
         try:
-            response = self._http.request(method, path, content=content, headers=headers)
+            extra = {"timeout": timeout_s} if timeout_s is not None else {}
+            response = self._http.request(method, path, content=content, headers=headers, **extra)
         except httpx.HTTPError as exc:
             raise KVStoreError(
                 "unavailable", f"cannot reach {self.base_url}: {exc}", url=self.base_url + path

@@ -13,5 +13,8 @@ class WorkerControlClient(JsonHttp):
     def free(self, body: specs.FreeRequest) -> None:
         self.call_raw("POST", "/v1/free", body)
 
-    def move(self, body: specs.MoveRequest) -> specs.MoveResult:
-        return self.call("POST", "/v1/move", body, specs.MoveResult)
+    def grant(self, body: specs.GrantRequest) -> specs.GrantResult:
+        return self.call("POST", "/v1/grant", body, specs.GrantResult)
+
+    def move(self, body: specs.MoveRequest, timeout_s: float | None = None) -> specs.MoveResult:
+        return self.call("POST", "/v1/move", body, specs.MoveResult, timeout_s)

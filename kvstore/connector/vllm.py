@@ -209,7 +209,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if len(hashes) <= first:
             return 0, False
         try:
-            found = self.directory.lookup(self._namespace_id_now(), hashes)
+            found = self.directory.lookup(self._namespace_id_now(), hashes, locations=True)
         except KVStoreError as exc:
             log.warning("lookup for %s failed (%s): computing it", request.request_id, exc)
             return 0, False

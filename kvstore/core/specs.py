@@ -162,6 +162,7 @@ class TokenBody(_Spec):
 class LookupRequest(_Spec):
     namespace_id: str
     hashes: list[HexHash] = Field(max_length=100_000)
+    locations: bool = Field(False, description="also answer each hit block's replica location and checksum")
 
 
 class LookupBatchRequest(_Spec):
@@ -178,7 +179,7 @@ class BlockHit(_Spec):
 
 class LookupResult(_Spec):
     num_hit_blocks: int
-    blocks: list[BlockHit]
+    blocks: list[BlockHit] = Field([], description="the hits, only when the request asked for locations")
     by_tier: dict[str, int]
 
 
@@ -253,6 +254,8 @@ class TierUsage(_Spec):
     page_bytes: int
     high_watermark: float
     low_watermark: float
+    credit_free_bytes: int | None = Field(None, description="memory tiers: free bytes of the page credit this "
+                                          "directory holds (pages the worker granted it)")
 
 
 class Stats(_Spec):
@@ -264,6 +267,9 @@ class Stats(_Spec):
     workers_active: int
     inflight_moves: int = 0  # source replicas being copied to another tier
     replicas_by_tier: dict[str, int] = Field(default_factory=dict)  # visible replicas per tier kind
+    indexed_blocks: int = 0  # blocks the lookup index holds
+    commit_groups: int = 0  # group commits since start
+    committed_jobs: int = 0  # jobs those commits carried (jobs / groups: how much grouping helps)
 
 
 class Renewed(_Spec):
@@ -281,6 +287,18 @@ class AllocRequest(_Spec):
 
 class AllocResult(_Spec):
     runs: list[list[PageRun] | None]
+
+
+class GrantRequest(_Spec):
+    """Directory -> worker: page credit, up to `max_pages` free pages of a memory tier at once."""
+
+    token: str = Field(min_length=1, max_length=64)
+    kind: TierKind
+    max_pages: int = Field(gt=0)
+
+
+class GrantResult(_Spec):
+    runs: list[PageRun]
 
 
 class FreeItem(_Spec):
@@ -328,11 +346,18 @@ class MoveItem(_Spec):
 
 class MoveRequest(_Spec):
     items: list[MoveItem] = Field(min_length=1)
+    expires_at: float | None = Field(None, description="unix time after which the worker must not start "
+                                     "writing: the directory holds the destinations until then, no longer")
+
+
+MoveCode = Literal["ok", "source_corrupt", "failed", "expired", "unreachable"]
 
 
 class MoveResult(_Spec):
     ok: list[bool]
     errors: list[str | None]
+    codes: list[MoveCode] = Field([], description="per item; source_corrupt: the source failed its checksum "
+                                  "before the copy (that replica is bad), failed: anything else")
 
 
 class NamespacePolicy(_Spec):

@@ -13,7 +13,8 @@ from pydantic import BaseModel
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.directory import db
+from kvstore.directory import db, wire
+from kvstore.directory.hot import document_bodies, hot_routes
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.service import DirectoryService
 from kvstore.directory.settings import DirectorySettings
@@ -31,12 +32,11 @@ def create_app(settings: DirectorySettings | None = None) -> FastAPI:
         db.upgrade(settings.database_url)
     engine = db.make_engine(settings.database_url)
     service = DirectoryService(db.make_sessions(engine), settings, DirectoryMetrics())
-    service.recover()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         stop = threading.Event()
-        reaper = threading.Thread(target=_reap_until, args=(service, stop), name="reaper", daemon=True)
+        reaper = threading.Thread(target=_start_then_reap, args=(service, stop), name="reaper", daemon=True)
         reaper.start()
         yield
         stop.set()
@@ -48,15 +48,19 @@ def create_app(settings: DirectorySettings | None = None) -> FastAPI:
     app.state.service = service
     _add_error_handlers(app)
     app.include_router(_routes(service))
+    app.include_router(hot_routes(service))
+    document_bodies(app)
     return app
 
 
 def _json(model: BaseModel) -> Response:
-    """Hot paths: serialize once with pydantic's encoder instead of FastAPI re-validating the answer."""
+    """Serialize once with pydantic's encoder instead of FastAPI re-validating the answer."""
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _reap_until(service: DirectoryService, stop: threading.Event) -> None:
+def _start_then_reap(service: DirectoryService, stop: threading.Event) -> None:
+    """Build the index (readyz answers 503 until then), then reap every tick."""
+    service.start()
     while not stop.wait(service.settings.reaper_interval_s):
         try:
             service.reap()
@@ -89,9 +93,10 @@ def _routes(service: DirectoryService) -> APIRouter:
         return {"status": "ok"}
 
     @r.get("/readyz")
-    def readyz() -> dict:
-        stats = service.stats()
-        return {"status": "ready", "workers_active": stats.workers_active}
+    def readyz() -> Response:
+        if not service.index.ready:
+            return JSONResponse(KVStoreError("unavailable", "building the lookup index").to_body(), status_code=503)
+        return JSONResponse({"status": "ready", "indexed_blocks": service.index.num_blocks})
 
     @r.get("/metrics")
     def metrics() -> Response:
@@ -136,45 +141,22 @@ def _routes(service: DirectoryService) -> APIRouter:
     def worker(name: str) -> specs.WorkerInfo:
         return service.membership.worker(name)
 
-    @r.post("/v1/store/prepare", response_model=specs.StorePrepared)
-    def prepare_store(body: specs.PrepareStore) -> Response:
-        return _json(service.prepare_store(body))
-
-    @r.post("/v1/store/complete", response_model=specs.StoreCompleted)
-    def complete_store(body: specs.CompleteStore) -> Response:
-        return _json(service.complete_store(body))
-
     @r.post("/v1/leases/renew")
     def renew(body: specs.TokenBody) -> specs.Renewed:
-        return service.renew(body.token)
+        return service.store.renew(body.token)
 
     @r.post("/v1/store/abort")
     def abort_store(body: specs.TokenBody) -> dict:
-        return {"rolled_back": service.abort_store(body.token)}
-
-    @r.post("/v1/lookup", response_model=specs.LookupResult)
-    def lookup(body: specs.LookupRequest) -> Response:
-        return _json(service.lookup(body.namespace_id, body.hashes))
+        return {"rolled_back": service.store.abort(body.token)}
 
     @r.post("/v1/lookup/batch")
-    def lookup_batch(body: specs.LookupBatchRequest) -> specs.LookupBatchResult:
-        return specs.LookupBatchResult(results=[service.lookup(body.namespace_id, p) for p in body.prompts])
+    def lookup_batch(body: specs.LookupBatchRequest) -> Response:
+        results = [service.lookup(body.namespace_id, p) for p in body.prompts]
+        return Response(wire.encode({"results": results}), media_type="application/json")
 
     @r.post("/v1/lookup/tokens")
     def lookup_tokens(body: specs.TokenLookupRequest) -> specs.TokenLookupResult:
         return service.lookup_tokens(body.namespace_id, body.token_ids)
-
-    @r.post("/v1/load/prepare", response_model=specs.LoadPrepared)
-    def prepare_load(body: specs.PrepareLoad) -> Response:
-        return _json(service.prepare_load(body))
-
-    @r.post("/v1/load/prepare-batch", response_model=specs.LoadsPrepared)
-    def prepare_loads(body: specs.PrepareLoads) -> Response:
-        return _json(service.prepare_loads(body))
-
-    @r.post("/v1/load/complete", response_model=specs.LoadCompleted)
-    def complete_load(body: specs.CompleteLoad) -> Response:
-        return _json(service.complete_load(body))
 
     @r.get("/v1/tiers")
     def tiers() -> list[specs.TierUsage]:

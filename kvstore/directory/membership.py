@@ -1,6 +1,8 @@
 """Who the workers are: registration (with restart reconciliation), heartbeats, death, leaving.
 
-    register_worker(reg) -> epoch     # a new epoch; memory tiers start empty; durable tiers reconciled
+    register_worker(reg) -> epoch     # a new epoch; memory tiers start empty; durable tiers reconciled;
+                                      # the worker's memory tiers are granted to this directory (page credit)
+    grant(worker_id)                  # ask a worker for page credit (registration, and the reaper's retries)
     heartbeat(name, epoch)            # a stale epoch is a conflict: register again
     declare_dead(tx, now)             # the reaper: silence beyond heartbeat_timeout_s
     deregister(name, epoch)           # a clean stop
@@ -10,45 +12,106 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import TYPE_CHECKING
+import secrets
+from collections.abc import Callable
 
-from kvstore.core import specs
+from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory import repository as repo
 from kvstore.directory.models import Tier, Worker
 from kvstore.directory.models.replica import READY, WRITING
-
-if TYPE_CHECKING:
-    from kvstore.directory.service import Tx
+from kvstore.directory.pools import PagePools
+from kvstore.directory.reclaim import Reclaim
+from kvstore.directory.settings import DirectorySettings
+from kvstore.directory.workercalls import WorkerCalls
+from kvstore.directory.writer import Tx
 
 log = logging.getLogger(__name__)
 
 
 class Membership:
-    def __init__(self, service) -> None:
-        self.service = service  # DirectoryService: transactions, settings, worker calls
+    def __init__(self, write, calls: WorkerCalls, reclaim: Reclaim, pools: PagePools, settings: DirectorySettings,
+                 clock: Callable[[], float]) -> None:
+        self._write = write
+        self._calls = calls
+        self._reclaim = reclaim
+        self._pools = pools
+        self._settings = settings
+        self._clock = clock
 
     def register_worker(self, reg: specs.WorkerRegistration) -> specs.Registered:
-        now = self.service._clock()
-        with self.service._tx() as tx:
-            worker = repo.worker_by_name(tx.session, reg.name)
-            if worker is None:
-                worker = Worker(name=reg.name, epoch=0, registered_at=now)
-                tx.session.add(worker)
-            worker.epoch += 1
-            worker.agent_name, worker.pid = reg.agent_name, reg.pid
-            worker.agent_metadata = base64.b64decode(reg.agent_metadata)
-            worker.control_url, worker.backends = reg.control_url, list(reg.backends)
-            worker.state, worker.heartbeat_at = "active", now
-            tx.session.flush()
-            self.drop_volatile(tx, worker)
-            self._upsert_tiers(tx, worker, reg.tiers)
-            tx.session.flush()
-            self._reconcile(tx, worker, reg.inventory, now)
-            epoch = worker.epoch
+        try:
+            metadata = base64.b64decode(reg.agent_metadata, validate=True)
+        except ValueError:
+            raise KVStoreError("invalid", "agent_metadata is not base64", worker=reg.name) from None
+        worker_id, epoch = self._write(lambda tx: self._register(tx, reg, metadata, self._clock()))
         log.info("worker %s registered with epoch %d", reg.name, epoch)
-        return specs.Registered(worker=reg.name, epoch=epoch,
-                                heartbeat_interval_s=self.service.settings.heartbeat_interval_s)
+        self.grant(worker_id)
+        return specs.Registered(worker=reg.name, epoch=epoch, heartbeat_interval_s=self._settings.heartbeat_interval_s)
+
+    def _register(self, tx: Tx, reg: specs.WorkerRegistration, metadata: bytes, now: float) -> tuple[int, int]:
+        worker = repo.worker_by_name(tx.session, reg.name)
+        if worker is None:
+            worker = Worker(name=reg.name, epoch=0, registered_at=now)
+            tx.session.add(worker)
+        worker.epoch += 1
+        worker.agent_name, worker.pid = reg.agent_name, reg.pid
+        worker.agent_metadata = metadata
+        worker.control_url, worker.backends = reg.control_url, list(reg.backends)
+        worker.state, worker.heartbeat_at = "active", now
+        tx.session.flush()
+        self.drop_volatile(tx, worker)
+        self._upsert_tiers(tx, worker, reg.tiers)
+        tx.session.flush()
+        self._reconcile(tx, worker, reg.inventory, now)
+        return worker.id, worker.epoch
+
+    def grant(self, worker_id: int) -> None:
+        """Ask the worker for every free page of its memory tiers it has not granted us in this epoch,
+        record the grant, and put the pages in the pool. A worker that cannot be reached is asked
+        again by the reaper."""
+        wanted = self._write(lambda tx: self._wanted_grants(tx, worker_id))
+        for url, epoch, tier_id, kind, page_bytes, pages in wanted:
+            token = "grant-" + secrets.token_hex(8)
+            try:
+                runs = self._calls.grant(url, kind, token, pages)
+            except KVStoreError as exc:
+                log.warning("worker at %s did not grant pages of its %s tier: %s", url, kind, exc)
+                continue
+            if runs:
+                self._write(lambda tx: self._record_grant(tx, worker_id, epoch, tier_id, page_bytes, token, runs))
+
+    def _wanted_grants(self, tx: Tx, worker_id: int) -> list[tuple]:
+        worker = tx.session.get(Worker, worker_id)
+        if worker is None or worker.state != "active":
+            return []
+        wanted = []
+        for tier in repo.tiers_of(tx.session, worker_id).values():
+            if tier.kind in tiers.MEMORY and tier.capacity_bytes:
+                pages = tier.capacity_bytes // tier.page_bytes - self._pools.granted_bytes(tier.id, worker.epoch) \
+                    // tier.page_bytes
+                if pages > 0:
+                    wanted.append((worker.control_url, worker.epoch, tier.id, tier.kind, tier.page_bytes, pages))
+        return wanted
+
+    def _record_grant(self, tx: Tx, worker_id: int, epoch: int, tier_id: int, page_bytes: int, token: str,
+                      runs: list[specs.PageRun]) -> None:
+        worker = tx.session.get(Worker, worker_id)
+        if worker is None or worker.epoch != epoch:
+            return  # the worker restarted meanwhile: those pages are void
+        repo.add_grant(tx.session, tier_id, epoch, token, [[r.first, r.count] for r in runs], self._clock())
+        tx.after_commit.append(lambda: self._pools.add(tier_id, epoch, page_bytes, runs))
+
+    def ungranted(self) -> list[int]:
+        """Active workers with a memory tier this directory holds no page credit for (the reaper retries)."""
+        def job(tx: Tx) -> list[int]:
+            ids = set()
+            for kind in tiers.MEMORY:
+                for tier, worker in repo.active_tiers(tx.session, kind):
+                    if tier.capacity_bytes and not self._pools.granted_bytes(tier.id, worker.epoch):
+                        ids.add(worker.id)
+            return sorted(ids)
+        return self._write(job)
 
     def _upsert_tiers(self, tx: Tx, worker: Worker, tiers: list[specs.TierSpec]) -> None:
         existing = repo.tiers_of(tx.session, worker.id)
@@ -62,7 +125,7 @@ class Membership:
         """A (re)starting worker reports what its durable tiers hold: keep what it still has,
         forget what it lost, adopt what the directory did not know (its namespace must be known)."""
         found = {_survivor_key(s.kind, s.token, s.runs, s.namespace_id, s.hash): s for s in inventory}
-        tiers = repo.tiers_of(tx.session, worker.id)
+        own = repo.tiers_of(tx.session, worker.id)
         lost = []
         for replica, tier, block in repo.durable_replicas_of_worker(tx.session, worker.id):
             key = _survivor_key(tier.kind, replica.token, replica.pages, block.namespace_id, block.hash)
@@ -71,15 +134,15 @@ class Membership:
             else:
                 replica.epoch = worker.epoch
         repo.drop_replicas(tx.session, lost)
-        adopted = [s for s in found.values() if s.kind in tiers and s.checksum
+        adopted = [s for s in found.values() if s.kind in own and s.checksum
                    and repo.namespace(tx.session, s.namespace_id)]
         for survivor in adopted:
-            self._adopt(tx, worker, tiers[survivor.kind], survivor, now)
+            self._adopt(tx, worker, own[survivor.kind], survivor, now)
         # pages of unknown blocks go back; unknown objects stay in the bucket (they may be another's)
         unknown = [(s.token, s.runs) for s in found.values() if s not in adopted and s.kind != "s3"]
-        tx.after_commit.append(self.service._free_later(worker.control_url, unknown))
+        tx.after_commit.append(self._calls.free_later(worker.control_url, unknown))
         tx.session.flush()
-        for tier in tiers.values():
+        for tier in own.values():
             repo.recompute_used(tx.session, tier)
         if lost or found:
             log.info("worker %s: %d durable replicas lost, %d adopted, %d unknown freed",
@@ -100,44 +163,49 @@ class Membership:
             * tier.page_bytes, expires_at=None, created_at=now)])
 
     def drop_volatile(self, tx: Tx, worker: Worker) -> None:
-        """The worker's memory tiers start empty in a new epoch: forget what they held."""
+        """The worker's memory tiers start empty in a new epoch: forget what they held (and the
+        page credit they gave)."""
         rows = repo.volatile_replicas_of_worker(tx.session, worker.id)
+        used: dict[int, int] = {}
         for replica, tier in rows:
-            tier.used_bytes -= replica.reserved_bytes
-        block_ids = [r.block_id for r, _ in rows]
+            used[tier.id] = used.get(tier.id, 0) - replica.reserved_bytes
+        repo.add_used(tx.session, used)
         repo.drop_replicas(tx.session, [r.id for r, _ in rows])
-        repo.delete_orphan_blocks(tx.session, block_ids)
+        repo.delete_orphan_blocks(tx.session, [r.block_id for r, _ in rows])
+        memory = [t.id for t in repo.tiers_of(tx.session, worker.id).values() if t.kind in tiers.MEMORY]
+        repo.drop_grants(tx.session, memory)
+        tx.after_commit.append(lambda: [self._pools.forget(t) for t in memory])
 
     def heartbeat(self, name: str, epoch: int) -> None:
-        with self.service._tx() as tx:
+        def job(tx: Tx) -> None:
             worker = repo.worker_by_name(tx.session, name)
             if worker is None or worker.epoch != epoch or worker.state == "dead":
                 raise KVStoreError("conflict", "unknown worker or stale epoch; register again",
                                    worker=name, epoch=epoch)  # a draining or drained worker keeps beating
-            worker.heartbeat_at = self.service._clock()
+            worker.heartbeat_at = self._clock()
+        self._write(job)
 
     def deregister(self, name: str, epoch: int) -> None:
         """A worker leaving cleanly: its memory tiers go with it, at once."""
-        with self.service._tx() as tx:
+        def job(tx: Tx) -> None:
             worker = repo.worker_by_name(tx.session, name)
             if worker is None or worker.epoch != epoch:
                 raise KVStoreError("conflict", "unknown worker or stale epoch", worker=name, epoch=epoch)
             worker.state = "dead"
             self.drop_volatile(tx, worker)
+        self._write(job)
         log.info("worker %s (epoch %d) deregistered", name, epoch)
 
     def workers(self) -> list[specs.WorkerInfo]:
-        with self.service._tx() as tx:
-            return [_worker_info(w, with_metadata=False) for w in repo.workers(tx.session)]
+        return self._write(lambda tx: [_worker_info(w, with_metadata=False) for w in repo.workers(tx.session)])
 
     def worker(self, name: str) -> specs.WorkerInfo:
-        with self.service._tx() as tx:
-            return _worker_info(self._named(tx, name), with_metadata=True)
+        return self._write(lambda tx: _worker_info(self._named(tx, name), with_metadata=True))
 
     def drain(self, name: str) -> specs.WorkerInfo:
         """No new placements; the reaper moves its memory tiers down (and NVMe to S3 when it has S3),
         waits for its pins to go (they expire with their leases), then marks it drained."""
-        with self.service._tx() as tx:
+        def job(tx: Tx) -> specs.WorkerInfo:
             worker = self._named(tx, name)
             if worker.state in ("dead", "drained"):
                 raise KVStoreError("conflict", f"worker {name!r} is {worker.state}; nothing to drain", worker=name)
@@ -145,9 +213,10 @@ class Membership:
                 worker.state = "draining"
                 log.info("worker %s (epoch %d) draining", name, worker.epoch)
             return _worker_info(worker, with_metadata=False)
+        return self._write(job)
 
     def undrain(self, name: str) -> specs.WorkerInfo:
-        with self.service._tx() as tx:
+        def job(tx: Tx) -> specs.WorkerInfo:
             worker = self._named(tx, name)
             if worker.state != "draining" and worker.state != "active":
                 raise KVStoreError("conflict", f"worker {name!r} is {worker.state}: only a drain that has not "
@@ -155,6 +224,7 @@ class Membership:
             worker.state = "active"
             log.info("worker %s (epoch %d) active again", name, worker.epoch)
             return _worker_info(worker, with_metadata=False)
+        return self._write(job)
 
     def finish_drains(self, tx: Tx) -> list[int]:
         """Draining workers whose memory tiers hold nothing any more become drained; returns the ids of
@@ -180,7 +250,7 @@ class Membership:
     def declare_dead(self, tx: Tx, now: float) -> int:
         dead = 0
         for worker in repo.workers(tx.session):
-            if worker.state != "dead" and now - worker.heartbeat_at > self.service.settings.heartbeat_timeout_s:
+            if worker.state != "dead" and now - worker.heartbeat_at > self._settings.heartbeat_timeout_s:
                 log.warning("worker %s missed heartbeats for %.1fs: dead", worker.name, now - worker.heartbeat_at)
                 worker.state = "dead"
                 self.drop_volatile(tx, worker)

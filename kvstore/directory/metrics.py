@@ -16,8 +16,9 @@ class DirectoryMetrics:
         self.lookups = Counter("kvstore_lookups", "Lookups and prepare_loads served", registry=r)
         self.lookup_blocks = Counter("kvstore_lookup_blocks", "Blocks asked for in lookups", registry=r)
         self.hit_blocks = Counter("kvstore_lookup_hit_blocks", "Leading blocks found in lookups", registry=r)
-        self.store_decisions = Counter("kvstore_store_decisions", "prepare_store decisions per block",
-                                       ["status"], registry=r)
+        self.store_decisions = Counter("kvstore_store_decisions", "prepare_store decisions per block; rejected "
+                                       "ones by reason (no_space, not_admitted, throttled, parent_rejected, "
+                                       "no_worker)", ["status", "reason"], registry=r)
         self.blocks_committed = Counter("kvstore_blocks_committed", "Blocks made visible by complete_store",
                                         registry=r)
         self.checksum_failures = Counter("kvstore_checksum_failures",
@@ -41,9 +42,13 @@ class DirectoryMetrics:
         self.lookup_blocks.inc(asked)
         self.hit_blocks.inc(hit)
 
-    def count_store_decisions(self, decisions: Iterable[specs.StoreDecision]) -> None:
+    def count_store_decisions(self, decisions: Iterable[dict]) -> None:
+        counts: dict[tuple[str, str], int] = {}
         for decision in decisions:
-            self.store_decisions.labels(decision.status).inc()
+            key = (decision["status"], decision.get("reason") or "")
+            counts[key] = counts.get(key, 0) + 1
+        for (status, reason), n in counts.items():
+            self.store_decisions.labels(status, reason).inc(n)
 
     def render(self, stats: specs.Stats, tiers: list[specs.TierUsage]) -> bytes:
         for name, gauge in self.gauges.items():

@@ -3,6 +3,8 @@
     policies.admit(tier, key, nbytes)     # placement of a new block, and "keep it one tier down?"
     policies.hit(tiers, key)              # a lookup or load found it: touch + record
     policies.victims(tier, rows, ...)     # sync with the tier's READY replicas, then evict
+    policies.changed(key, parent, added, removed)   # the index saw a block's replicas come or go
+    policies.evict(tier, n, keep) -> keys | None    # victims without a sync: O(victims)
 
 SQL stays the truth of what is where; the policy objects are the directory's memory of recency
 and frequency. Before choosing victims, a tier's eviction policy is brought to the tier's READY
@@ -10,6 +12,12 @@ replicas (rows that went are removed, new ones inserted oldest first), so nothin
 does not hold is ever named and nothing it holds is forgotten. The first sync after a start
 rebuilds the policy from `last_access` (and replays `hit_count` into the admission's counts).
 Keys are `namespace_id/hash` strings.
+
+The full sync runs once per tier (the first time it needs victims, which after a
+start rebuilds it); from then on the lookup index reports every replica that
+becomes readable or goes (`changed`), so choosing victims costs what the victims
+cost, not what the tier holds. A key the policy names that the tier no longer
+holds is dropped by the caller, and a policy that runs dry is synced again.
 """
 
 from __future__ import annotations
@@ -81,6 +89,32 @@ class TierPolicies:
                 policy.eviction.touch(key)
             if i == 0:
                 policy.admission.record(key)
+
+    def built(self, tier) -> bool:
+        return self._of(tier).built
+
+    def changed(self, key: str, parent: str | None, added: list[int], removed: list[int]) -> None:
+        """Replicas of `key` became readable on the tiers `added` and left `removed` (tier ids)."""
+        for tier_id in removed:
+            policy = self._tiers.get(tier_id)
+            if policy is not None and policy.built:
+                policy.eviction.remove(key)
+        for tier_id in added:
+            policy = self._tiers.get(tier_id)
+            if policy is not None and policy.built and key not in policy.eviction:
+                policy.eviction.insert(key, parent)
+
+    def evict(self, tier, n: int, keep: set[str]) -> list[str] | None:
+        """Up to `n` victims from the tier's policy as it stands (no sync); None when it is empty."""
+        policy = self._of(tier)
+        victims = policy.eviction.evict(min(n, max(1, len(policy.eviction) - len(keep))), keep)
+        if victims is None and n > 1:
+            victims = policy.eviction.evict(1, keep)
+        return victims
+
+    def unbuild(self, tier) -> None:
+        """The next victims() syncs from the rows again (the policy ran dry while the tier is full)."""
+        self._of(tier).built = False
 
     def victims(self, tier, rows: list[VictimRow], protected: set[str], to_free: int, limit: int,
                 dry_run: bool = False) -> list:

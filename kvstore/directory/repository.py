@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from sqlalchemy import bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session, aliased
 
-from kvstore.directory.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
+from kvstore.core.tiers import MEMORY
+from kvstore.directory.models import Block, Grant, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.models.replica import MOVING, READY, VISIBLE, WRITING
 
-VOLATILE_TIERS = ("hbm", "dram")
+CHUNK = 500  # ids per IN list: PostgreSQL takes at most 65,535 parameters a statement
+
+
+def touched(session: Session, block_ids) -> None:
+    """Block rows a bulk statement changed, for the lookup index to reload after the commit (ORM
+    flushes are noticed without this)."""
+    session.info.setdefault("touched_blocks", set()).update(block_ids)
+
+
+def chunks(values: list) -> list[list]:
+    return [values[i : i + CHUNK] for i in range(0, len(values), CHUNK)]
+
+
+class WritingRow(NamedTuple):
+    """One replica of a reservation, as complete_store checks it."""
+    replica_id: int
+    epoch: int
+    expires_at: float | None
+    block_id: int
+    hash: str
+    worker_epoch: int
+    tier_id: int
 
 
 def namespace(session: Session, namespace_id: str) -> NamespaceRow | None:
@@ -35,8 +59,7 @@ def active_tiers(session: Session, kind: str) -> list[tuple[Tier, Worker]]:
 
 def blocks_by_hash(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, Block]:
     found: dict[str, Block] = {}
-    for start in range(0, len(hashes), 500):  # keep IN lists within database limits
-        chunk = hashes[start : start + 500]
+    for chunk in chunks(hashes):
         query = select(Block).where(Block.namespace_id == namespace_id, Block.hash.in_(chunk))
         found.update((b.hash, b) for b in session.scalars(query))
     return found
@@ -44,8 +67,7 @@ def blocks_by_hash(session: Session, namespace_id: str, hashes: list[str]) -> di
 
 def replicas_of(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
     rows = []
-    for start in range(0, len(block_ids), 500):
-        chunk = block_ids[start : start + 500]
+    for chunk in chunks(block_ids):
         query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
                  .join(Worker, Tier.worker_id == Worker.id).where(Replica.block_id.in_(chunk)))
         rows.extend(session.execute(query).tuples())
@@ -56,7 +78,7 @@ def is_visible(replica: Replica, tier: Tier, worker: Worker) -> bool:
     """Readable now: READY/MOVING on a live worker; a memory tier only in the epoch that wrote it."""
     if replica.state not in VISIBLE or (tier.kind != "s3" and worker.state == "dead"):
         return False
-    return tier.kind not in VOLATILE_TIERS or replica.epoch == worker.epoch
+    return tier.kind not in MEMORY or replica.epoch == worker.epoch
 
 
 def visible_replicas(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
@@ -82,20 +104,20 @@ def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[
     return list(session.execute(query).tuples())
 
 
-def writing_rows(session: Session, token: str):
-    """(replica_id, replica_epoch, expires_at, block_id, hash, worker_epoch) of a reservation, as plain rows."""
-    query = (select(Replica.id, Replica.epoch, Replica.expires_at, Block.id, Block.hash, Worker.epoch)
+def writing_rows(session: Session, token: str) -> list[WritingRow]:
+    query = (select(Replica.id, Replica.epoch, Replica.expires_at, Block.id, Block.hash, Worker.epoch, Tier.id)
              .join(Block, Replica.block_id == Block.id).join(Tier, Replica.tier_id == Tier.id)
              .join(Worker, Tier.worker_id == Worker.id).where(Replica.token == token, Replica.state == WRITING))
-    return list(session.execute(query))
+    return [WritingRow(*row) for row in session.execute(query)]
 
 
 def replica_rows(session: Session, replica_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
-    if not replica_ids:
-        return []
-    query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
-             .join(Worker, Tier.worker_id == Worker.id).where(Replica.id.in_(replica_ids)))
-    return list(session.execute(query).tuples())
+    rows = []
+    for chunk in chunks(replica_ids):
+        query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
+                 .join(Worker, Tier.worker_id == Worker.id).where(Replica.id.in_(chunk)))
+        rows.extend(session.execute(query).tuples())
+    return rows
 
 
 def expired_reservations(session: Session, now: float) -> list[str]:
@@ -103,30 +125,41 @@ def expired_reservations(session: Session, now: float) -> list[str]:
     return list(session.scalars(query))
 
 
-def touch_blocks(session: Session, block_ids: list[int], now: float) -> None:
-    if block_ids:
-        session.execute(update(Block).where(Block.id.in_(block_ids))
-                        .values(last_access=now, hit_count=Block.hit_count + 1))
+def record_hits(session: Session, hits: dict[int, tuple[float, int]]) -> None:
+    """Access statistics gathered in memory: block id -> (last access, hits since the last flush)."""
+    if hits:
+        table = Block.__table__
+        session.connection().execute(
+            update(table).where(table.c.id == bindparam("b_id"))
+            .values(last_access=bindparam("b_at"), hit_count=table.c.hit_count + bindparam("b_n")),
+            [{"b_id": b, "b_at": at, "b_n": n} for b, (at, n) in hits.items()])
 
 
 def delete_orphan_blocks(session: Session, block_ids: list[int]) -> None:
     """Blocks whose last replica is gone leave the map."""
-    if block_ids:
-        has_replica = select(Replica.id).where(Replica.block_id == Block.id).exists()
-        session.execute(delete(Block).where(Block.id.in_(block_ids), ~has_replica))
+    has_replica = select(Replica.id).where(Replica.block_id == Block.id).exists()
+    for chunk in chunks(block_ids):
+        session.execute(delete(Block).where(Block.id.in_(chunk), ~has_replica))
 
 
-def add_leases(session: Session, replica_ids: list[int], token: str, holder: str, expires_at: float) -> None:
-    if replica_ids:
+def pin(session: Session, replica_ids: list[int], token: str, holder: str, expires_at: float) -> set[int]:
+    """Lease these replicas if they are still readable (READY or MOVING); returns the ids pinned."""
+    readable: set[int] = set()
+    for chunk in chunks(replica_ids):
+        readable.update(session.scalars(select(Replica.id).where(Replica.id.in_(chunk), Replica.state.in_(VISIBLE))))
+    if readable:
         session.execute(insert(Lease), [dict(replica_id=r, token=token, holder=holder, expires_at=expires_at)
-                                        for r in replica_ids])
+                                        for r in replica_ids if r in readable])
+    return readable
 
 
 def commit_replicas(session: Session, replica_ids: list[int], checksums: dict[int, str]) -> None:
     """WRITING -> READY for `replica_ids`; record each block's checksum (block id -> checksum)."""
-    if replica_ids:
-        session.execute(update(Replica).where(Replica.id.in_(replica_ids)).values(state=READY, expires_at=None)
+    for chunk in chunks(replica_ids):
+        session.execute(update(Replica).where(Replica.id.in_(chunk)).values(state=READY, expires_at=None)
                         .execution_options(synchronize_session=False))
+    if checksums:
+        touched(session, checksums)
         table = Block.__table__
         session.connection().execute(
             update(table).where(table.c.id == bindparam("b_id")).values(checksum=bindparam("b_sum")),
@@ -152,9 +185,10 @@ def delete_expired_leases(session: Session, now: float) -> int:
 
 
 def pinned_replica_ids(session: Session, replica_ids: list[int]) -> set[int]:
-    if not replica_ids:
-        return set()
-    return set(session.scalars(select(Lease.replica_id).where(Lease.replica_id.in_(replica_ids))))
+    pinned: set[int] = set()
+    for chunk in chunks(replica_ids):
+        pinned.update(session.scalars(select(Lease.replica_id).where(Lease.replica_id.in_(chunk))))
+    return pinned
 
 
 def replicas_in_state(session: Session, state: str) -> list[tuple[Replica, Tier, Worker]]:
@@ -164,14 +198,24 @@ def replicas_in_state(session: Session, state: str) -> list[tuple[Replica, Tier,
 
 
 def drop_replicas(session: Session, replica_ids: list[int]) -> None:
-    if replica_ids:
-        session.execute(delete(Lease).where(Lease.replica_id.in_(replica_ids)))
-        session.execute(delete(Replica).where(Replica.id.in_(replica_ids)))
+    for chunk in chunks(replica_ids):
+        session.execute(delete(Lease).where(Lease.replica_id.in_(chunk)))
+        gone = session.scalars(delete(Replica).where(Replica.id.in_(chunk)).returning(Replica.block_id)
+                               .execution_options(synchronize_session=False))
+        touched(session, gone)
+
+
+def add_used(session: Session, deltas: dict[int, int]) -> None:
+    """tier id -> bytes: one atomic `used_bytes = used_bytes + delta` per tier (no read-modify-write)."""
+    for tier_id, delta in deltas.items():
+        if delta:
+            session.execute(update(Tier).where(Tier.id == tier_id).values(used_bytes=Tier.used_bytes + delta)
+                            .execution_options(synchronize_session=False))
 
 
 def volatile_replicas_of_worker(session: Session, worker_id: int) -> list[tuple[Replica, Tier]]:
     query = (select(Replica, Tier).join(Tier, Replica.tier_id == Tier.id)
-             .where(Tier.worker_id == worker_id, Tier.kind.in_(VOLATILE_TIERS)))
+             .where(Tier.worker_id == worker_id, Tier.kind.in_(MEMORY)))
     return list(session.execute(query).tuples())
 
 
@@ -213,7 +257,7 @@ def visible_replica_rows(session: Session, namespace_id: str | None) -> list[Rep
 def durable_replicas_of_worker(session: Session, worker_id: int) -> list[tuple[Replica, Tier, Block]]:
     query = (select(Replica, Tier, Block).join(Tier, Replica.tier_id == Tier.id)
              .join(Block, Replica.block_id == Block.id)
-             .where(Tier.worker_id == worker_id, Tier.kind.not_in(VOLATILE_TIERS)))
+             .where(Tier.worker_id == worker_id, Tier.kind.not_in(MEMORY)))
     return list(session.execute(query).tuples())
 
 
@@ -253,8 +297,7 @@ def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]
 
 def replicas_by_id(session: Session, replica_ids: list[int]) -> dict[int, Replica]:
     found: dict[int, Replica] = {}
-    for start in range(0, len(replica_ids), 500):
-        chunk = replica_ids[start : start + 500]
+    for chunk in chunks(replica_ids):
         found.update((r.id, r) for r in session.scalars(select(Replica).where(Replica.id.in_(chunk))))
     return found
 
@@ -279,8 +322,58 @@ def write_through_candidates(session: Session, limit: int) -> list[tuple[Replica
 def replica_block_pairs(session: Session, replica_ids: list[int]) -> list[tuple[Replica, Block]]:
     """(replica, its block) for these ids, in the order given; missing ids are left out."""
     found: dict[int, tuple[Replica, Block]] = {}
-    for start in range(0, len(replica_ids), 500):
-        chunk = replica_ids[start : start + 500]
+    for chunk in chunks(replica_ids):
         query = select(Replica, Block).join(Block, Replica.block_id == Block.id).where(Replica.id.in_(chunk))
         found.update((r.id, (r, b)) for r, b in session.execute(query).tuples())
     return [found[i] for i in replica_ids if i in found]
+
+
+def add_grant(session: Session, tier_id: int, epoch: int, token: str, runs: list, now: float) -> None:
+    session.add(Grant(tier_id=tier_id, epoch=epoch, token=token, runs=runs, created_at=now))
+
+
+def grants(session: Session) -> list[Grant]:
+    return list(session.scalars(select(Grant)))
+
+
+def drop_grants(session: Session, tier_ids: list[int]) -> None:
+    """A worker's new epoch voids what it granted before."""
+    if tier_ids:
+        session.execute(delete(Grant).where(Grant.tier_id.in_(tier_ids)))
+
+
+def pages_in_use(session: Session, tier_id: int, epoch: int) -> list[list]:
+    """Page runs of every replica of a memory tier written in this epoch (any state)."""
+    query = select(Replica.pages).where(Replica.tier_id == tier_id, Replica.epoch == epoch)
+    return [pages for pages in session.scalars(query)]
+
+
+def pinned_keys(session: Session, tier_id: int) -> set[str]:
+    """`namespace/hash` of the blocks whose replica on this tier a reader pins."""
+    query = (select(Block.namespace_id, Block.hash).join(Replica, Replica.block_id == Block.id)
+             .join(Lease, Lease.replica_id == Replica.id).where(Replica.tier_id == tier_id))
+    return {f"{n}/{h}" for n, h in session.execute(query)}
+
+
+def keys_of(session: Session, block_ids) -> set[str]:
+    keys: set[str] = set()
+    for chunk in chunks(list(block_ids)):
+        keys.update(f"{n}/{h}" for n, h in session.execute(
+            select(Block.namespace_id, Block.hash).where(Block.id.in_(chunk))))
+    return keys
+
+
+def ready_replicas_by_key(session: Session, tier_id: int, keys: list[str]) -> list[tuple[Replica, Block]]:
+    """READY replicas on this tier of the blocks named `namespace/hash`, in the order of `keys`."""
+    by_namespace: dict[str, list[str]] = {}
+    for key in keys:
+        namespace_id, _, block_hash = key.partition("/")
+        by_namespace.setdefault(namespace_id, []).append(block_hash)
+    found: dict[str, tuple[Replica, Block]] = {}
+    for namespace_id, hashes in by_namespace.items():
+        for chunk in chunks(hashes):
+            query = (select(Replica, Block).join(Block, Replica.block_id == Block.id)
+                     .where(Replica.tier_id == tier_id, Replica.state == READY, Block.namespace_id == namespace_id,
+                            Block.hash.in_(chunk)))
+            found.update((f"{namespace_id}/{b.hash}", (r, b)) for r, b in session.execute(query).tuples())
+    return [found[k] for k in keys if k in found]

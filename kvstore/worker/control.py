@@ -1,5 +1,6 @@
 """The worker's control endpoint: the directory asks it to allocate and free pages.
 
+    POST /v1/grant  GrantRequest -> GrantResult   (page credit: many free pages of a memory tier at once)
     POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with the reservation token)
     POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
     POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers)
@@ -20,7 +21,7 @@ from pydantic import ValidationError
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.worker.allocator import PageAllocator
+from kvstore.core.pages import PageAllocator
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,11 @@ class ControlServer:
                 raise KVStoreError("invalid", "sizes must be positive", size=nbytes)
             runs.append(allocator.allocate(req.token, nbytes))
         return specs.AllocResult(runs=runs)
+
+    def grant(self, req: specs.GrantRequest) -> specs.GrantResult:
+        if req.kind not in ("hbm", "dram"):
+            raise KVStoreError("invalid", "only memory tiers are granted", kind=req.kind)
+        return specs.GrantResult(runs=self._allocator(req.kind).grant(req.token, req.max_pages))
 
     def free(self, req: specs.FreeRequest) -> int:
         freed = 0
@@ -101,7 +107,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
 
     def do_POST(self) -> None:  # noqa: N802
-        routes = {"/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
+        routes = {"/v1/grant": (specs.GrantRequest, lambda b: self.control.grant(b).model_dump()),
+                  "/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
                   "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)}),
                   "/v1/move": (specs.MoveRequest, lambda b: self.control.move(b).model_dump())}
         if self.path not in routes:

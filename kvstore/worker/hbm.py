@@ -16,7 +16,7 @@ import xxhash
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.worker.allocator import PageAllocator
+from kvstore.core.pages import PageAllocator
 
 
 class HbmArena:

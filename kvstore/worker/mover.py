@@ -21,6 +21,8 @@ All blocks of one route in a request travel in one NIXL request.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import numpy as np
 import xxhash
@@ -28,7 +30,7 @@ import xxhash
 from kvstore.core import specs
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent
-from kvstore.worker.allocator import PageAllocator
+from kvstore.core.pages import PageAllocator
 from kvstore.worker.hbm import HbmArena
 from kvstore.worker.nvme import NvmeTier
 from kvstore.worker.s3 import S3Tier
@@ -36,6 +38,14 @@ from kvstore.worker.s3 import S3Tier
 log = logging.getLogger(__name__)
 ROUTES = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram"), ("nvme", "s3"),
           ("hbm", "dram"), ("dram", "hbm")}  # the hbm routes are GPU paths (UCX on VRAM)
+MAX_WAIT_S = 300.0  # one NIXL request between two tiers, at most (or until the move's deadline)
+_deadline = threading.local()  # the deadline of the move request this thread serves
+
+
+class SourceCorrupt(str):
+    """A move's error saying the source replica failed its checksum: that replica is bad."""
+
+
 BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
 
 
@@ -57,11 +67,21 @@ class Mover:
         self.gds = gds
 
     def move(self, req: specs.MoveRequest) -> specs.MoveResult:
+        if req.expires_at is not None and time.time() >= req.expires_at:
+            n = len(req.items)
+            return specs.MoveResult(ok=[False] * n, errors=["the move's deadline passed before it started"] * n,
+                                    codes=["expired"] * n)
+        _deadline.at = req.expires_at
         errors: dict[int, str | None] = {}
+        for i, item in enumerate(req.items):
+            if item.dst_kind == "nvme" and self.nvme and not self.nvme.allocator.owns(item.dst_token, item.dst_runs):
+                errors[i] = "the destination pages are not held by this move's token (rolled back?)"
         by_route: dict[tuple[str, str], list[int]] = {}
         s3_down = self.s3.unreachable() if self.s3 and any("s3" in (i.src_kind, i.dst_kind) for i in req.items) \
             else None
         for i, item in enumerate(req.items):
+            if i in errors:
+                continue
             if s3_down and "s3" in (item.src_kind, item.dst_kind):
                 errors[i] = s3_down  # fail fast: the directory backs off and retries later
                 continue
@@ -80,7 +100,9 @@ class Mover:
         if self.nvme is not None:
             self.nvme.sync()
         ordered = [errors[i] for i in range(len(req.items))]
-        return specs.MoveResult(ok=[e is None for e in ordered], errors=ordered)
+        codes = ["ok" if e is None else "source_corrupt" if isinstance(e, SourceCorrupt) else "failed"
+                 for e in ordered]
+        return specs.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
 
     def _batch(self, route: tuple[str, str], items: list[tuple[int, specs.MoveItem]]) -> dict[int, str | None]:
         """All items of one route in a single NIXL request (POSIX queues, OBJ threads work in parallel);
@@ -89,7 +111,7 @@ class Mover:
         if route[0] == "dram":
             for i, item in items:
                 if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-                    errors[i] = "checksum mismatch in DRAM before demotion"
+                    errors[i] = SourceCorrupt("checksum mismatch in DRAM before demotion")
         todo = [(i, item) for i, item in items if i not in errors and
                 (route != ("dram", "s3") or len(item.src_runs) == 1)]
         rows = [self._route_rows(route, item) for _, item in todo]
@@ -99,7 +121,7 @@ class Mover:
                 return {**errors, **{i: self._move_one(item) for i, item in items if i not in errors}}
         for i, item in todo:
             if route[1] == "dram" and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
-                errors[i] = f"checksum mismatch after reading from {'NVMe' if route[0] == 'nvme' else 'S3'}"
+                errors[i] = SourceCorrupt(f"checksum mismatch after reading from {'NVMe' if route[0] == 'nvme' else 'S3'}")
             else:
                 errors[i] = None
                 if route[1] == "nvme":
@@ -133,7 +155,7 @@ class Mover:
 
     def _hbm_to_dram(self, item: specs.MoveItem) -> str | None:  # GPU path
         if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
-            return "checksum mismatch in HBM before demotion"
+            return SourceCorrupt("checksum mismatch in HBM before demotion")
         local, remote = _paired(self.dram_rows(item.dst_runs, item.nbytes), self.hbm.rows(item.src_runs, item.nbytes))
         error = self._post("READ", local, remote, "VRAM")
         if error:
@@ -143,7 +165,7 @@ class Mover:
 
     def _dram_to_hbm(self, item: specs.MoveItem) -> str | None:  # GPU path
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-            return "checksum mismatch in DRAM before promotion"
+            return SourceCorrupt("checksum mismatch in DRAM before promotion")
         local, remote = _paired(self.dram_rows(item.src_runs, item.nbytes), self.hbm.rows(item.dst_runs, item.nbytes))
         error = self._post("WRITE", local, remote, "VRAM")
         if error:
@@ -153,7 +175,7 @@ class Mover:
 
     def _hbm_to_nvme(self, item: specs.MoveItem) -> str | None:  # GPU path (GDS)
         if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
-            return "checksum mismatch in HBM before demotion"
+            return SourceCorrupt("checksum mismatch in HBM before demotion")
         local, remote = _paired(self.hbm.rows(item.src_runs, item.nbytes), self.nvme.rows(item.dst_runs, item.nbytes))
         error = self._post("WRITE", local, remote, "FILE", local_mem="VRAM")
         if error is None:
@@ -164,12 +186,12 @@ class Mover:
         local, remote = _paired(self.hbm.rows(item.dst_runs, item.nbytes), self.nvme.rows(item.src_runs, item.nbytes))
         error = self._post("READ", local, remote, "FILE", local_mem="VRAM")
         if error is None and self.hbm.checksum(item.dst_runs, item.nbytes) != item.checksum:
-            return "checksum mismatch after reading from NVMe"
+            return SourceCorrupt("checksum mismatch after reading from NVMe")
         return error
 
     def _dram_to_nvme(self, item: specs.MoveItem) -> str | None:
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-            return "checksum mismatch in DRAM before demotion"
+            return SourceCorrupt("checksum mismatch in DRAM before demotion")
         error = self._file("WRITE", item.src_runs, item.dst_runs, item.nbytes)
         if error is None:
             self.nvme.record(item)
@@ -178,12 +200,12 @@ class Mover:
     def _nvme_to_dram(self, item: specs.MoveItem) -> str | None:
         error = self._file("READ", item.dst_runs, item.src_runs, item.nbytes)
         if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
-            return "checksum mismatch after reading from NVMe"
+            return SourceCorrupt("checksum mismatch after reading from NVMe")
         return error
 
     def _dram_to_s3(self, item: specs.MoveItem) -> str | None:
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-            return "checksum mismatch in DRAM before demotion"
+            return SourceCorrupt("checksum mismatch in DRAM before demotion")
         if len(item.src_runs) == 1:
             return self._object("WRITE", self.dram_rows(item.src_runs, item.nbytes), item)
 
@@ -199,7 +221,7 @@ class Mover:
     def _s3_to_dram(self, item: specs.MoveItem) -> str | None:
         error = self._object("READ", self.dram_rows(item.dst_runs, item.nbytes), item)
         if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
-            return "checksum mismatch after reading from S3"
+            return SourceCorrupt("checksum mismatch after reading from S3")
         return error
 
     def _nvme_to_s3(self, item: specs.MoveItem) -> str | None:
@@ -207,7 +229,7 @@ class Mover:
             rows = self.dram_rows(runs, item.nbytes, self.bounce)
             error = self._file_rows("READ", rows, item.src_runs, item.nbytes)
             if error is None and self.dram_checksum(runs, item.nbytes, self.bounce) != item.checksum:
-                return "checksum mismatch after reading from NVMe"
+                return SourceCorrupt("checksum mismatch after reading from NVMe")
             return error or self._object("WRITE", rows, item)
         return self._through_bounce(item, copy)
 
@@ -235,7 +257,9 @@ class Mover:
               local_mem: str = "DRAM") -> str | None:
         """One NIXL request between local memory and one of this worker's own tiers; None when done."""
         transfer = self.agent.submit(op, local, remote, self.agent.name, local_mem, remote_mem)
-        return None if transfer.wait(300) == "done" else transfer.error
+        deadline = getattr(_deadline, "at", None)
+        wait_s = MAX_WAIT_S if deadline is None else max(0.0, min(MAX_WAIT_S, deadline - time.time()))
+        return None if transfer.wait(wait_s) == "done" else transfer.error
 
     def dram_rows(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> np.ndarray:
         buffer = buffer or self.arena

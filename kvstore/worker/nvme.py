@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.worker.allocator import PageAllocator
+from kvstore.core.pages import PageAllocator
 
 log = logging.getLogger(__name__)
 SLAB_BYTES = 1 << 30
@@ -47,6 +48,8 @@ class NvmeTier:
                     for i in range(-(-num_pages // self.slab_pages))]
         self._manifest = self._open_manifest()
         self._live = self._replay()
+        self._pending: dict[str, dict] = {}  # "put" lines waiting for their data to be durable
+        self._lock = threading.Lock()
 
     @property
     def capacity_bytes(self) -> int:
@@ -65,7 +68,7 @@ class NvmeTier:
 
     def _open_manifest(self):
         try:
-            return open(self.directory / MANIFEST, "a+", buffering=1)
+            return open(self.directory / MANIFEST, "a+")
         except OSError as exc:
             raise KVStoreError("unavailable", f"cannot open the NVMe manifest: {exc.strerror}",
                                path=str(self.directory / MANIFEST)) from None
@@ -92,25 +95,36 @@ class NvmeTier:
     # ---- manifest ----------------------------------------------------------------------
 
     def record(self, item: specs.MoveItem) -> None:
+        """A block was written to these pages; its "put" line is written by the next `sync`, after
+        the data is durable, so the manifest never names pages whose bytes a crash could lose."""
         entry = {"op": "put", "token": item.dst_token, "runs": [[r.first, r.count] for r in item.dst_runs],
                  "namespace_id": item.namespace_id, "hash": item.hash, "nbytes": item.nbytes,
                  "checksum": item.checksum}
-        self._append(entry)
-        self._live[_key(item.dst_token, entry["runs"])] = entry
+        key = _key(item.dst_token, entry["runs"])
+        with self._lock:
+            self._pending[key] = entry
+            self._live[key] = entry
 
     def forget(self, token: str, runs: list[specs.PageRun]) -> None:
         key = _key(token, [[r.first, r.count] for r in runs])
-        if self._live.pop(key, None) is not None:
-            self._append({"op": "free", "token": token, "runs": [[r.first, r.count] for r in runs]})
-
-    def _append(self, entry: dict) -> None:
-        self._manifest.write(json.dumps(entry) + "\n")
+        with self._lock:
+            if self._live.pop(key, None) is not None and self._pending.pop(key, None) is None:
+                self._manifest.write(json.dumps({"op": "free", "token": token,
+                                                 "runs": [[r.first, r.count] for r in runs]}) + "\n")
 
     def sync(self) -> None:
-        """Make the manifest lines so far durable; called once per move request, before it is
-        answered, so a block the directory commits is always in the manifest."""
-        self._manifest.flush()
-        os.fsync(self._manifest.fileno())
+        """Make what was written durable: the slab data first, then the manifest lines naming it.
+        Called once per move request before it is answered (so a block the directory commits is
+        in the manifest) and after each free (a lost "free" line could resurrect reused pages)."""
+        with self._lock:
+            if self._pending:
+                for fd in self.fds:
+                    os.fsync(fd)
+                for entry in self._pending.values():
+                    self._manifest.write(json.dumps(entry) + "\n")
+                self._pending.clear()
+            self._manifest.flush()
+            os.fsync(self._manifest.fileno())
 
     def _replay(self) -> dict[str, dict]:
         live: dict[str, dict] = {}

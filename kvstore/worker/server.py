@@ -20,7 +20,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.memory import HostBuffer
 from kvstore.core.sizes import format_size
 from kvstore.transfer import Agent
-from kvstore.worker.allocator import PageAllocator
+from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
 from kvstore.worker.hbm import HbmArena
 from kvstore.worker.mover import Mover

@@ -14,7 +14,7 @@ from kvstore.core import specs
 from kvstore.core.keys import Namespace
 from kvstore.directory.app import create_app
 from kvstore.directory.settings import DirectorySettings
-from kvstore.worker.allocator import PageAllocator
+from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
 from tests.helpers import ServerThread
 
@@ -30,6 +30,12 @@ class Stack:
     allocator: PageAllocator
     namespace_id: str
     settings: DirectorySettings
+
+    def free_pages(self, worker: str = "w0") -> int:
+        """Free DRAM pages as the directory accounts them; its page credit must say the same."""
+        tier = next(t for t in self.client.tiers() if t.kind == "dram" and t.worker == worker)
+        assert tier.credit_free_bytes == tier.capacity_bytes - tier.used_bytes, "page pool and used_bytes disagree"
+        return (tier.capacity_bytes - tier.used_bytes) // PAGE
 
     def register_worker(self, name: str = "w0", control_url: str = "") -> specs.Registered:
         return self.client.register_worker(specs.WorkerRegistration(

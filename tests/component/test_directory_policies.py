@@ -10,7 +10,7 @@ from kvstore.client import DirectoryClient
 from kvstore.core import specs
 from kvstore.directory.app import create_app
 from kvstore.directory.settings import DirectorySettings
-from kvstore.worker.allocator import PageAllocator
+from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
 from tests.component.conftest import NS, Stack, make_settings
 from tests.component.test_directory import chain, complete, hits, prepare
@@ -39,7 +39,7 @@ def test_a_doorkeeper_admits_a_block_on_its_second_save(database_url, control):
         first = prepare(s, chain(3)).blocks
         assert [(b.status, b.reason) for b in first] == [("rejected", "not_admitted")] + \
             [("rejected", "parent_rejected")] * 2
-        assert control.allocators["dram"].free_pages == 32  # nothing was reserved
+        assert s.free_pages() == 32  # nothing was reserved
         complete(s, prepare(s, chain(3)))  # seen before: admitted
         assert hits(s, chain(3)) == 3
     finally:

@@ -21,7 +21,7 @@ def test_a_never_completed_store_expires_and_is_never_visible(stack):
     prepared = prepare(stack, hashes)
     wait_until(lambda: stack.client.stats().reservations == 0, 10, "reservation reaped")
     assert hits(stack, hashes) == 0
-    assert stack.allocator.free_pages == 32
+    assert stack.free_pages() == 32
     with pytest.raises(KVStoreError) as info:  # the late completion changes nothing
         complete(stack, prepared)
     assert info.value.kind == "conflict"

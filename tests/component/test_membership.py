@@ -28,7 +28,7 @@ def test_a_silent_worker_is_declared_dead_and_its_dram_replicas_leave_lookups(st
 
 def test_a_restarted_directory_keeps_committed_blocks(database_url):
     settings = make_settings(database_url, heartbeat_timeout_s=600)
-    from kvstore.worker.allocator import PageAllocator
+    from kvstore.core.pages import PageAllocator
     from kvstore.worker.control import ControlServer
     from tests.component.conftest import Stack
 

@@ -45,7 +45,7 @@ class FaultStack:
                                            str(self.tmp / "var"), "--lease-ttl", str(TTL_S), "--heartbeat-timeout",
                                            str(TTL_S)),
                                self.tmp / "directory.log", env={"KVSTORE_RESERVATION_TTL_S": str(TTL_S), **self.env})
-        wait_http(self.url + "/healthz", proc=self.directory)
+        wait_http(self.url + "/readyz", proc=self.directory)
 
     def start_worker(self) -> int:
         """Start the worker and wait until it is active; returns its epoch."""

@@ -18,7 +18,7 @@ def test_up_restarts_a_killed_worker_under_a_new_epoch(tmp_path):
                              "--nvme-bytes", "0", "--heartbeat-timeout", str(TTL_S)), tmp_path / "up.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(url + "/healthz", proc=proc)
+        wait_http(url + "/readyz", proc=proc)
         client = DirectoryClient(url)
         wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", 1)], 60, "worker up")
         first = client.workers()[0].pid

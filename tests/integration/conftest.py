@@ -44,7 +44,7 @@ def running_stack(tmp_path, database_url):
     url = f"http://127.0.0.1:{port}"
     directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var"),
                                   "--database-url", database_url), tmp_path / "directory.log")
-    wait_http(url + "/healthz", proc=directory)
+    wait_http(url + "/readyz", proc=directory)
     worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "worker-0",
                                "--dram-bytes", "256MiB"), tmp_path / "worker.log")
     client = DirectoryClient(url)

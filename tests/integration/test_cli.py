@@ -24,7 +24,7 @@ def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
     up = spawn(kvstore_cmd("up", "--port", str(port), "--data-dir", str(tmp_path / "var"), "--dram-bytes", "8MiB",
                            "--nvme-bytes", "8MiB", "--page-bytes", "16KiB"), tmp_path / "up.log")
     try:
-        wait_http(url + "/healthz", proc=up)
+        wait_http(url + "/readyz", proc=up)
         wait_until(lambda: json.loads(cli("workers", "--url", url, "--output", "json").stdout or "[]"), 60, "worker")
         kv = [(torch.randn(2, 160, 16), torch.randn(2, 160, 16)) for _ in range(2)]
         with KVStoreClient(url, NS, staging_bytes=1 << 20) as client:

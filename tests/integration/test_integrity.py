@@ -17,7 +17,7 @@ def test_a_corrupted_block_shortens_the_load_to_the_verified_prefix(running_stac
     with KVStoreClient(running_stack.url, NS, staging_bytes=1 << 20) as client:
         assert client.save(tokens, kv) == 40
         # a rogue one-sided write flips bytes of block 2 inside the worker's memory
-        hit = client.directory.lookup(NS.namespace_id, [h.hex() for h in block_hashes(NS, tokens)]).blocks[2]
+        hit = client.directory.lookup(NS.namespace_id, [h.hex() for h in block_hashes(NS, tokens)], locations=True).blocks[2]
         addr, length = hit.location.runs[0]
         garbage = np.full(64, 0xAB, dtype=np.uint8)
         client.register_buffer(garbage)

@@ -33,7 +33,7 @@ def start(tmp_path, s3: MotoServer, port: int, run: int):
     url = f"http://127.0.0.1:{port}"
     directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
                       tmp_path / f"directory-{run}.log")
-    wait_http(url + "/healthz", proc=directory)
+    wait_http(url + "/readyz", proc=directory)
     worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
                                "--dram-bytes", "2MiB", "--nvme-bytes", "2MiB", "--nvme-dir", str(tmp_path / "nvme"),
                                "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url, "--s3-prefix", "test"),
@@ -90,7 +90,7 @@ def test_a_corrupted_object_shortens_the_load(tmp_path, s3):
         wait_until(lambda: where(client, 1).get("s3", 0) > 0, 60, "oldest prompt partly in S3")
         ns = namespace_of(build_model())
         hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=1))]
-        hits = client.lookup(ns.namespace_id, hashes).blocks
+        hits = client.lookup(ns.namespace_id, hashes, locations=True).blocks
         index = next(i for i, hit in enumerate(hits) if hit.location.tier == "s3")
         key = f"test/{ns.namespace_id}/{hashes[index]}"
         body = bytearray(s3.client().get_object(Bucket="kv-cache", Key=key)["Body"].read())
@@ -120,7 +120,7 @@ def test_write_through_keeps_a_namespace_durable_without_pressure(tmp_path, s3):
     def start_plain(run: int):
         directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir",
                                       str(tmp_path / "var")), tmp_path / f"wt-directory-{run}.log")
-        wait_http(url + "/healthz", proc=directory)
+        wait_http(url + "/readyz", proc=directory)
         worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--dram-bytes",
                                    "64MiB", "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url, "--s3-prefix", "wt"),
                        tmp_path / f"wt-worker-{run}.log")

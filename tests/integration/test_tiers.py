@@ -20,7 +20,7 @@ def start(tmp_path, port: int, run: int):
     url = f"http://127.0.0.1:{port}"
     directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
                       tmp_path / f"directory-{run}.log")
-    wait_http(url + "/healthz", proc=directory)
+    wait_http(url + "/readyz", proc=directory)
     worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
                                "--dram-bytes", "2MiB", "--nvme-bytes", "16MiB",
                                "--nvme-dir", str(tmp_path / "nvme")), tmp_path / f"worker-{run}.log")
@@ -78,7 +78,7 @@ def test_a_corrupted_nvme_page_shortens_the_load_and_invalidates_the_replica(tmp
         assert by_tier(client, 1).get("nvme", 0) == FULL // BLOCK_TOKENS  # prompt 1 lives on NVMe only
         ns = namespace_of(build_model())
         hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=1))]
-        hit = client.lookup(ns.namespace_id, hashes).blocks[10]
+        hit = client.lookup(ns.namespace_id, hashes, locations=True).blocks[10]
         assert hit.location.tier == "nvme"
         offset = hit.location.runs[0][0]  # the NVMe location is a file offset in slab 0
         with open(tmp_path / "nvme" / "slab-0000.bin", "r+b") as slab:

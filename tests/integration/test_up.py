@@ -16,7 +16,7 @@ NS = Namespace(model_id="up-test", num_layers=2, num_kv_heads=2, head_dim=8, dty
 def start_up(port: int, data_dir, log, epoch: int = 1):
     proc = spawn(kvstore_cmd("up", "--port", str(port), "--data-dir", str(data_dir), "--dram-bytes", "16MiB"), log)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/healthz", proc=proc)
+    wait_http(url + "/readyz", proc=proc)
     client = DirectoryClient(url)
     wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", epoch)], 60,
                "worker registered")

@@ -3,7 +3,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.core.specs import PageRun
-from kvstore.worker.allocator import PageAllocator
+from kvstore.core.pages import PageAllocator
 
 PAGES, PAGE = 64, 4096
 

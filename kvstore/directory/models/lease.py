@@ -13,4 +13,4 @@ class Lease(Base):
     replica_id: Mapped[int] = mapped_column(ForeignKey("replicas.id", ondelete="CASCADE"), index=True)
     token: Mapped[str] = mapped_column(String(64), index=True)
     holder: Mapped[str] = mapped_column(String(200))
-    expires_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)

@@ -1,4 +1,4 @@
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Integer, String
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from kvstore.directory.models.base import Base
@@ -9,6 +9,8 @@ VISIBLE = (READY, MOVING)
 
 class Replica(Base):
     __tablename__ = "replicas"
+    __table_args__ = (Index("ix_replicas_tier_id_state", "tier_id", "state"),
+                      Index("ix_replicas_state_expires_at", "state", "expires_at"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     block_id: Mapped[int] = mapped_column(ForeignKey("blocks.id", ondelete="CASCADE"), index=True)

@@ -2,9 +2,15 @@
 
 Calls, in the order they happen:
     allocate(token, nbytes) -> runs | None   # None: not enough free pages, nothing changed
+    grant(token, max_pages) -> runs          # page credit: up to max_pages free pages at once
     free(token, runs) -> bool                # False: those runs are not that token's
     reserve(token, runs) -> bool             # restart recovery: take exactly these pages
     reset()                                  # new epoch: every page is free again
+    add_free(runs)                           # a pool fed by grants: these pages join it
+
+The worker runs one per tier; the directory runs one per memory tier of each
+worker over the pages that worker granted it, so placing a block needs no
+call to the worker.
 
 A block may span several pages; the allocator prefers one contiguous run
 (first fit) and falls back to several runs, so a fragmented arena still
@@ -21,7 +27,7 @@ from kvstore.core.specs import PageRun
 
 class PageAllocator:
     def __init__(self, num_pages: int, page_bytes: int) -> None:
-        assert num_pages > 0 and page_bytes > 0, "an arena needs pages"
+        assert num_pages >= 0 and page_bytes > 0, "an arena needs a page size"
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self._lock = threading.Lock()
@@ -29,7 +35,7 @@ class PageAllocator:
 
     def reset(self) -> None:
         with self._lock:
-            self._free: list[list[int]] = [[0, self.num_pages]]  # sorted [first, count]
+            self._free: list[list[int]] = [[0, self.num_pages]] if self.num_pages else []  # sorted [first, count]
             self._owned: dict[str, set[tuple[int, int]]] = {}
             self.free_pages = self.num_pages
 
@@ -49,6 +55,18 @@ class PageAllocator:
             self._owned.setdefault(token, set()).update(runs)
         return [PageRun(first=f, count=c) for f, c in runs]
 
+    def grant(self, token: str, max_pages: int) -> list[PageRun]:
+        """Up to `max_pages` free pages, in as few runs as the free list allows, tagged by `token`
+        (a directory's page credit); empty when nothing is free."""
+        with self._lock:
+            need = min(max_pages, self.free_pages)
+            if need <= 0:
+                return []
+            runs = self._take_contiguous(need) or self._take_scattered(need)
+            self.free_pages -= need
+            self._owned.setdefault(token, set()).update(runs)
+        return [PageRun(first=f, count=c) for f, c in runs]
+
     def free(self, token: str, runs: list[PageRun]) -> bool:
         pairs = {(r.first, r.count) for r in runs}
         with self._lock:
@@ -62,6 +80,14 @@ class PageAllocator:
                 self._give_back(first, count)
                 self.free_pages += count
         return True
+
+    def add_free(self, runs: list[PageRun]) -> None:
+        """Pages granted to this pool: they become free here (they must not overlap what it has)."""
+        with self._lock:
+            for run in runs:
+                self._give_back(run.first, run.count)
+                self.num_pages += run.count
+                self.free_pages += run.count
 
     def reserve(self, token: str, runs: list[PageRun]) -> bool:
         """Take exactly these pages for `token` (they must all be free); False changes nothing."""
@@ -85,6 +111,11 @@ class PageAllocator:
                 self._free[i : i + 1] = [p for p in pieces if p[1] > 0]
                 return
         raise AssertionError("pages are not free")
+
+    def owns(self, token: str, runs: list[PageRun]) -> bool:
+        """Whether `token` holds exactly these runs (a writer checks before it writes)."""
+        with self._lock:
+            return {(r.first, r.count) for r in runs} <= self._owned.get(token, set())
 
     def owned_tokens(self) -> set[str]:
         with self._lock:

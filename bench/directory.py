@@ -1,0 +1,239 @@
+"""The directory under load, from outside, through its public HTTP API.
+
+    python bench/directory.py --blocks 1000000 --json bench/out/directory.json
+
+A directory process (SQLite in a temp dir) and a storage worker's control
+endpoint in this process (the real page allocator; no NIXL memory: nothing here
+moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
+
+1. fill: `--blocks` blocks stored through prepare_store + complete_store, in
+   chains of 128 (a 64k-token prompt at 512 tokens a block);
+2. lookups of 128-hash prefixes of stored chains, over HTTP from other
+   processes (keep-alive connections): one client, without and with
+   locations; four clients at once; four clients while a fifth saves;
+3. prepare+complete of 64 and of 1,024 new blocks (ms, and µs per block);
+4. the directory's resident memory, and its start-up time to ready when it is
+   restarted on the full database.
+
+`--directory-src DIR` runs the directory from another checkout (a before/after
+comparison on the same machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing as mp
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common import REPO, machine, median, print_table, write_json
+
+from kvstore.core import specs
+from kvstore.core.keys import Namespace
+from kvstore.core.pages import PageAllocator
+from kvstore.worker.control import ControlServer
+from tests.helpers import free_port, stop, wait_http
+
+NS = Namespace(model_id="bench-directory", num_layers=1, num_kv_heads=1, head_dim=32, dtype="float32",
+               block_tokens=16)  # 4 KiB blocks: the directory's cost does not depend on the size
+CHAIN = 128
+PAGE = NS.block_nbytes
+
+
+def block_hash(i: int) -> str:
+    return f"{i:032x}"
+
+
+def chain_hashes(chain: int, length: int = CHAIN) -> list[str]:
+    return [block_hash(chain * CHAIN + k) for k in range(length)]
+
+
+class Http:
+    """One keep-alive connection; JSON in, JSON out; seconds per call."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port)
+
+    def post(self, path: str, body: dict) -> tuple[dict, float]:
+        data = json.dumps(body).encode()
+        t0 = time.perf_counter()
+        self.conn.request("POST", path, data, {"content-type": "application/json"})
+        response = self.conn.getresponse()
+        payload = response.read()
+        elapsed = time.perf_counter() - t0
+        if response.status != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status}: {payload[:300]!r}")
+        return json.loads(payload), elapsed
+
+
+def store_chain(http: Http, namespace_id: str, hashes: list[str], parent: str | None = None) -> tuple[int, float]:
+    """prepare + complete; returns (blocks committed, seconds for both calls)."""
+    blocks = [{"hash": h, "parent": p, "nbytes": PAGE} for h, p in zip(hashes, [parent] + hashes[:-1])]
+    prepared, t1 = http.post("/v1/store/prepare", {"namespace_id": namespace_id, "blocks": blocks})
+    admitted = [b["hash"] for b in prepared["blocks"] if b["status"] == "admitted"]
+    if not admitted:
+        return 0, t1
+    done, t2 = http.post("/v1/store/complete", {"token": prepared["token"], "blocks": [
+        {"hash": h, "ok": True, "checksum": "0123456789abcdef"} for h in admitted]})
+    return done["committed"], t1 + t2
+
+
+def lookup_client(port: int, namespace_id: str, chains: int, seconds: float, locations: bool, seed: int,
+                  out: mp.Queue) -> None:
+    http, rng, latencies, hits = Http(port), random.Random(seed), [], 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        body = {"namespace_id": namespace_id, "hashes": chain_hashes(rng.randrange(chains))}
+        if locations:
+            body["locations"] = True
+        answer, elapsed = http.post("/v1/lookup", body)
+        latencies.append(elapsed)
+        hits += answer["num_hit_blocks"] == CHAIN
+    out.put((latencies, hits))
+
+
+def saver_client(port: int, namespace_id: str, first_chain: int, seconds: float, out: mp.Queue) -> None:
+    http, stored, chain = Http(port), 0, first_chain
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        stored += store_chain(http, namespace_id, chain_hashes(chain, 16))[0]
+        chain += 1
+    out.put(stored)
+
+
+def lookups(port: int, namespace_id: str, chains: int, clients: int, seconds: float, locations: bool = False,
+            saver_from: int | None = None) -> dict:
+    ctx = mp.get_context("spawn")
+    out, saved = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=lookup_client, args=(port, namespace_id, chains, seconds, locations, i, out))
+             for i in range(clients)]
+    if saver_from is not None:
+        procs.append(ctx.Process(target=saver_client, args=(port, namespace_id, saver_from, seconds, saved)))
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in range(clients)]
+    stored = saved.get() if saver_from is not None else 0
+    for p in procs:
+        p.join()
+    latencies = sorted(x for lat, _ in results for x in lat)
+    return {"clients": clients, "locations": locations, "lookups": len(latencies),
+            "per_s": len(latencies) / seconds, "p50_ms": 1e3 * latencies[len(latencies) // 2],
+            "p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)],
+            "full_hits": sum(h for _, h in results) / max(1, len(latencies)), "saved_meanwhile": stored}
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def start_directory(src: Path, port: int, data: Path, log) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(src), "KVSTORE_HEARTBEAT_TIMEOUT_S": "600"}
+    return subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", "directory", "serve", "--port", str(port),
+                             "--data-dir", str(data)], stdout=log, stderr=subprocess.STDOUT, cwd=src, env=env)
+
+
+def register(url_port: int, control: ControlServer, pages: int, stop_beating) -> None:
+    """Register the bench's worker endpoint and keep it alive with heartbeats, as a worker would."""
+    import base64
+    import threading
+
+    reg = specs.WorkerRegistration(
+        name="bench-worker", agent_name="bench-agent", agent_metadata=base64.b64encode(b"none").decode(),
+        control_url=control.url, pid=os.getpid(), backends=["UCX"],
+        tiers=[specs.TierSpec(kind="dram", capacity_bytes=pages * PAGE, page_bytes=PAGE, base_addr=1 << 30)])
+    epoch = Http(url_port).post("/v1/workers", json.loads(reg.model_dump_json()))[0]["epoch"]
+
+    def beat() -> None:
+        http = Http(url_port)
+        while not stop_beating.wait(1.0):
+            http.post("/v1/workers/bench-worker/heartbeat", {"epoch": epoch})
+    threading.Thread(target=beat, daemon=True).start()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per lookup phase")
+    parser.add_argument("--repeats", type=int, default=20, help="prepare+complete calls per size")
+    parser.add_argument("--directory-src", type=Path, default=REPO)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    chains = max(1, args.blocks // CHAIN)
+    pages = int(chains * CHAIN * 1.25) + 100_000  # stays under the high watermark, with room for the saver
+    control = ControlServer({"dram": PageAllocator(pages, PAGE)})
+    control.start()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-dir-") as tmp:
+        log = open(Path(tmp) / "directory.log", "wb")
+        directory = start_directory(args.directory_src, port, Path(tmp), log)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/readyz", proc=directory)
+            stop_beating = threading.Event()
+            register(port, control, pages, stop_beating)
+            http = Http(port)
+            namespace_id = http.post("/v1/namespaces", {"namespace": NS.to_dict()})[0]["namespace_id"]
+            t0 = time.perf_counter()
+            for c in range(chains):
+                store_chain(http, namespace_id, chain_hashes(c))
+                if c % 500 == 0:
+                    print(f"\rfill: {c * CHAIN:>9,} / {chains * CHAIN:,} blocks", end="", flush=True)
+            fill_s = time.perf_counter() - t0
+            print(f"\rfill: {chains * CHAIN:,} blocks in {fill_s:.0f} s ({chains * CHAIN / fill_s:,.0f} blocks/s)")
+            rss = rss_mib(directory.pid)
+            phases = [lookups(port, namespace_id, chains, 1, args.seconds),
+                      lookups(port, namespace_id, chains, 1, args.seconds, locations=True),
+                      lookups(port, namespace_id, chains, 4, args.seconds),
+                      lookups(port, namespace_id, chains, 4, args.seconds, saver_from=chains + 10)]
+            stores = {}
+            next_chain = chains + 100_000
+            for size in (64, 1024):
+                times = []
+                for _ in range(args.repeats):
+                    n, seconds = store_chain(http, namespace_id, [f"{next_chain:016x}{k:016x}" for k in range(size)])
+                    assert n == size, f"stored {n} of {size}"
+                    times.append(seconds)
+                    next_chain += 1
+                stores[size] = {"ms": 1e3 * median(times), "us_per_block": 1e6 * median(times) / size}
+            rss_after = rss_mib(directory.pid)
+        finally:
+            stop_beating.set()
+            stop(directory)
+        t0 = time.perf_counter()
+        directory = start_directory(args.directory_src, port, Path(tmp), log)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/readyz", timeout_s=600, proc=directory)
+            start_s = time.perf_counter() - t0
+            rss_restart = rss_mib(directory.pid)
+        finally:
+            stop(directory)
+    control.stop()
+
+    names = ["1 client", "1 client, locations", "4 clients", "4 clients + 1 saving"]
+    print_table(["lookups of 128 hashes", "lookups/s", "p50 ms", "p99 ms", "full hits", "saved meanwhile"],
+                [[n, round(p["per_s"]), p["p50_ms"], p["p99_ms"], p["full_hits"], p["saved_meanwhile"]]
+                 for n, p in zip(names, phases)])
+    print()
+    print_table(["prepare+complete", "ms", "µs per block"], [[f"{k} blocks", v["ms"], v["us_per_block"]]
+                                                            for k, v in stores.items()])
+    print(f"\nindexed {chains * CHAIN:,} blocks; fill {chains * CHAIN / fill_s:,.0f} blocks/s; directory RSS "
+          f"{rss:,.0f} MiB after the fill, {rss_after:,.0f} MiB after the run, {rss_restart:,.0f} MiB after a "
+          f"restart; restart to ready {start_s:.1f} s")
+    write_json(args.json, {"machine": machine(), "blocks": chains * CHAIN, "fill_s": fill_s,
+                           "fill_blocks_per_s": chains * CHAIN / fill_s, "lookups": dict(zip(names, phases)),
+                           "store": stores, "rss_mib": {"filled": rss, "end": rss_after, "restarted": rss_restart},
+                           "start_to_ready_s": start_s, "directory_src": str(args.directory_src)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Loads: lookup (from memory), prepare_load -> (the engine reads) -> complete_load.
+
+    loads.lookup(namespace_id, hashes, locations) -> body   # the index only: no lock, no SQL
+    loads.prepare(namespace_id, chains, reader) -> body     # pins under one lease; NVMe/S3 hits staged first
+    loads.complete(req) -> LoadCompleted                    # unpins; a bad block's replica is invalidated
+    loads.flush_accesses()                                  # the reaper: access statistics to SQL and policies
+
+Answers are plain dicts and lists, encoded once by the HTTP layer: a hot call
+builds no model per block.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+from kvstore.core import specs, tiers
+from kvstore.core.errors import KVStoreError
+from kvstore.directory import repository as repo
+from kvstore.directory.index import Hit, Index
+from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.models import Tier
+from kvstore.directory.models.replica import DELETING
+from kvstore.directory.policy import TierPolicies, block_key
+from kvstore.directory.reclaim import Reclaim
+from kvstore.directory.settings import DirectorySettings
+from kvstore.directory.writer import Tx
+
+
+class Loads:
+    def __init__(self, write, index: Index, promote: Callable[[list[Hit]], object], reclaim: Reclaim,
+                 policies: TierPolicies, metrics: DirectoryMetrics, settings: DirectorySettings,
+                 clock: Callable[[], float]) -> None:
+        self._write = write
+        self._index = index
+        self._promote = promote  # stage NVMe/S3-only hits into a memory tier (worker I/O, outside jobs)
+        self._reclaim = reclaim
+        self._policies = policies
+        self._metrics = metrics
+        self._settings = settings
+        self._clock = clock
+
+    def lookup(self, namespace_id: str, hashes: list[str], locations: bool) -> dict:
+        hits = self._index.lookup(namespace_id, hashes)
+        self._metrics.count_lookup(len(hashes), len(hits))
+        return {"num_hit_blocks": len(hits), "blocks": [hit_body(h) for h in hits] if locations else [],
+                "by_tier": by_tier(hits)}
+
+    def prepare(self, namespace_id: str, chains: list[list[str]], reader: str) -> dict:
+        """Pin the leading hits an engine can read of every chain, under one token (a block that
+        chains share is pinned once). NVMe/S3-only hits are staged into memory first."""
+        found = [self._index.lookup(namespace_id, c, record=False) for c in chains]
+        if any(h.tier.kind not in tiers.ENGINE_READABLE for hits in found for h in hits):
+            self._promote([h for hits in found for h in hits])
+            found = [self._index.lookup(namespace_id, c, record=False) for c in chains]
+        found = [_readable_prefix(hits) for hits in found]
+        wanted = list({h.replica.id: None for hits in found for h in hits})
+        if not wanted:
+            return {"token": None, "expires_at": None, "chains": [[] for _ in chains]}
+        token = secrets.token_hex(16)
+        expires_at = self._clock() + self._settings.lease_ttl_s
+        pinned = self._write(lambda tx: repo.pin(tx.session, wanted, token, reader, expires_at))
+        found = [_pinned_prefix(hits, pinned) for hits in found]
+        for asked, hits in zip(chains, found):
+            self._metrics.count_lookup(len(asked), len(hits))
+            self._index.record(hits)
+        return {"token": token if pinned else None, "expires_at": expires_at if pinned else None,
+                "chains": [[hit_body(h) for h in hits] for hits in found]}
+
+    def complete(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
+        failed = {b.hash for b in req.blocks if not b.ok}
+
+        def job(tx: Tx) -> tuple[int, int]:
+            pinned = repo.pinned_by_token(tx.session, req.token)
+            if not pinned:
+                raise KVStoreError("conflict", "unknown or expired lease token", token=req.token)
+            invalidated = 0
+            for replica, block in pinned:
+                if block.hash in failed and replica.state != DELETING:
+                    replica.state = DELETING  # no new pins; pages freed when the last pin goes
+                    invalidated += 1
+            repo.delete_leases(tx.session, req.token)
+            if invalidated or any(r.state == DELETING for r, _ in pinned):
+                self._reclaim.collect_deleting(tx)
+            return len(pinned), invalidated
+
+        released, invalidated = self._write(job)
+        self._metrics.checksum_failures.inc(invalidated)
+        return specs.LoadCompleted(released=released, invalidated=invalidated)
+
+    def flush_accesses(self) -> int:
+        """What lookups and loads found since the last flush: recency and counts to SQL in one
+        statement, hits to the tier policies (deepest block first, so a prefix stays more recent
+        than its suffixes)."""
+        accesses = self._index.drain_accesses()
+        if not accesses:
+            return 0
+        counts: dict[int, tuple[float, int]] = {}
+        for at, hits in accesses:
+            for hit in hits:
+                counts[hit.entry.block_id] = (at, counts.get(hit.entry.block_id, (0.0, 0))[1] + 1)
+
+        def job(tx: Tx) -> None:
+            repo.record_hits(tx.session, counts)
+            by_id = {t.id: t for t in tx.session.query(Tier)}
+            for _, hits in accesses:
+                for hit in reversed(hits):
+                    held = [by_id[r.tier_id] for r in hit.entry.replicas if r.tier_id in by_id]
+                    first = by_id.get(hit.tier.id)
+                    if first is not None:
+                        self._policies.hit([first] + [t for t in held if t.id != first.id],
+                                           block_key(hit.entry.namespace_id, hit.hash))
+        self._write(job)
+        return len(counts)
+
+
+def hit_body(hit: Hit) -> dict:
+    tier, worker = hit.tier, hit.worker
+    if tier.kind == "s3":
+        runs = [(0, hit.entry.nbytes)]
+    else:
+        runs = specs.page_spans(tier.base_addr, tier.page_bytes, hit.replica.pages, hit.entry.nbytes)
+    return {"hash": hit.hash, "nbytes": hit.entry.nbytes, "checksum": hit.entry.checksum,
+            "location": {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name,
+                         "tier": tier.kind, "runs": runs}}
+
+
+def by_tier(hits: list[Hit]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for hit in hits:
+        counts[hit.tier.kind] = counts.get(hit.tier.kind, 0) + 1
+    return counts
+
+
+def _readable_prefix(hits: list[Hit]) -> list[Hit]:
+    """The leading hits a connector can read itself (a block left on NVMe or S3 ends the prefix)."""
+    for i, hit in enumerate(hits):
+        if hit.tier.kind not in tiers.ENGINE_READABLE:
+            return hits[:i]
+    return hits
+
+
+def _pinned_prefix(hits: list[Hit], pinned: set[int]) -> list[Hit]:
+    """A replica that stopped being readable since the index was read ends the prefix."""
+    for i, hit in enumerate(hits):
+        if hit.replica.id not in pinned:
+            return hits[:i]
+    return hits

@@ -1,0 +1,67 @@
+"""The directory's calls to storage workers, made outside every job (never inside a transaction).
+
+    calls.grant(url, kind, token, max_pages) -> runs   # page credit for a memory tier
+    calls.allocate(url, kind, token, sizes) -> runs | None per size
+    calls.move(url, items) -> MoveResult                # a worker that cannot be reached failed them all
+    calls.free_later(url, items) -> callable            # for Tx.after_commit: give pages back / delete objects
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from kvstore.client.worker import WorkerControlClient
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+
+MOVE_TIMEOUT_S = 300.0  # a batch of NVMe or S3 copies; a move's destination expires after this too
+
+
+class WorkerCalls:
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self._timeout_s = timeout_s
+        self._clients: dict[str, WorkerControlClient] = {}
+        self._lock = threading.Lock()
+
+    def client(self, url: str) -> WorkerControlClient:
+        with self._lock:
+            if url not in self._clients:
+                self._clients[url] = WorkerControlClient(url, timeout_s=self._timeout_s)
+            return self._clients[url]
+
+    def grant(self, url: str, kind: str, token: str, max_pages: int) -> list[specs.PageRun]:
+        return self.client(url).grant(specs.GrantRequest(token=token, kind=kind, max_pages=max_pages)).runs
+
+    def allocate(self, url: str, kind: str, token: str, sizes: list[int]) -> list[list[specs.PageRun] | None]:
+        return self.client(url).allocate(specs.AllocRequest(token=token, kind=kind, sizes=sizes)).runs
+
+    def move(self, url: str, items: list[specs.MoveItem], deadline: float) -> specs.MoveResult:
+        """The worker must not start after `deadline` (unix time); we wait for it until a little after."""
+        try:
+            return self.client(url).move(specs.MoveRequest(items=items, expires_at=deadline),
+                                         timeout_s=MOVE_TIMEOUT_S + 5.0)
+        except KVStoreError as exc:
+            return specs.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
+                                    codes=["unreachable"] * len(items))
+
+    def free_later(self, url: str, items: list[tuple]) -> Callable[[], None]:
+        """A call giving (token, page runs[, object name]) back to the worker; runs are PageRuns or
+        [first, count]; an object name (s3) means: delete that object."""
+        def free() -> None:
+            if items:
+                body = specs.FreeRequest(items=[
+                    specs.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]], object=i[2] if len(i) > 2 else None)
+                    for i in items])
+                self.client(url).free(body)
+        return free
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+
+def _page_run(run) -> specs.PageRun:
+    return run if isinstance(run, specs.PageRun) else specs.PageRun(first=run[0], count=run[1])
