@@ -27,6 +27,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -56,19 +57,34 @@ def chain_hashes(chain: int, length: int = CHAIN) -> list[str]:
     return [block_hash(chain * CHAIN + k) for k in range(length)]
 
 
+class _Connection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers and body are two writes
+
+
 class Http:
     """One keep-alive connection; JSON in, JSON out; seconds per call."""
 
     def __init__(self, port: int) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port)
+        self.port = port
+        self.conn = _Connection("127.0.0.1", port)
 
     def post(self, path: str, body: dict) -> tuple[dict, float]:
         data = json.dumps(body).encode()
-        t0 = time.perf_counter()
-        self.conn.request("POST", path, data, {"content-type": "application/json"})
-        response = self.conn.getresponse()
-        payload = response.read()
-        elapsed = time.perf_counter() - t0
+        for attempt in (0, 1):  # the server closes a connection idle for a few seconds
+            try:
+                t0 = time.perf_counter()
+                self.conn.request("POST", path, data, {"content-type": "application/json"})
+                response = self.conn.getresponse()
+                payload = response.read()
+                elapsed = time.perf_counter() - t0
+                break
+            except (ConnectionError, http.client.HTTPException):
+                self.conn.close()
+                self.conn = _Connection("127.0.0.1", self.port)
+                if attempt:
+                    raise
         if response.status != 200:
             raise RuntimeError(f"{path}: HTTP {response.status}: {payload[:300]!r}")
         return json.loads(payload), elapsed

@@ -43,6 +43,11 @@ class PageAllocator:
         return -(-nbytes // self.page_bytes)
 
     def allocate(self, token: str, nbytes: int, contiguous: bool = False) -> list[PageRun] | None:
+        runs = self.allocate_pairs(token, nbytes, contiguous)
+        return None if runs is None else [PageRun(first=f, count=c) for f, c in runs]
+
+    def allocate_pairs(self, token: str, nbytes: int, contiguous: bool = False) -> list[tuple[int, int]] | None:
+        """`allocate` as (first, count) pairs: no model per run, for callers that place many blocks."""
         need = self.pages_for(nbytes)
         assert need > 0, "allocate needs a positive size"
         with self._lock:
@@ -53,7 +58,24 @@ class PageAllocator:
                 return None
             self.free_pages -= need
             self._owned.setdefault(token, set()).update(runs)
-        return [PageRun(first=f, count=c) for f, c in runs]
+        return runs
+
+    def allocate_many(self, token: str, sizes: list[int]) -> list[list[tuple[int, int]] | None]:
+        """`allocate_pairs` for each size in turn; when one free run holds them all, they are cut
+        from it in one step (a save of many blocks into an unfragmented pool)."""
+        needs = [self.pages_for(n) for n in sizes]
+        total = sum(needs)
+        with self._lock:
+            whole = self._take_contiguous(total) if 0 < total <= self.free_pages else None
+            if whole is not None:
+                self.free_pages -= total
+                first, runs = whole[0][0], []
+                for need in needs:
+                    runs.append([(first, need)])
+                    first += need
+                self._owned.setdefault(token, set()).update(r[0] for r in runs)
+                return runs
+        return [self.allocate_pairs(token, n) for n in sizes]
 
     def grant(self, token: str, max_pages: int) -> list[PageRun]:
         """Up to `max_pages` free pages, in as few runs as the free list allows, tagged by `token`
@@ -67,8 +89,9 @@ class PageAllocator:
             self._owned.setdefault(token, set()).update(runs)
         return [PageRun(first=f, count=c) for f, c in runs]
 
-    def free(self, token: str, runs: list[PageRun]) -> bool:
-        pairs = {(r.first, r.count) for r in runs}
+    def free(self, token: str, runs: list) -> bool:
+        """`runs`: PageRuns or (first, count) pairs."""
+        pairs = {(r.first, r.count) if isinstance(r, PageRun) else (r[0], r[1]) for r in runs}
         with self._lock:
             owned = self._owned.get(token, set())
             if not pairs <= owned:
@@ -89,10 +112,11 @@ class PageAllocator:
                 self.num_pages += run.count
                 self.free_pages += run.count
 
-    def reserve(self, token: str, runs: list[PageRun]) -> bool:
-        """Take exactly these pages for `token` (they must all be free); False changes nothing."""
+    def reserve(self, token: str, runs: list) -> bool:
+        """Take exactly these pages (PageRuns or pairs) for `token` (they must all be free); False
+        changes nothing."""
         with self._lock:
-            wanted = [(r.first, r.count) for r in runs]
+            wanted = [(r.first, r.count) if isinstance(r, PageRun) else (r[0], r[1]) for r in runs]
             if not all(self._is_free(first, count) for first, count in wanted):
                 return False
             for first, count in wanted:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from contextlib import asynccontextmanager
 
@@ -14,19 +15,31 @@ from pydantic import BaseModel
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.directory import db, wire
-from kvstore.directory.hot import document_bodies, hot_routes
+from kvstore.directory.hot import LookupFastPath, document_bodies, hot_routes
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.service import DirectoryService
 from kvstore.directory.settings import DirectorySettings
 
 log = logging.getLogger(__name__)
+# Threads that wait for the GIL (the writer, saves in the thread pool) get it after at most this long
+# while the event loop answers lookups; Python's default, 5 ms, starves them under a lookup load.
+GIL_SWITCH_S = 0.0005
 
 
 class NamespaceBody(BaseModel):
     namespace: dict
 
 
-def create_app(settings: DirectorySettings | None = None) -> FastAPI:
+def create_app(settings: DirectorySettings | None = None):
+    """The directory as an ASGI app: FastAPI behind the lookup fast path. `.state.service` is the
+    service, `.fastapi` the framework app (routes, OpenAPI)."""
+    app = create_fastapi(settings)
+    fast = LookupFastPath(app, app.state.service)
+    fast.state, fast.fastapi = app.state, app
+    return fast
+
+
+def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
     settings = settings or DirectorySettings()
     if settings.migrate_on_start:
         db.upgrade(settings.database_url)
@@ -44,6 +57,7 @@ def create_app(settings: DirectorySettings | None = None) -> FastAPI:
         service.close()
         engine.dispose()
 
+    sys.setswitchinterval(GIL_SWITCH_S)
     app = FastAPI(title="kvstore directory", version="1", lifespan=lifespan)
     app.state.service = service
     _add_error_handlers(app)

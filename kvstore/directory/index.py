@@ -4,7 +4,7 @@
     index.reload(session, block_ids)         # after a commit that touched these blocks
     index.reload_topology(session)           # after a commit that touched workers or tiers
     index.lookup(namespace_id, hashes) -> [Hit]   # leading blocks with a readable replica; no lock, no SQL
-    index.drain_accesses() -> [(time, hits)]      # what lookups found, for the access statistics
+    index.drain_accesses() -> (counts, hits)      # what lookups found since, for the access statistics
 
 SQL is the truth; this is a copy the writer brings up to date after each group
 commit and before it answers the callers, so a lookup never sees a block
@@ -16,8 +16,7 @@ values (an entry, the topology dicts), which other threads see atomically.
 from __future__ import annotations
 
 import sys
-import time
-from collections import deque
+from collections import Counter
 from typing import NamedTuple
 
 from sqlalchemy import select
@@ -27,7 +26,6 @@ from kvstore.core import tiers
 from kvstore.directory.models import Block, Replica, Tier, Worker
 from kvstore.directory.models.replica import VISIBLE
 
-ACCESS_LOG = 100_000  # lookups remembered between two flushes of the access statistics
 CHUNK = 500  # ids per IN list
 
 
@@ -79,7 +77,8 @@ class Index:
         self._where: dict[int, tuple[str, str]] = {}  # block id -> (namespace, hash)
         self.tiers: dict[int, TierView] = {}
         self.workers: dict[int, WorkerView] = {}
-        self._accesses: deque = deque(maxlen=ACCESS_LOG)
+        self._counts: Counter = Counter()  # block id -> hits since the last drain, deepest first seen first
+        self._hits: dict[int, Hit] = {}  # block id -> its latest hit
 
     @property
     def num_blocks(self) -> int:
@@ -104,15 +103,18 @@ class Index:
         return hits
 
     def record(self, hits: list[Hit]) -> None:
-        """Count these hits in the access statistics (flushed to SQL in batches, off the request path)."""
+        """Count these hits in the access statistics (flushed to SQL in batches, off the request
+        path). C-level dict updates: a few microseconds for a long prefix."""
         if hits:
-            self._accesses.append((time.time(), hits))
+            deepest_first = hits[::-1]
+            ids = [h.entry.block_id for h in deepest_first]
+            self._counts.update(ids)
+            self._hits.update(zip(ids, deepest_first))
 
-    def drain_accesses(self) -> list[tuple[float, list[Hit]]]:
-        drained = []
-        while self._accesses:
-            drained.append(self._accesses.popleft())
-        return drained
+    def drain_accesses(self) -> tuple[Counter, dict[int, Hit]]:
+        counts, hits = self._counts, self._hits
+        self._counts, self._hits = Counter(), {}
+        return counts, hits
 
     # ---- updates (the writer thread, or start-up) -----------------------------------------------
 
@@ -128,6 +130,19 @@ class Index:
             chunk = ids[start : start + CHUNK]
             self._apply(session.execute(_rows_query().where(Block.id.in_(chunk))), set(chunk),
                         notify=self.on_change is not None)
+
+    def add(self, rows: list[tuple]) -> None:
+        """Replicas just committed READY, as (block id, namespace, hash, parent, nbytes, checksum,
+        replica id, tier id, epoch, pages): merged into their blocks' entries."""
+        merged = []
+        for block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages in rows:
+            old = self._blocks.get(namespace_id, {}).get(block_hash)
+            others = [r for r in old.replicas if r.id != replica_id] if old is not None else []
+            merged += [(block_id, namespace_id, block_hash, parent, nbytes, checksum, r.id, r.tier_id, r.epoch,
+                        r.pages) for r in others]
+            merged.append((block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch,
+                           pages))
+        self._apply(merged, set(), notify=self.on_change is not None)
 
     def reload_topology(self, session: Session) -> None:
         self.workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state)

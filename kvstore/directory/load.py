@@ -19,12 +19,14 @@ from kvstore.core.errors import KVStoreError
 from kvstore.directory import repository as repo
 from kvstore.directory.index import Hit, Index
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.models import Tier
 from kvstore.directory.models.replica import DELETING
 from kvstore.directory.policy import TierPolicies, block_key
 from kvstore.directory.reclaim import Reclaim
 from kvstore.directory.settings import DirectorySettings
 from kvstore.directory.writer import Tx
+
+
+FLUSH_CHUNK = 2000  # blocks per access-statistics job: the writer is never held long
 
 
 class Loads:
@@ -89,29 +91,23 @@ class Loads:
         return specs.LoadCompleted(released=released, invalidated=invalidated)
 
     def flush_accesses(self) -> int:
-        """What lookups and loads found since the last flush: recency and counts to SQL in one
-        statement, hits to the tier policies (deepest block first, so a prefix stays more recent
-        than its suffixes)."""
-        accesses = self._index.drain_accesses()
-        if not accesses:
-            return 0
-        counts: dict[int, tuple[float, int]] = {}
-        for at, hits in accesses:
-            for hit in hits:
-                counts[hit.entry.block_id] = (at, counts.get(hit.entry.block_id, (0.0, 0))[1] + 1)
-
-        def job(tx: Tx) -> None:
-            repo.record_hits(tx.session, counts)
-            by_id = {t.id: t for t in tx.session.query(Tier)}
-            for _, hits in accesses:
-                for hit in reversed(hits):
-                    held = [by_id[r.tier_id] for r in hit.entry.replicas if r.tier_id in by_id]
-                    first = by_id.get(hit.tier.id)
-                    if first is not None:
-                        self._policies.hit([first] + [t for t in held if t.id != first.id],
-                                           block_key(hit.entry.namespace_id, hit.hash))
-        self._write(job)
-        return len(counts)
+        """What lookups and loads found since the last flush, off the request path: hit counts and
+        the time of this flush to SQL (chunked jobs), and the hits to the tier policies, deepest
+        block of a lookup first (a prefix stays more recent than its suffixes). Returns the
+        distinct blocks flushed."""
+        counts, hits = self._index.drain_accesses()
+        now = self._clock()
+        ids = list(counts)
+        for start in range(0, len(ids), FLUSH_CHUNK):
+            chunk = ids[start : start + FLUSH_CHUNK]
+            with self._policies.lock:
+                for block_id in chunk:
+                    hit = hits[block_id]
+                    held = [hit.tier.id] + [r.tier_id for r in hit.entry.replicas if r.tier_id != hit.tier.id]
+                    self._policies.hit_ids(held, block_key(hit.entry.namespace_id, hit.hash))
+            stats = {block_id: (now, counts[block_id]) for block_id in chunk}
+            self._write(lambda tx, s=stats: repo.record_hits(tx.session, s))
+        return len(ids)
 
 
 def hit_body(hit: Hit) -> dict:

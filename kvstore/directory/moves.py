@@ -108,10 +108,11 @@ class Moves:
             if not readable or (runs is not None and pages is None):
                 continue
             if dest_kind in tiers.MEMORY:
-                pages = self._pools.allocate(dest_id, worker_epoch, nbytes)
-                if pages is None:
+                pairs = self._pools.allocate(dest_id, worker_epoch, nbytes)
+                if pairs is None:
                     break  # the memory tier is full: what did not fit stays where it is
-                tx.on_rollback.append(lambda p=pages: self._pools.free(dest_id, worker_epoch, p))
+                tx.on_rollback.append(lambda p=pairs: self._pools.free(dest_id, worker_epoch, p))
+                pages = [specs.PageRun(first=f, count=c) for f, c in pairs]
             taken.add(k)
             pages = pages or []
             reserved = nbytes if dest_kind == "s3" else sum(r.count for r in pages) * page_bytes

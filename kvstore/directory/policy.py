@@ -23,6 +23,7 @@ holds is dropped by the caller, and a policy that runs dry is synced again.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass, field
 
 from kvstore.policies import Backpressure, make_admission, make_eviction
@@ -57,10 +58,22 @@ class _TierPolicy:
     pressure: list = field(default_factory=list)  # Backpressure conditions to update
 
 
+def _locked(method):
+    def call(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
+
+
 class TierPolicies:
+    """Used by the writer thread (admission, victims, changes the index reports) and by the reaper
+    (hits, in chunks): every call holds `lock`, briefly."""
+
     def __init__(self, eviction: dict[str, str], admission: dict[str, str]) -> None:
         self._names = eviction, admission  # by tier kind
         self._tiers: dict[int, _TierPolicy] = {}
+        self.lock = threading.RLock()
 
     def _of(self, tier) -> _TierPolicy:
         if tier.id not in self._tiers:
@@ -71,16 +84,19 @@ class TierPolicies:
                                                pressure=[c for c in conditions if isinstance(c, Backpressure)])
         return self._tiers[tier.id]
 
+    @_locked
     def forget(self, tier_id: int) -> None:
         """The tier went away (its worker re-registered with new tiers)."""
         self._tiers.pop(tier_id, None)
 
+    @_locked
     def admit(self, tier, key: str, nbytes: int) -> Decision:
         policy = self._of(tier)
         for condition in policy.pressure:
             condition.pressure = tier.used_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
         return policy.admission.admit(key, nbytes)
 
+    @_locked
     def hit(self, tiers: list, key: str) -> None:
         """`key` was found; `tiers` hold it, the one that serves it first."""
         for i, tier in enumerate(tiers):
@@ -90,9 +106,23 @@ class TierPolicies:
             if i == 0:
                 policy.admission.record(key)
 
+    @_locked
+    def hit_ids(self, tier_ids: list[int], key: str) -> None:
+        """Like `hit`, by tier id, for tiers that already have a policy (the first serves the key)."""
+        for i, tier_id in enumerate(tier_ids):
+            policy = self._tiers.get(tier_id)
+            if policy is None:
+                continue
+            if key in policy.eviction:
+                policy.eviction.touch(key)
+            if i == 0:
+                policy.admission.record(key)
+
+    @_locked
     def built(self, tier) -> bool:
         return self._of(tier).built
 
+    @_locked
     def changed(self, key: str, parent: str | None, added: list[int], removed: list[int]) -> None:
         """Replicas of `key` became readable on the tiers `added` and left `removed` (tier ids)."""
         for tier_id in removed:
@@ -104,6 +134,7 @@ class TierPolicies:
             if policy is not None and policy.built and key not in policy.eviction:
                 policy.eviction.insert(key, parent)
 
+    @_locked
     def evict(self, tier, n: int, keep: set[str]) -> list[str] | None:
         """Up to `n` victims from the tier's policy as it stands (no sync); None when it is empty."""
         policy = self._of(tier)
@@ -112,10 +143,12 @@ class TierPolicies:
             victims = policy.eviction.evict(1, keep)
         return victims
 
+    @_locked
     def unbuild(self, tier) -> None:
         """The next victims() syncs from the rows again (the policy ran dry while the tier is full)."""
         self._of(tier).built = False
 
+    @_locked
     def victims(self, tier, rows: list[VictimRow], protected: set[str], to_free: int, limit: int,
                 dry_run: bool = False) -> list:
         """Sync the tier's eviction policy with `rows` (its READY replicas), then evict until

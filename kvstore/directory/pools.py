@@ -43,14 +43,20 @@ class PagePools:
             self._pools[tier_id] = found
         found[1].add_free(runs)
 
-    def allocate(self, tier_id: int, epoch: int, nbytes: int) -> list[specs.PageRun] | None:
+    def allocate(self, tier_id: int, epoch: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """(first, count) page runs, or None when the credit cannot hold `nbytes`."""
         pool = self._pool(tier_id, epoch)
-        return pool.allocate(OWNER, nbytes) if pool is not None else None
+        return pool.allocate_pairs(OWNER, nbytes) if pool is not None else None
+
+    def allocate_many(self, tier_id: int, epoch: int, sizes: list[int]) -> list[list[tuple[int, int]] | None]:
+        """`allocate` for each size in turn, from one contiguous stretch when the pool has one."""
+        pool = self._pool(tier_id, epoch)
+        return pool.allocate_many(OWNER, sizes) if pool is not None else [None] * len(sizes)
 
     def free(self, tier_id: int, epoch: int, runs) -> None:
         pool = self._pool(tier_id, epoch)
         if pool is not None and runs:
-            assert pool.free(OWNER, [_run(r) for r in runs]), "pages freed twice or never allocated"
+            assert pool.free(OWNER, runs), "pages freed twice or never allocated"
 
     def free_bytes(self, tier_id: int, epoch: int) -> int:
         pool = self._pool(tier_id, epoch)
@@ -72,7 +78,7 @@ class PagePools:
                 self.add(grant.tier_id, grant.epoch, tier.page_bytes, [_run(r) for r in grant.runs])
         for tier_id, (epoch, pool) in self._pools.items():
             for pages in repo.pages_in_use(session, tier_id, epoch):
-                if not pool.reserve(OWNER, [_run(r) for r in pages]):
+                if not pool.reserve(OWNER, pages):
                     log.warning("tier %d: a replica's pages %s are outside the granted pages", tier_id, pages)
 
 

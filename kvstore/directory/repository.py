@@ -33,6 +33,10 @@ class WritingRow(NamedTuple):
     hash: str
     worker_epoch: int
     tier_id: int
+    namespace_id: str
+    parent: str | None
+    nbytes: int
+    pages: list
 
 
 def namespace(session: Session, namespace_id: str) -> NamespaceRow | None:
@@ -76,9 +80,13 @@ def replicas_of(session: Session, block_ids: list[int]) -> list[tuple[Replica, T
 
 def is_visible(replica: Replica, tier: Tier, worker: Worker) -> bool:
     """Readable now: READY/MOVING on a live worker; a memory tier only in the epoch that wrote it."""
-    if replica.state not in VISIBLE or (tier.kind != "s3" and worker.state == "dead"):
+    return readable(replica.state, replica.epoch, tier.kind, worker.state, worker.epoch)
+
+
+def readable(state: str, epoch: int, tier_kind: str, worker_state: str, worker_epoch: int) -> bool:
+    if state not in VISIBLE or (tier_kind != "s3" and worker_state == "dead"):
         return False
-    return tier.kind not in MEMORY or replica.epoch == worker.epoch
+    return tier_kind not in MEMORY or epoch == worker_epoch
 
 
 def visible_replicas(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
@@ -86,15 +94,51 @@ def visible_replicas(session: Session, block_ids: list[int]) -> list[tuple[Repli
 
 
 def insert_blocks(session: Session, rows: list[dict]) -> dict[str, int]:
-    """Insert block rows in one statement; returns hash -> id."""
+    """Insert block rows with one executemany (Core: no ORM bookkeeping); returns hash -> id."""
     if not rows:
         return {}
-    return {h: i for i, h in session.execute(insert(Block).returning(Block.id, Block.hash), rows)}
+    session.connection().execute(Block.__table__.insert(), rows)
+    refs = block_refs(session, rows[0]["namespace_id"], [r["hash"] for r in rows])
+    return {h: ref.id for h, ref in refs.items()}
 
 
 def insert_replicas(session: Session, rows: list[dict]) -> None:
     if rows:
-        session.execute(insert(Replica), rows)
+        session.connection().execute(Replica.__table__.insert(), rows)
+
+
+class BlockRef(NamedTuple):
+    id: int
+    depth: int
+
+
+class ReplicaState(NamedTuple):
+    block_id: int
+    state: str
+    epoch: int
+    tier_kind: str
+    worker_state: str
+    worker_epoch: int
+
+
+def block_refs(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, BlockRef]:
+    """hash -> (id, depth) of the blocks the directory has, as plain rows."""
+    found: dict[str, BlockRef] = {}
+    for chunk in chunks(hashes):
+        query = select(Block.hash, Block.id, Block.depth).where(Block.namespace_id == namespace_id,
+                                                                Block.hash.in_(chunk))
+        found.update((h, BlockRef(i, d)) for h, i, d in session.execute(query))
+    return found
+
+
+def replica_states(session: Session, block_ids: list[int]) -> list[ReplicaState]:
+    rows = []
+    for chunk in chunks(block_ids):
+        query = (select(Replica.block_id, Replica.state, Replica.epoch, Tier.kind, Worker.state, Worker.epoch)
+                 .join(Tier, Replica.tier_id == Tier.id).join(Worker, Tier.worker_id == Worker.id)
+                 .where(Replica.block_id.in_(chunk)))
+        rows.extend(ReplicaState(*row) for row in session.execute(query))
+    return rows
 
 
 def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[Replica, Block, Tier, Worker]]:
@@ -105,7 +149,8 @@ def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[
 
 
 def writing_rows(session: Session, token: str) -> list[WritingRow]:
-    query = (select(Replica.id, Replica.epoch, Replica.expires_at, Block.id, Block.hash, Worker.epoch, Tier.id)
+    query = (select(Replica.id, Replica.epoch, Replica.expires_at, Block.id, Block.hash, Worker.epoch, Tier.id,
+                    Block.namespace_id, Block.parent, Block.nbytes, Replica.pages)
              .join(Block, Replica.block_id == Block.id).join(Tier, Replica.tier_id == Tier.id)
              .join(Worker, Tier.worker_id == Worker.id).where(Replica.token == token, Replica.state == WRITING))
     return [WritingRow(*row) for row in session.execute(query)]
@@ -154,12 +199,12 @@ def pin(session: Session, replica_ids: list[int], token: str, holder: str, expir
 
 
 def commit_replicas(session: Session, replica_ids: list[int], checksums: dict[int, str]) -> None:
-    """WRITING -> READY for `replica_ids`; record each block's checksum (block id -> checksum)."""
+    """WRITING -> READY for `replica_ids`; record each block's checksum (block id -> checksum). The
+    caller tells the index (Tx.committed)."""
     for chunk in chunks(replica_ids):
         session.execute(update(Replica).where(Replica.id.in_(chunk)).values(state=READY, expires_at=None)
                         .execution_options(synchronize_session=False))
     if checksums:
-        touched(session, checksums)
         table = Block.__table__
         session.connection().execute(
             update(table).where(table.c.id == bindparam("b_id")).values(checksum=bindparam("b_sum")),

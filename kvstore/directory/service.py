@@ -70,13 +70,17 @@ class DirectoryService:
         self._namespaces: dict[str, Namespace] = {}
         self._reaping = threading.Lock()
 
-    def _follow_commit(self, touched: set[int], topology: bool) -> None:
-        """After each group commit (writer thread): the index follows the rows the group touched."""
-        with self._sessions() as session:
-            if topology:
-                self.index.reload_topology(session)
-            if touched:
-                self.index.reload(session, touched)
+    def _follow_commit(self, touched: set[int], topology: bool, committed: list) -> None:
+        """After each group commit (writer thread): the index adds the replicas the group committed,
+        then reads back every other block the group touched (that read is the final word)."""
+        if committed:
+            self.index.add(committed)
+        if touched or topology:
+            with self._sessions() as session:
+                if topology:
+                    self.index.reload_topology(session)
+                if touched:
+                    self.index.reload(session, touched)
 
     # ---- start -------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.models import Block, Tier, Worker
+from kvstore.directory.models import Tier, Worker
 from kvstore.directory.models.replica import READY, WRITING
 from kvstore.directory.policy import TierPolicies, block_key
 from kvstore.directory.pools import PagePools
@@ -56,8 +56,8 @@ class Store:
         return prepared
 
     def _prepare(self, tx: Tx, req, now: float, room_first: bool):
-        existing = repo.blocks_by_hash(tx.session, req.namespace_id, [b.hash for b in req.blocks])
-        states = _replica_states(tx.session, existing)
+        existing = repo.block_refs(tx.session, req.namespace_id, [b.hash for b in req.blocks])
+        states = _replica_states(tx.session, existing) if existing else {}
         decisions: dict[str, specs.StoreDecision] = {}
         wanted = []
         for block in req.blocks:
@@ -76,7 +76,7 @@ class Store:
         return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
                 "blocks": [decisions[b.hash] for b in req.blocks]}
 
-    def _place(self, tx: Tx, namespace_id: str, wanted: list[specs.BlockToStore], existing: dict[str, Block],
+    def _place(self, tx: Tx, namespace_id: str, wanted: list[specs.BlockToStore], existing: dict[str, repo.BlockRef],
                token: str, expires_at: float, now: float, decisions: dict, room_first: bool) -> int | _NeedRoom:
         """Pages for `wanted` on the placement tier, from the page pool; fills `decisions`. With
         `room_first`, a request the pool cannot hold changes nothing and asks for room instead."""
@@ -93,23 +93,25 @@ class Store:
             return _NeedRoom(tier.id, worker.id, need)
         wanted = self._admitted(tier, namespace_id, wanted, decisions)
         placed, rejected = [], set()
-        for block in wanted:
-            runs = None if block.parent in rejected else self._pools.allocate(tier.id, worker.epoch, block.nbytes)
-            if runs is None:  # a suffix without its prefix is useless
+        allocated = self._pools.allocate_many(tier.id, worker.epoch, [b.nbytes for b in wanted])
+        for block, runs in zip(wanted, allocated):
+            if runs is not None and block.parent in rejected:  # a suffix without its prefix is useless
+                self._pools.free(tier.id, worker.epoch, runs)
+                runs = None
+            if runs is None:
                 rejected.add(block.hash)
                 room = self._pools.free_bytes(tier.id, worker.epoch) >= block.nbytes
                 decisions[block.hash] = _rejected(block.hash, "parent_rejected" if room else "no_space")
             else:
                 placed.append((block, runs))
-                tx.on_rollback.append(lambda r=runs: self._pools.free(tier.id, worker.epoch, r))
+        tx.on_rollback.append(lambda: [self._pools.free(tier.id, worker.epoch, runs) for _, runs in placed])
         if not placed:
             return 0
         block_ids = _new_blocks(tx, namespace_id, [b for b, _ in placed], existing, now)
         replicas = []
         for block, runs in placed:
             replicas.append(dict(block_id=block_ids[block.hash], tier_id=tier.id, epoch=worker.epoch, state=WRITING,
-                                 token=token, pages=[[r.first, r.count] for r in runs],
-                                 reserved_bytes=sum(r.count for r in runs) * tier.page_bytes,
+                                 token=token, pages=runs, reserved_bytes=sum(c for _, c in runs) * tier.page_bytes,
                                  expires_at=expires_at, created_at=now))
             decisions[block.hash] = {"hash": block.hash, "status": "admitted",
                                      "location": location(worker, tier, runs, block.nbytes)}
@@ -156,9 +158,11 @@ class Store:
             if expired or report is None or not report.ok or report.checksum is None or row.epoch != row.worker_epoch:
                 failed.append(row.replica_id)
             else:
-                good.append(row.replica_id)
+                good.append(row)
                 checksums[row.block_id] = report.checksum.lower()
-        repo.commit_replicas(tx.session, good, checksums)
+        repo.commit_replicas(tx.session, [r.replica_id for r in good], checksums)
+        tx.committed([(r.block_id, r.namespace_id, r.hash, r.parent, r.nbytes, checksums[r.block_id], r.replica_id,
+                       r.tier_id, r.epoch, r.pages) for r in good])
         self._reclaim.drop(tx, repo.replica_rows(tx.session, failed))
         return len(good), expired, len(rows)
 
@@ -192,14 +196,14 @@ class Store:
         return renewed
 
 
-def _new_blocks(tx: Tx, namespace_id: str, blocks: list[specs.BlockToStore], existing: dict[str, Block],
+def _new_blocks(tx: Tx, namespace_id: str, blocks: list[specs.BlockToStore], existing: dict[str, repo.BlockRef],
                 now: float) -> dict[str, int]:
     """Ids of `blocks`, inserting the ones the directory has not seen. Depth follows the parent chain."""
     ids = {h: b.id for h, b in existing.items()}
     depths = {h: b.depth for h, b in existing.items()}
     outside = {b.parent for b in blocks if b.parent and b.parent not in depths} - {b.hash for b in blocks}
     if outside:  # a chain saved in several calls (chunked prefill): continue from the stored parent
-        depths.update({h: b.depth for h, b in repo.blocks_by_hash(tx.session, namespace_id, sorted(outside)).items()})
+        depths.update({h: b.depth for h, b in repo.block_refs(tx.session, namespace_id, sorted(outside)).items()})
     rows = []
     for block in blocks:
         if block.hash in ids:
@@ -211,15 +215,15 @@ def _new_blocks(tx: Tx, namespace_id: str, blocks: list[specs.BlockToStore], exi
     return ids
 
 
-def _replica_states(session, blocks: dict[str, Block]) -> dict[str, set[str]]:
+def _replica_states(session, blocks: dict[str, repo.BlockRef]) -> dict[str, set[str]]:
     """Per block hash: READY if some replica is visible, WRITING if a live reservation exists."""
     by_id = {b.id: h for h, b in blocks.items()}
     states: dict[str, set[str]] = {}
-    for replica, tier, worker in repo.replicas_of(session, list(by_id)):
-        if repo.is_visible(replica, tier, worker):
-            states.setdefault(by_id[replica.block_id], set()).add(READY)
-        elif replica.state == WRITING and replica.epoch == worker.epoch:
-            states.setdefault(by_id[replica.block_id], set()).add(WRITING)
+    for r in repo.replica_states(session, list(by_id)):
+        if repo.readable(r.state, r.epoch, r.tier_kind, r.worker_state, r.worker_epoch):
+            states.setdefault(by_id[r.block_id], set()).add(READY)
+        elif r.state == WRITING and r.epoch == r.worker_epoch:
+            states.setdefault(by_id[r.block_id], set()).add(WRITING)
     return states
 
 

@@ -44,13 +44,18 @@ class Tx:
         self.after_commit: list[Callable[[], None]] = []
         self.on_rollback: list[Callable[[], None]] = []
 
+    def committed(self, rows: list) -> None:
+        """Replicas this job made READY, for the index to add without reading them back (rows the
+        group also touched otherwise are read back anyway, after these are applied)."""
+        self.session.info["committed"].extend(rows)
+
 
 
 class Writer:
     def __init__(self, sessions: sessionmaker[Session],
-                 on_commit: Callable[[set[int], bool], None] | None = None) -> None:
+                 on_commit: Callable[[set[int], bool, list], None] | None = None) -> None:
         self._sessions = sessions
-        self._on_commit = on_commit or (lambda blocks, topology: None)
+        self._on_commit = on_commit or (lambda blocks, topology, committed: None)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.groups = self.jobs = 0  # for the group-commit ratio in /v1/admin/stats
         event.listen(sessions, "after_flush", _note_flushed)
@@ -93,17 +98,21 @@ class Writer:
     def _run_group(self, group: list[tuple[Callable[[Tx], Any], Future]]) -> None:
         outcomes: list[tuple[Tx, Future, Any, BaseException | None]] = []
         with self._sessions() as session:
+            committed = session.info.setdefault("committed", [])
             for job, future in group:
                 tx = Tx(session)
+                mark = len(committed)
                 try:
                     with session.begin_nested():
                         result = job(tx)
                     outcomes.append((tx, future, result, None))
                 except BaseException as exc:
+                    del committed[mark:]  # what the failed job committed to the index is void
                     _run_all(tx.on_rollback)
                     outcomes.append((tx, future, None, exc))
             touched = session.info.pop("touched_blocks", set())
             topology = session.info.pop("topology", False)
+            session.info.pop("committed")
             try:
                 session.commit()
             except BaseException as exc:
@@ -116,8 +125,8 @@ class Writer:
                 return
         self.groups += 1
         self.jobs += len(group)
-        if touched or topology:
-            self._on_commit(touched, topology)
+        if touched or topology or committed:
+            self._on_commit(touched, topology, committed)
         for tx, future, result, error in outcomes:
             if error is None:
                 _run_all(tx.after_commit)
