@@ -30,7 +30,11 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
+    # psycopg prepares a statement on the server after 5 runs and PostgreSQL may then keep a generic
+    # plan costed for the table as it was (empty at first): a sequential scan for every IN list
+    # once the table holds millions of blocks. Planned per execution instead.
+    connect_args = {"prepare_threshold": None} if url.startswith("postgresql+psycopg") else {}
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10, connect_args=connect_args)
 
 
 def make_sessions(engine: Engine) -> sessionmaker[Session]:

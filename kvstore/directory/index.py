@@ -163,7 +163,10 @@ class Index:
         for block_id in asked - set(found):
             where = self._where.pop(block_id, None)
             if where is not None:
-                old = self._blocks.get(where[0], {}).pop(where[1], None)
+                by_hash = self._blocks.get(where[0], {})
+                old = by_hash.pop(where[1], None)
+                if not by_hash:
+                    self._blocks.pop(where[0], None)
                 if notify and old is not None:
                     self.on_change(f"{where[0]}/{where[1]}", None, [], [r.tier_id for r in old.replicas])
         for block_id, (namespace_id, block_hash, parent, nbytes, checksum, replicas) in found.items():

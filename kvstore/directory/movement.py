@@ -190,8 +190,11 @@ class Movement:
 
     def write_through(self, limit: int = MAX_MOVES_PER_ROUND) -> int:
         """Copy blocks of write-through namespaces to their worker's S3 tier (the source stays)."""
-        rows = self._write(lambda tx: [(w.id, t.id, r.id) for r, _, t, w in
-                                       repo.write_through_candidates(tx.session, limit)])
+        def candidates(tx: Tx) -> list[tuple[int, int, int]]:
+            namespaces = repo.write_through_namespaces(tx.session)  # a small table: most ticks stop here
+            return [(w.id, t.id, r.id) for r, _, t, w in
+                    repo.write_through_candidates(tx.session, namespaces, limit)] if namespaces else []
+        rows = self._write(candidates)
         by_source: dict[tuple[int, int], list[int]] = {}
         for worker_id, tier_id, replica_id in rows:
             by_source.setdefault((worker_id, tier_id), []).append(replica_id)

@@ -32,11 +32,11 @@ from kvstore.directory.models import Block, Replica, Tier, Worker
 from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
 from kvstore.directory.pools import PagePools
 from kvstore.directory.reclaim import Reclaim
-from kvstore.directory.workercalls import MOVE_TIMEOUT_S, WorkerCalls
+from kvstore.directory.workercalls import WorkerCalls
 from kvstore.directory.writer import Tx
 
 log = logging.getLogger(__name__)
-DEADLINE_SLACK_S = 30.0  # a destination outlives the move's deadline by this much before it is rolled back
+DEADLINE_SLACK_S = 30.0  # a destination outlives the move's deadline by this much (at most the move's timeout)
 
 
 class _Move(NamedTuple):
@@ -80,7 +80,7 @@ class Moves:
         runs = None
         if found.dest[1] == "nvme":  # the worker owns its disk pages: ask it, outside every job
             runs = self._calls.allocate(found.worker_url, "nvme", token, [n for _, _, n in found.rows])
-        deadline = self._clock() + MOVE_TIMEOUT_S
+        deadline = self._clock() + self._calls.move_timeout_s
         plan = self._write(lambda tx: self._reserve(tx, found, token, runs, deadline, only_ready=not source_stays))
         if not plan:
             return {}
@@ -118,7 +118,8 @@ class Moves:
             reserved = nbytes if dest_kind == "s3" else sum(r.count for r in pages) * page_bytes
             dest = Replica(block_id=block_id, tier_id=dest_id, epoch=worker_epoch, state=WRITING, token=token,
                            pages=[[r.first, r.count] for r in pages], reserved_bytes=reserved,
-                           expires_at=deadline + DEADLINE_SLACK_S, created_at=source.created_at)
+                           expires_at=deadline + min(DEADLINE_SLACK_S, self._calls.move_timeout_s),
+                           created_at=source.created_at)
             tx.session.add(dest)
             used += reserved
             if source.state == READY:

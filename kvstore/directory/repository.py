@@ -347,19 +347,23 @@ def replicas_by_id(session: Session, replica_ids: list[int]) -> dict[int, Replic
     return found
 
 
-def write_through_candidates(session: Session, limit: int) -> list[tuple[Replica, Block, Tier, Worker]]:
-    """READY DRAM/NVMe replicas of write-through namespaces whose block has no S3 copy yet, on workers
-    that have an S3 tier."""
+def write_through_namespaces(session: Session) -> list[str]:
+    return list(session.scalars(select(NamespaceRow.id).where(NamespaceRow.write_through)))
+
+
+def write_through_candidates(session: Session, namespace_ids: list[str],
+                             limit: int) -> list[tuple[Replica, Block, Tier, Worker]]:
+    """READY DRAM/NVMe replicas of these (write-through) namespaces whose block has no S3 copy yet, on
+    workers that have an S3 tier."""
     s3_tier = aliased(Tier)
     has_s3_tier = select(s3_tier.id).where(s3_tier.worker_id == Worker.id, s3_tier.kind == "s3").exists()
     other, other_tier = aliased(Replica), aliased(Tier)
     has_s3_copy = (select(other.id).join(other_tier, other.tier_id == other_tier.id)
                    .where(other.block_id == Block.id, other_tier.kind == "s3").exists())
     query = (select(Replica, Block, Tier, Worker).join(Block, Replica.block_id == Block.id)
-             .join(NamespaceRow, Block.namespace_id == NamespaceRow.id)
              .join(Tier, Replica.tier_id == Tier.id).join(Worker, Tier.worker_id == Worker.id)
-             .where(NamespaceRow.write_through, Replica.state == READY, Tier.kind.in_(("dram", "nvme")),
-                    Worker.state == "active", has_s3_tier, ~has_s3_copy)
+             .where(Block.namespace_id.in_(namespace_ids), Replica.state == READY,
+                    Tier.kind.in_(("dram", "nvme")), Worker.state == "active", has_s3_tier, ~has_s3_copy)
              .order_by(Block.created_at).limit(limit))
     return list(session.execute(query).tuples())
 

@@ -58,7 +58,7 @@ class DirectoryService:
         self.pools = PagePools()
         self.writer = Writer(sessions, self._follow_commit)
         write = self.writer.run
-        self.calls = WorkerCalls()
+        self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s)
         reclaim = Reclaim(self.calls, self.pools)
         self.movement = Movement(write, Moves(write, self.calls, reclaim, self.pools, metrics, clock), reclaim,
                                  self.pools, self.policies)

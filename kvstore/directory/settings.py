@@ -21,6 +21,8 @@ class DirectorySettings(BaseSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="what workers are told to use")
     heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="silence after which a worker is dead")
     reaper_interval_s: float = Field(0.5, gt=0, le=60)
+    move_timeout_s: float = Field(300.0, gt=0, le=3600, description="a worker must finish a batch of tier "
+                                  "moves within this; its destinations stay reserved that long (and no longer)")
     migrate_on_start: bool = Field(True, description="run alembic upgrade head at start-up")
     eviction: str = Field(DEFAULT_EVICTION, description="eviction policy of every tier (kvstore/policies)")
     admission: str = Field(DEFAULT_ADMISSION, description="admission of the memory tiers (and of NVMe/S3 where "

@@ -15,12 +15,10 @@ from kvstore.client.worker import WorkerControlClient
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 
-MOVE_TIMEOUT_S = 300.0  # a batch of NVMe or S3 copies; a move's destination expires after this too
-
-
 class WorkerCalls:
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    def __init__(self, timeout_s: float = 10.0, move_timeout_s: float = 300.0) -> None:
         self._timeout_s = timeout_s
+        self.move_timeout_s = move_timeout_s  # a batch of NVMe or S3 copies; its destinations expire after it
         self._clients: dict[str, WorkerControlClient] = {}
         self._lock = threading.Lock()
 
@@ -37,10 +35,11 @@ class WorkerCalls:
         return self.client(url).allocate(specs.AllocRequest(token=token, kind=kind, sizes=sizes)).runs
 
     def move(self, url: str, items: list[specs.MoveItem], deadline: float) -> specs.MoveResult:
-        """The worker must not start after `deadline` (unix time); we wait for it until a little after."""
+        """The worker must not start after `deadline` (unix time) nor wait past it; we wait for its
+        answer until a little after. No answer: every item is `unreachable` (outcome unknown)."""
         try:
             return self.client(url).move(specs.MoveRequest(items=items, expires_at=deadline),
-                                         timeout_s=MOVE_TIMEOUT_S + 5.0)
+                                         timeout_s=self.move_timeout_s + min(5.0, self.move_timeout_s))
         except KVStoreError as exc:
             return specs.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
                                     codes=["unreachable"] * len(items))

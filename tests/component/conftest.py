@@ -30,6 +30,7 @@ class Stack:
     allocator: PageAllocator
     namespace_id: str
     settings: DirectorySettings
+    service: object = None  # the DirectoryService behind the HTTP API (same process)
 
     def free_pages(self, worker: str = "w0") -> int:
         """Free DRAM pages as the directory accounts them; its page credit must say the same."""
@@ -60,10 +61,11 @@ def stack(directory_settings):
     allocator = PageAllocator(num_pages=32, page_bytes=PAGE)  # 32 pages: room for 16 blocks of NS
     control = ControlServer({"dram": allocator})
     control.start()
-    with ServerThread(create_app(directory_settings)) as server:
+    app = create_app(directory_settings)
+    with ServerThread(app) as server:
         client = DirectoryClient(server.url)
         s = Stack(server.url, client, httpx.Client(base_url=server.url), allocator,
-                  client.register_namespace(NS), directory_settings)
+                  client.register_namespace(NS), directory_settings, app.state.service)
         s.register_worker(control_url=control.url)
         yield s
         client.close()

@@ -1,0 +1,302 @@
+"""The control plane's hot path: lookups from memory, the writer's group commit, page credit, and the
+defects they replaced (each of these failed before its fix), over HTTP on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.pages import PageAllocator
+from kvstore.directory.app import create_app
+from kvstore.directory.index import Index
+from kvstore.worker.control import ControlServer
+from tests.component.conftest import NS, PAGE, Stack, make_settings
+from tests.component.test_directory import BLOCK, chain, complete, hits, prepare
+from tests.helpers import ServerThread, wait_until
+from kvstore.client import DirectoryClient
+
+
+def index_matches_sql(service) -> None:
+    """The lookup index equals one rebuilt from SQL: no block, replica or location differs."""
+    fresh = Index()
+    with service._sessions() as session:
+        fresh.rebuild(session)
+    assert fresh._blocks == service.index._blocks
+
+
+def test_a_lookup_takes_no_job_and_writes_nothing(database_url):
+    settings = make_settings(database_url, reaper_interval_s=60)  # no access-statistics flush meanwhile
+    control = ControlServer({"dram": PageAllocator(32, PAGE)})
+    control.start()
+    app = create_app(settings)
+    try:
+        with ServerThread(app) as server:
+            client = DirectoryClient(server.url)
+            s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings,
+                      app.state.service)
+            s.register_worker(control_url=control.url)
+            complete(s, prepare(s, chain(4)))
+            jobs = s.service.writer.jobs
+            for _ in range(50):
+                assert hits(s, chain(4)) == 4
+            assert s.service.writer.jobs == jobs  # answered from the index alone
+            assert s.service.loads.flush_accesses() == 4  # the hits reach SQL later, in one batch
+            client.close()
+    finally:
+        control.stop()
+
+
+def test_duplicate_hashes_in_one_prepare_store_are_a_400_and_reserve_nothing(stack):
+    hashes = chain(2)
+    with pytest.raises(KVStoreError) as info:
+        prepare(stack, hashes + hashes[:1])
+    assert info.value.kind == "invalid" and "more than once" in info.value.message
+    assert stack.free_pages() == 32 and stack.client.stats().reservations == 0
+
+
+def test_saving_a_cached_prefix_again_evicts_nothing(stack):
+    full = chain(16)  # 16 blocks fill the 32-page tier; there is no tier below
+    complete(stack, prepare(stack, full))
+    again = prepare(stack, full)
+    assert {b.status for b in again.blocks} == {"exists"}
+    assert hits(stack, full) == 16  # before: room was made for all 16 "new" blocks, dropping them
+
+
+def test_bad_sizes_on_a_full_tier_are_a_400_before_any_room_is_made(stack):
+    full = chain(16)
+    complete(stack, prepare(stack, full))
+    with pytest.raises(KVStoreError) as info:
+        stack.client.prepare_store(specs.PrepareStore(namespace_id=stack.namespace_id, blocks=[
+            specs.BlockToStore(hash=h, nbytes=BLOCK + 1) for h in chain(4, start=500)]))
+    assert info.value.kind == "invalid"
+    assert hits(stack, full) == 16
+
+
+def test_a_save_that_needs_more_room_than_one_round_frees_gets_it(database_url):
+    """A full DRAM-only tier and a request for most of it: room is made for the whole request."""
+    settings = make_settings(database_url)
+    control = ControlServer({"dram": PageAllocator(2 * 600, PAGE)})  # 600 blocks
+    control.start()
+    app = create_app(settings)
+    try:
+        with ServerThread(app) as server:
+            client = DirectoryClient(server.url)
+            s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings,
+                      app.state.service)
+            s.register_worker(control_url=control.url)
+            for start in range(0, 600, 100):
+                complete(s, prepare(s, chain(100, start=start * 4)))
+            big = prepare(s, chain(500, start=100_000))  # more than one round of 256 moves
+            assert [b.status for b in big.blocks] == ["admitted"] * 500
+            assert complete(s, big).committed == 500
+            client.close()
+    finally:
+        control.stop()
+
+
+def test_seventy_thousand_blocks_in_one_call_pass_every_statement(database_url):
+    """PostgreSQL takes at most 65,535 parameters a statement: every IN list is chunked."""
+    n = 70_000
+    settings = make_settings(database_url, reaper_interval_s=60)
+    control = ControlServer({"dram": PageAllocator(2 * n, PAGE)})
+    control.start()
+    app = create_app(settings)
+    try:
+        with ServerThread(app) as server:
+            client = DirectoryClient(server.url, timeout_s=300)
+            s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings,
+                      app.state.service)
+            s.register_worker(control_url=control.url)
+            hashes = [f"{i:032x}" for i in range(n)]
+            assert complete(s, prepare(s, hashes)).committed == n
+            load = client.prepare_load(specs.PrepareLoad(namespace_id=s.namespace_id, hashes=hashes))
+            assert len(load.blocks) == n
+            assert s.service.loads.flush_accesses() == n
+            assert client.complete_load(specs.CompleteLoad(token=load.token)).released == n
+            assert client.evict(s.namespace_id) == n
+            assert hits(s, hashes) == 0 and s.free_pages() == 2 * n
+            client.close()
+    finally:
+        control.stop()
+
+
+def test_concurrent_engines_never_see_a_500_and_the_index_stays_true(stack):
+    """Six engines save, look up, load and abort overlapping chains at once."""
+    errors: list[BaseException] = []
+    shared = chain(4, start=10_000)
+
+    def engine(k: int) -> None:
+        try:
+            for round_ in range(8):
+                own = chain(2, start=1000 * k + 10 * round_)
+                for hashes in (shared, own):
+                    prepared = prepare(stack, hashes)
+                    if prepared.token and round_ % 3 == 2:
+                        stack.client.abort_store(prepared.token)
+                    elif prepared.token:
+                        complete(stack, prepared)
+                    load = stack.client.prepare_load(specs.PrepareLoad(namespace_id=stack.namespace_id,
+                                                                       hashes=hashes))
+                    if load.token:
+                        stack.client.complete_load(specs.CompleteLoad(token=load.token, blocks=[
+                            specs.BlockRead(hash=b.hash, ok=k != 5 or round_ != 4) for b in load.blocks]))
+                    hits(stack, hashes)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=engine, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    stats = stack.client.stats()
+    assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
+    assert stats.committed_jobs >= stats.commit_groups
+    index_matches_sql(stack.service)
+    stack.free_pages()  # page credit and used_bytes agree
+
+
+def test_waiting_writers_share_one_commit(stack):
+    release = threading.Event()
+    started = threading.Event()
+
+    def hold(tx):  # the writer is busy while the saves queue up behind it
+        started.set()
+        release.wait(10)
+
+    holder = threading.Thread(target=stack.service.writer.run, args=(hold,))
+    holder.start()
+    started.wait(10)
+    groups = stack.service.writer.groups
+    savers = [threading.Thread(target=lambda k=k: complete(stack, prepare(stack, chain(1, start=4 * k))))
+              for k in range(6)]
+    for t in savers:
+        t.start()
+    wait_until(lambda: stack.service.writer._queue.qsize() >= 6, 10, "six prepares queued")
+    release.set()
+    holder.join()
+    for t in savers:
+        t.join()
+    # the six prepares ran in one group and their six completes in at most a few more
+    assert stack.service.writer.groups - groups <= 1 + 1 + 6 - 1
+    assert hits(stack, chain(1)) == 1
+    assert stack.client.stats().committed_jobs > stack.client.stats().commit_groups
+
+
+def test_a_failing_job_is_rolled_back_alone(stack):
+    from kvstore.directory.models import NamespaceRow
+
+    def good(tx):
+        tx.session.add(NamespaceRow(id="good0000", spec={}, created_at=0.0))
+
+    def bad(tx):
+        tx.session.add(NamespaceRow(id="bad00000", spec={}, created_at=0.0))
+        tx.session.flush()
+        raise KVStoreError("invalid", "this job fails after writing")
+
+    release, started = threading.Event(), threading.Event()
+    holder = threading.Thread(target=stack.service.writer.run,
+                              args=(lambda tx: (started.set(), release.wait(10)),))
+    holder.start()
+    started.wait(10)
+    outcome = {}
+    runners = [threading.Thread(target=lambda: outcome.setdefault("bad", _try(stack.service.writer.run, bad))),
+               threading.Thread(target=lambda: outcome.setdefault("good", _try(stack.service.writer.run, good)))]
+    for t in runners:
+        t.start()
+    wait_until(lambda: stack.service.writer._queue.qsize() >= 2, 10, "both queued")
+    release.set()
+    for t in [holder, *runners]:
+        t.join()
+    assert isinstance(outcome["bad"], KVStoreError) and outcome["good"] is None
+    with stack.service._sessions() as session:
+        assert session.get(NamespaceRow, "good0000") is not None
+        assert session.get(NamespaceRow, "bad00000") is None
+
+
+def _try(call, *args):
+    try:
+        return call(*args)
+    except KVStoreError as exc:
+        return exc
+
+
+class TwoTierWorker:
+    """DRAM and NVMe page allocators behind a control endpoint whose mover the test scripts."""
+
+    def __init__(self, mover) -> None:
+        self.dram, self.nvme = PageAllocator(32, PAGE), PageAllocator(64, PAGE)
+        self.control = ControlServer({"dram": self.dram, "nvme": self.nvme}, mover=mover)
+        self.control.start()
+
+    def register(self, s: Stack) -> None:
+        import base64
+
+        s.client.register_worker(specs.WorkerRegistration(
+            name="w0", agent_name="w0-agent", agent_metadata=base64.b64encode(b"md").decode(),
+            control_url=self.control.url, pid=1, backends=["UCX", "POSIX"], tiers=[
+                specs.TierSpec(kind="dram", capacity_bytes=32 * PAGE, page_bytes=PAGE, base_addr=1 << 20,
+                               high_watermark=1.0, low_watermark=1.0),
+                specs.TierSpec(kind="nvme", capacity_bytes=64 * PAGE, page_bytes=PAGE)]))
+
+
+def two_tier_stack(database_url, mover, **settings):
+    worker = TwoTierWorker(mover)
+    app = create_app(make_settings(database_url, **settings))
+    server = ServerThread(app).__enter__()
+    client = DirectoryClient(server.url)
+    s = Stack(server.url, client, None, None, client.register_namespace(NS), app.state.service.settings,
+              app.state.service)
+    worker.register(s)
+    return s, server, worker
+
+
+def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(database_url):
+    def corrupt(req: specs.MoveRequest) -> specs.MoveResult:
+        n = len(req.items)
+        return specs.MoveResult(ok=[False] * n, errors=["checksum mismatch in DRAM before demotion"] * n,
+                                codes=["source_corrupt"] * n)
+
+    s, server, worker = two_tier_stack(database_url, corrupt)
+    try:
+        complete(s, prepare(s, chain(3)))
+        s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
+        assert hits(s, chain(3)) == 0  # before: the corrupt source went back to READY for good
+        assert worker.nvme.free_pages == 64  # the destination went back too
+        index_matches_sql(s.service)
+    finally:
+        server.__exit__()
+        worker.control.stop()
+
+
+def test_a_move_without_an_answer_keeps_its_destination_until_the_deadline(database_url):
+    """The directory stops waiting after move_timeout_s; the worker may still be writing, so the
+    destination pages stay reserved until the move's deadline has passed, then go back."""
+    answered = threading.Event()
+
+    def slow(req: specs.MoveRequest) -> specs.MoveResult:
+        assert req.expires_at is not None and req.expires_at > time.time()
+        time.sleep(3.5)  # longer than the directory waits
+        answered.set()
+        n = len(req.items)
+        return specs.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
+
+    s, server, worker = two_tier_stack(database_url, slow, move_timeout_s=1.0)
+    try:
+        complete(s, prepare(s, chain(2)))
+        outcome = s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
+        assert outcome.demoted == 0
+        assert worker.nvme.free_pages == 64 - 4 and s.client.stats().reservations == 2  # still reserved
+        assert hits(s, chain(2)) == 2  # the source is READY again
+        wait_until(lambda: s.client.stats().reservations == 0, 15, "the expired destination rolled back")
+        wait_until(lambda: worker.nvme.free_pages == 64, 5, "its pages back on the worker")
+        answered.wait(10)
+        index_matches_sql(s.service)
+    finally:
+        server.__exit__()
+        worker.control.stop()
