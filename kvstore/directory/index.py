@@ -15,6 +15,7 @@ values (an entry, the topology dicts), which other threads see atomically.
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections import Counter
 from typing import NamedTuple
@@ -27,6 +28,7 @@ from kvstore.directory.models import Block, Replica, Tier, Worker
 from kvstore.directory.models.replica import VISIBLE
 
 CHUNK = 500  # ids per IN list
+REBUILD_BATCH = 20_000  # rows read and applied at a time when the index is built
 
 
 class TierView(NamedTuple):
@@ -49,12 +51,16 @@ class ReplicaView(NamedTuple):
     id: int
     tier_id: int
     epoch: int
-    pages: tuple  # ((first, count), ...)
+    pages: tuple  # (first, count, first, count, ...): flat, a tuple less per block
+
+    def runs(self) -> list[tuple[int, int]]:
+        return list(zip(self.pages[::2], self.pages[1::2]))
 
 
 class Entry(NamedTuple):
     block_id: int
     namespace_id: str
+    hash: str
     nbytes: int
     checksum: str
     replicas: tuple  # ReplicaViews, best tier first
@@ -74,7 +80,7 @@ class Index:
         self.on_change = on_change  # (key, parent, added tier ids, removed tier ids), after start-up
         self.ready = False
         self._blocks: dict[str, dict[str, Entry]] = {}  # namespace -> hash -> entry
-        self._where: dict[int, tuple[str, str]] = {}  # block id -> (namespace, hash)
+        self._by_id: dict[int, Entry] = {}
         self.tiers: dict[int, TierView] = {}
         self.workers: dict[int, WorkerView] = {}
         self._counts: Counter = Counter()  # block id -> hits since the last drain, deepest first seen first
@@ -82,7 +88,7 @@ class Index:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._where)
+        return len(self._by_id)
 
     # ---- reads (any thread) ----------------------------------------------------------------
 
@@ -119,9 +125,21 @@ class Index:
     # ---- updates (the writer thread, or start-up) -----------------------------------------------
 
     def rebuild(self, session: Session) -> None:
+        """Everything from SQL, streamed in block order (a million blocks need no million rows in
+        memory at once). The entries are then frozen out of the cyclic garbage collector's sight:
+        they hold no cycles, and a full collection over millions of them would stall every request."""
         self.reload_topology(session)
-        self._blocks, self._where = {}, {}
-        self._apply(session.execute(_rows_query()), set(), notify=False)
+        self._blocks, self._by_id = {}, {}
+        batch: list = []
+        result = session.execute(_rows_query().order_by(Block.id), execution_options={"yield_per": REBUILD_BATCH})
+        for row in result:
+            if len(batch) >= REBUILD_BATCH and row[0] != batch[-1][0]:
+                self._apply(batch, set(), notify=False)
+                batch = []
+            batch.append(row)
+        self._apply(batch, set(), notify=False)
+        gc.collect()
+        gc.freeze()
         self.ready = True
 
     def reload(self, session: Session, block_ids: set[int]) -> None:
@@ -158,29 +176,37 @@ class Index:
         for block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages in rows:
             if block_id not in found:
                 found[block_id] = (sys.intern(namespace_id), block_hash, parent, nbytes, checksum, [])
-            found[block_id][5].append(ReplicaView(replica_id, tier_id, epoch, tuple(tuple(p) for p in pages)))
+            found[block_id][5].append(ReplicaView(replica_id, tier_id, epoch, _flat(pages)))
         tiers_ = self.tiers
         for block_id in asked - set(found):
-            where = self._where.pop(block_id, None)
-            if where is not None:
-                by_hash = self._blocks.get(where[0], {})
-                old = by_hash.pop(where[1], None)
+            old = self._by_id.pop(block_id, None)
+            if old is not None:
+                by_hash = self._blocks.get(old.namespace_id, {})
+                by_hash.pop(old.hash, None)
                 if not by_hash:
-                    self._blocks.pop(where[0], None)
-                if notify and old is not None:
-                    self.on_change(f"{where[0]}/{where[1]}", None, [], [r.tier_id for r in old.replicas])
+                    self._blocks.pop(old.namespace_id, None)
+                if notify:
+                    self.on_change(f"{old.namespace_id}/{old.hash}", None, [], [r.tier_id for r in old.replicas])
         for block_id, (namespace_id, block_hash, parent, nbytes, checksum, replicas) in found.items():
             replicas.sort(key=lambda r: tiers.PREFERENCE[tiers_[r.tier_id].kind] if r.tier_id in tiers_ else 99)
             by_hash = self._blocks.setdefault(namespace_id, {})
             old = by_hash.get(block_hash)
-            by_hash[block_hash] = Entry(block_id, namespace_id, nbytes, checksum, tuple(replicas))
-            self._where[block_id] = (namespace_id, block_hash)
+            entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, tuple(replicas))
+            by_hash[block_hash] = entry
+            self._by_id[block_id] = entry
             if notify:
                 before = {r.tier_id for r in old.replicas} if old is not None else set()
                 after = {r.tier_id for r in replicas}
                 if before != after:
                     self.on_change(f"{namespace_id}/{block_hash}", f"{namespace_id}/{parent}" if parent else None,
                                    sorted(after - before), sorted(before - after))
+
+
+def _flat(pages) -> tuple:
+    """Page runs as one flat tuple, from [[first, count], ...] (SQL) or already flat (the index)."""
+    if pages and isinstance(pages[0], (list, tuple)):
+        return tuple(x for run in pages for x in run)
+    return tuple(pages)
 
 
 def _rows_query():

@@ -115,7 +115,7 @@ def hit_body(hit: Hit) -> dict:
     if tier.kind == "s3":
         runs = [(0, hit.entry.nbytes)]
     else:
-        runs = specs.page_spans(tier.base_addr, tier.page_bytes, hit.replica.pages, hit.entry.nbytes)
+        runs = specs.page_spans(tier.base_addr, tier.page_bytes, hit.replica.runs(), hit.entry.nbytes)
     return {"hash": hit.hash, "nbytes": hit.entry.nbytes, "checksum": hit.entry.checksum,
             "location": {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name,
                          "tier": tier.kind, "runs": runs}}

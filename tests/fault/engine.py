@@ -74,7 +74,8 @@ def run(args) -> dict:
         cached = model(torch.tensor([full[n:]]), past_key_values=to_dynamic_cache(kv, model.config),
                        use_cache=True).logits[0, -1] if n else None
     reference = model(torch.tensor([full])).logits[0, -1]
-    return {"loaded_tokens": n, "max_abs_diff": float((cached - reference).abs().max()) if n else 0.0}
+    # nothing loaded compares nothing: None, so that no test can read it as "exact"
+    return {"loaded_tokens": n, "max_abs_diff": float((cached - reference).abs().max()) if n else None}
 
 
 def main() -> None:

@@ -152,3 +152,34 @@ def test_write_through_keeps_a_namespace_durable_without_pressure(tmp_path, s3):
     finally:
         for proc in procs:
             stop(proc)
+
+
+def test_a_dram_tier_the_size_of_one_prompt_stores_and_loads_every_prompt_whole(tmp_path, s3):
+    """DRAM holds about one prompt's KV, NVMe a few, S3 the rest, admission `always`: every save
+    stores the whole prompt (room is made for all of it) and a prompt that went down to NVMe or
+    S3 loads whole. Before, saves after the first stored about 70 % and said nothing."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var"),
+                                  "--admission", "always"), tmp_path / "directory.log")
+    procs = [directory]
+    try:
+        wait_http(url + "/readyz", proc=directory)
+        procs.insert(0, spawn(kvstore_cmd(
+            "worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
+            "--dram-bytes", f"{(BLOCKS + 3) * 16}KiB", "--nvme-bytes", f"{3 * BLOCKS * 16}KiB",
+            "--nvme-dir", str(tmp_path / "nvme"), "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url,
+            "--s3-prefix", "small"), tmp_path / "worker.log"))
+        client = DirectoryClient(url)
+        wait_until(lambda: [w.state for w in client.workers()] == ["active"], 60, "worker up")
+        for seed in range(1, 7):
+            assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL, seed
+        assert "s3" in where(client, 1) and "dram" not in where(client, 1)
+        for seed in (1, 3):  # from S3 and from NVMe, staged into a DRAM tier that is full
+            loaded = run_engine(url, "load", tmp_path, seed)
+            assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, (seed, loaded)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvstore_store_decisions_total{reason="no_space",status="rejected"}' not in metrics
+    finally:
+        for proc in procs:
+            stop(proc)

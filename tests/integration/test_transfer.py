@@ -50,8 +50,10 @@ def test_write_then_read_moves_exactly_the_mapped_pages(pair):
     assert np.array_equal(r[untouched], dst_before.reshape(PAGES, PAGE)[untouched])
 
     local.array[:] = 0
+    remote_before = remote.array.copy()
     t = initiator.submit("READ", pages(local, [7]), pages(remote, [9]), peer)
     assert t.wait(10) == "done"
+    assert np.array_equal(remote.array, remote_before)  # the read's source unchanged
     assert np.array_equal(local.array.reshape(PAGES, PAGE)[7], src.reshape(PAGES, PAGE)[5])
     assert not local.array.reshape(PAGES, PAGE)[[i for i in range(PAGES) if i != 7]].any()
 
@@ -67,8 +69,10 @@ def test_prepared_lists_pick_rows_by_index_and_notify_the_peer(pair):
                                   notification=b"blocks 10-12 written")
     assert t.wait(10) == "done" and t.nbytes == 3 * PAGE
     r = remote.array.reshape(PAGES, PAGE)
-    assert np.array_equal(r[10:13], src.reshape(PAGES, PAGE)[2:5])
-    assert np.array_equal(r[:10], before.reshape(PAGES, PAGE)[:10])
+    assert np.array_equal(local.array, src)  # source unchanged
+    assert np.array_equal(r[10:13], src.reshape(PAGES, PAGE)[2:5])  # every mapped destination
+    untouched = [i for i in range(PAGES) if i not in (10, 11, 12)]
+    assert np.array_equal(r[untouched], before.reshape(PAGES, PAGE)[untouched])  # the rest untouched
     received = {}
     wait_until(lambda: received.update(target.notifications()) or received, 10, "notification")
     assert received == {"t-initiator": [b"blocks 10-12 written"]}

@@ -1,0 +1,68 @@
+"""The lookup index's visibility rules and the directory's page credit, without a database."""
+
+from __future__ import annotations
+
+from kvstore.directory.index import Entry, Index, ReplicaView, TierView, WorkerView
+from kvstore.directory.pools import PagePools
+from kvstore.core import specs
+
+
+def index_with(worker_state: str = "active", worker_epoch: int = 1) -> Index:
+    index = Index()
+    index.workers = {1: WorkerView(1, "w", "w-agent", worker_epoch, worker_state)}
+    index.tiers = {10: TierView(10, 1, "dram", 128, 1 << 20), 11: TierView(11, 1, "nvme", 128, 0),
+                   12: TierView(12, 1, "s3", 1, 0)}
+    rows = []
+    for i, (tier_id, epoch) in enumerate([(10, 1), (11, 1), (12, 1)]):  # block i lives on one tier
+        rows.append((i, "ns", f"h{i}", None, 256, "0123456789abcdef", 100 + i, tier_id, epoch, [[2 * i, 2]]))
+    index._apply(rows, set(), notify=False)
+    return index
+
+
+def test_a_lookup_stops_at_the_first_miss_and_takes_the_best_replica():
+    index = index_with()
+    hits = index.lookup("ns", ["h0", "h1", "h2", "nope", "h0"])
+    assert [h.hash for h in hits] == ["h0", "h1", "h2"]
+    assert [h.tier.kind for h in hits] == ["dram", "nvme", "s3"]
+    index._apply([(0, "ns", "h0", None, 256, "0123456789abcdef", 200, 11, 1, [[9, 2]]),
+                  (0, "ns", "h0", None, 256, "0123456789abcdef", 100, 10, 1, [[0, 2]])], {0}, notify=False)
+    assert index.lookup("ns", ["h0"])[0].tier.kind == "dram"  # dram before nvme, whatever the row order
+
+
+def test_memory_replicas_of_an_old_epoch_or_a_dead_worker_are_not_readable():
+    assert [h.tier.kind for h in index_with(worker_epoch=2).lookup("ns", ["h0"])] == []  # a restart
+    dead = index_with(worker_state="dead")
+    assert dead.lookup("ns", ["h0"]) == [] and dead.lookup("ns", ["h1"]) == []
+    assert [h.tier.kind for h in dead.lookup("ns", ["h2"])] == ["s3"]  # objects outlive the worker
+
+
+def test_a_reload_without_rows_forgets_the_block_and_tells_the_policies():
+    changes = []
+    index = index_with()
+    index.on_change = lambda *change: changes.append(change)
+    index._apply([], {1}, notify=True)
+    assert index.lookup("ns", ["h1"]) == [] and index.num_blocks == 2
+    assert changes == [("ns/h1", None, [], [11])]
+
+
+def test_hits_are_counted_deepest_first_until_drained():
+    index = index_with()
+    index.lookup("ns", ["h0", "h1"])
+    index.lookup("ns", ["h0"])
+    counts, hits = index.drain_accesses()
+    assert counts == {0: 2, 1: 1} and list(counts) == [1, 0]
+    assert index.drain_accesses()[0] == {}
+
+
+def test_page_credit_places_many_blocks_in_one_cut_and_takes_them_back():
+    pools = PagePools()
+    pools.add(7, 1, 128, [specs.PageRun(first=0, count=8), specs.PageRun(first=20, count=4)])
+    assert pools.free_bytes(7, 1) == 12 * 128
+    runs = pools.allocate_many(7, 1, [256, 256, 256])
+    assert runs == [[(0, 2)], [(2, 2)], [(4, 2)]]
+    assert pools.allocate_many(7, 1, [4 * 128, 4 * 128]) == [[(20, 4)], None]  # 2 + 4 pages left, scattered
+    pools.free(7, 1, runs[1])
+    assert pools.free_bytes(7, 1) == 4 * 128
+    assert pools.allocate(7, 2, 128) is None  # another epoch: that credit is void
+    pools.add(7, 2, 128, [specs.PageRun(first=0, count=1)])
+    assert pools.free_bytes(7, 1) == 0 and pools.free_bytes(7, 2) == 128
