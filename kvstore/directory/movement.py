@@ -18,6 +18,7 @@ import logging
 from typing import NamedTuple
 
 from kvstore.core import tiers
+from kvstore.directory import repo_moves
 from kvstore.directory import repository as repo
 from kvstore.directory.index import Hit
 from kvstore.directory.models import Block, Replica, Tier, Worker
@@ -120,7 +121,7 @@ class Movement:
         lower_kind = tiers.below(own, tier.kind, gds="GDS_MT" in worker.backends)
         lower = own.get(lower_kind) if lower_kind else None
         victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
-        kinds = repo.replica_kinds(tx.session, [b.id for _, b in victims])
+        kinds = repo_moves.replica_kinds(tx.session, [b.id for _, b in victims])
         copy = {r.id: block_key(b.namespace_id, b.hash) for r, b in victims
                 if lower is not None and lower.kind not in kinds.get(b.id, set()) and self._keep_below(lower, b)}
         drop = [r for r, _ in victims if r.id not in copy]
@@ -136,14 +137,14 @@ class Movement:
         """The tier's eviction policy names the victims; an operator's namespace eviction takes that
         namespace's blocks least recently used first."""
         if namespace_id is not None:
-            candidates = repo.demotion_candidates(tx.session, tier.id, limit + len(protected), namespace_id)
+            candidates = repo_moves.demotion_candidates(tx.session, tier.id, limit + len(protected), namespace_id)
             return _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
         if dry_run or not self._policies.built(tier):
             rows = [VictimRow(key=block_key(b.namespace_id, b.hash),
                               parent=block_key(b.namespace_id, b.parent) if b.parent else None,
                               last_access=b.last_access, depth=b.depth, hit_count=b.hit_count,
                               nbytes=r.reserved_bytes, pinned=pinned, row=(r, b))
-                    for r, b, pinned in repo.ready_replicas_of_tier(tx.session, tier.id)]
+                    for r, b, pinned in repo_moves.ready_replicas_of_tier(tx.session, tier.id)]
             keep = {row.key for row in rows if row.row[1].id in protected}
             return self._policies.victims(tier, rows, keep, to_free, limit, dry_run)
         return self._victims_from_policy(tx, tier, to_free, protected, limit)
@@ -152,7 +153,7 @@ class Movement:
                              limit: int) -> list[tuple[Replica, Block]]:
         """Ask the policy in batches and keep the keys the tier still holds READY and unpinned:
         the cost follows the victims, not the tier. A policy that runs dry is rebuilt once."""
-        keep = repo.pinned_keys(tx.session, tier.id) | repo.keys_of(tx.session, protected)
+        keep = repo_moves.pinned_keys(tx.session, tier.id) | repo_moves.keys_of(tx.session, protected)
         chosen, freed = [], 0
         while freed < to_free and len(chosen) < limit:
             keys = self._policies.evict(tier, min(EVICT_BATCH, limit - len(chosen)), keep)
@@ -161,7 +162,7 @@ class Movement:
                     break
                 self._policies.unbuild(tier)  # ran dry with the tier over its mark: sync it again
                 return self._victims(tx, tier, to_free, protected, None, limit)
-            for replica, block in repo.ready_replicas_by_key(tx.session, tier.id, keys):
+            for replica, block in repo_moves.ready_replicas_by_key(tx.session, tier.id, keys):
                 if freed >= to_free or len(chosen) >= limit:
                     keep.add(block_key(block.namespace_id, block.hash))
                     self._policies.changed(block_key(block.namespace_id, block.hash), None, [tier.id], [])
@@ -191,9 +192,9 @@ class Movement:
     def write_through(self, limit: int = MAX_MOVES_PER_ROUND) -> int:
         """Copy blocks of write-through namespaces to their worker's S3 tier (the source stays)."""
         def candidates(tx: Tx) -> list[tuple[int, int, int]]:
-            namespaces = repo.write_through_namespaces(tx.session)  # a small table: most ticks stop here
+            namespaces = repo_moves.write_through_namespaces(tx.session)  # a small table: most ticks stop here
             return [(w.id, t.id, r.id) for r, _, t, w in
-                    repo.write_through_candidates(tx.session, namespaces, limit)] if namespaces else []
+                    repo_moves.write_through_candidates(tx.session, namespaces, limit)] if namespaces else []
         rows = self._write(candidates)
         by_source: dict[tuple[int, int], list[int]] = {}
         for worker_id, tier_id, replica_id in rows:

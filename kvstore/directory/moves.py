@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvstore.core import specs, tiers
+from kvstore.directory import repo_moves
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.models import Block, Replica, Tier, Worker
@@ -36,7 +37,7 @@ from kvstore.directory.workercalls import WorkerCalls
 from kvstore.directory.writer import Tx
 
 log = logging.getLogger(__name__)
-DEADLINE_SLACK_S = 30.0  # a destination outlives the move's deadline by this much (at most the move's timeout)
+DEADLINE_SLACK_S = 30.0  # a destination outlives the move's deadline by this much (at most 3 move timeouts)
 
 
 class _Move(NamedTuple):
@@ -97,7 +98,7 @@ class Moves:
         """Destination replicas for the sources still readable; what was allocated and not used goes back."""
         dest_id, dest_kind, page_bytes = found.dest
         worker_epoch = found.worker_epoch
-        sources = repo.replicas_by_id(tx.session, [r for r, _, _ in found.rows])
+        sources = repo_moves.replicas_by_id(tx.session, [r for r, _, _ in found.rows])
         blocks = {b.id: b for b in tx.session.query(Block).filter(Block.id.in_([b for _, b, _ in found.rows]))}
         plan, taken, used = [], set(), 0
         for k, (replica_id, block_id, nbytes) in enumerate(found.rows):
@@ -118,7 +119,7 @@ class Moves:
             reserved = nbytes if dest_kind == "s3" else sum(r.count for r in pages) * page_bytes
             dest = Replica(block_id=block_id, tier_id=dest_id, epoch=worker_epoch, state=WRITING, token=token,
                            pages=[[r.first, r.count] for r in pages], reserved_bytes=reserved,
-                           expires_at=deadline + min(DEADLINE_SLACK_S, self._calls.move_timeout_s),
+                           expires_at=deadline + min(DEADLINE_SLACK_S, 3 * self._calls.move_timeout_s),
                            created_at=source.created_at)
             tx.session.add(dest)
             used += reserved
@@ -134,7 +135,7 @@ class Moves:
 
     def _finish(self, tx: Tx, plan: list[_Move], result: specs.MoveResult, source_stays: bool) -> dict[int, int]:
         done, dropped = {}, []
-        rows = repo.replicas_by_id(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
+        rows = repo_moves.replicas_by_id(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
         codes = result.codes or ["ok" if ok else "failed" for ok in result.ok]
         for move, code in zip(plan, codes):
             source, dest = rows.get(move.source_id), rows.get(move.dest_id)
@@ -177,7 +178,7 @@ def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replic
     if worker is None or source is None:
         return None
     dest = repo.tiers_of(tx.session, worker_id).get(dest_kind)
-    pairs = repo.replica_block_pairs(tx.session, replica_ids)
+    pairs = repo_moves.replica_block_pairs(tx.session, replica_ids)
     return _Source(worker.control_url, worker.epoch, (source.id, source.kind),
                    (dest.id, dest.kind, dest.page_bytes) if dest is not None else None,
                    [(r.id, b.id, b.nbytes) for r, b in pairs])

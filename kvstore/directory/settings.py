@@ -5,11 +5,12 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvstore.core import tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.policies import (DEFAULT_ADMISSION, DEFAULT_ADMISSION_BY_TIER, DEFAULT_EVICTION, make_admission,
                               make_eviction)
 
-TIER_KINDS = ("hbm", "dram", "nvme", "s3")
+TIER_KINDS = tiers.ORDER
 
 
 class DirectorySettings(BaseSettings):

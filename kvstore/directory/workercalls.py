@@ -3,17 +3,22 @@
     calls.grant(url, kind, token, max_pages) -> runs   # page credit for a memory tier
     calls.allocate(url, kind, token, sizes) -> runs | None per size
     calls.move(url, items) -> MoveResult                # a worker that cannot be reached failed them all
-    calls.free_later(url, items) -> callable            # for Tx.after_commit: give pages back / delete objects
+    calls.free_later(url, items) -> callable            # for Tx.after_commit: give pages back / delete objects,
+                                                        # on a background thread, in order
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.client.worker import WorkerControlClient
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
+
+log = logging.getLogger(__name__)
 
 class WorkerCalls:
     def __init__(self, timeout_s: float = 10.0, move_timeout_s: float = 300.0) -> None:
@@ -21,6 +26,9 @@ class WorkerCalls:
         self.move_timeout_s = move_timeout_s  # a batch of NVMe or S3 copies; its destinations expire after it
         self._clients: dict[str, WorkerControlClient] = {}
         self._lock = threading.Lock()
+        # frees run after the commit that forgot the pages, never on the writer: a worker whose S3
+        # endpoint is down can take seconds per deleted object
+        self._frees = ThreadPoolExecutor(1, thread_name_prefix="worker-frees")
 
     def client(self, url: str) -> WorkerControlClient:
         with self._lock:
@@ -39,7 +47,7 @@ class WorkerCalls:
         answer until a little after. No answer: every item is `unreachable` (outcome unknown)."""
         try:
             return self.client(url).move(specs.MoveRequest(items=items, expires_at=deadline),
-                                         timeout_s=self.move_timeout_s + min(5.0, self.move_timeout_s))
+                                         timeout_s=self.move_timeout_s + min(5.0, self.move_timeout_s / 2))
         except KVStoreError as exc:
             return specs.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
                                     codes=["unreachable"] * len(items))
@@ -48,14 +56,21 @@ class WorkerCalls:
         """A call giving (token, page runs[, object name]) back to the worker; runs are PageRuns or
         [first, count]; an object name (s3) means: delete that object."""
         def free() -> None:
-            if items:
-                body = specs.FreeRequest(items=[
-                    specs.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]], object=i[2] if len(i) > 2 else None)
-                    for i in items])
+            body = specs.FreeRequest(items=[
+                specs.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]], object=i[2] if len(i) > 2 else None)
+                for i in items])
+            try:
                 self.client(url).free(body)
-        return free
+            except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages
+                log.warning("giving %d allocations back to %s failed: %s", len(items), url, exc)
+        return (lambda: self._frees.submit(free)) if items else (lambda: None)
+
+    def settle(self) -> None:
+        """Wait for the frees handed out so far (tests, shutdown)."""
+        self._frees.submit(lambda: None).result()
 
     def close(self) -> None:
+        self._frees.shutdown(wait=True)
         with self._lock:
             for client in self._clients.values():
                 client.close()

@@ -278,6 +278,7 @@ def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(databas
         complete(s, prepare(s, chain(3)))
         s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
         assert hits(s, chain(3)) == 0  # before: the corrupt source went back to READY for good
+        s.service.calls.settle()
         assert worker.nvme.free_pages == 64  # the destination went back too
         index_matches_sql(s.service)
     finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.directory.index import Entry, Index, ReplicaView, TierView, WorkerView
+from kvstore.directory.index import Index, TierView, WorkerView
 from kvstore.directory.pools import PagePools
 from kvstore.core import specs
 
