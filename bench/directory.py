@@ -16,7 +16,8 @@ moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
    restarted on the full database.
 
 `--directory-src DIR` runs the directory from another checkout (a before/after
-comparison on the same machine).
+comparison on the same machine); a directory that always answers locations (no
+`locations` field) is asked without it.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def lookup_client(port: int, namespace_id: str, chains: int, seconds: float, loc
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         body = {"namespace_id": namespace_id, "hashes": chain_hashes(rng.randrange(chains))}
-        if locations:
+        if locations is True:
             body["locations"] = True
         answer, elapsed = http.post("/v1/lookup", body)
         latencies.append(elapsed)
@@ -207,8 +208,9 @@ def main() -> None:
             fill_s = time.perf_counter() - t0
             print(f"\rfill: {chains * CHAIN:,} blocks in {fill_s:.0f} s ({chains * CHAIN / fill_s:,.0f} blocks/s)")
             rss = rss_mib(directory.pid)
+            legacy = args.directory_src.resolve() != REPO.resolve()  # answers locations always
             phases = [lookups(port, namespace_id, chains, 1, args.seconds),
-                      lookups(port, namespace_id, chains, 1, args.seconds, locations=True),
+                      lookups(port, namespace_id, chains, 1, args.seconds, locations="always" if legacy else True),
                       lookups(port, namespace_id, chains, 4, args.seconds),
                       lookups(port, namespace_id, chains, 4, args.seconds, saver_from=chains + 10)]
             stores = {}

@@ -113,7 +113,7 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
     worker.run(stop)
     worker.close()
     log.info("worker %s stopped", name)
-    os._exit(0)  # skip interpreter teardown: see NIXL.md pitfall 3
+    os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it
 
 
 def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directory port")] = 8700,

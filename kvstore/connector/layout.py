@@ -1,4 +1,4 @@
-"""Per-layer engine KV <-> the store's block layout [L][K,V][T][H][D] (DESIGN §2)."""
+"""Per-layer engine KV <-> the store's block layout [L][K,V][T][H][D]."""
 
 from __future__ import annotations
 

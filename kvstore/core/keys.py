@@ -1,4 +1,4 @@
-"""Namespaces and chained block hashes (DESIGN §1).
+"""Namespaces and chained block hashes.
 
 A `Namespace` is everything that makes two KV blocks interchangeable. Block i
 of a token sequence is named by `h_i = xxh3_128(h_{i-1} || tokens_i)` with
@@ -21,7 +21,7 @@ from kvstore.core.errors import KVStoreError
 
 HASH_SCHEME = "kvstore-xxh3_128-int32le-v1"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-# [L][K,V][T][H][D] (DESIGN §2; KVStoreClient), and vLLM's per-layer pages [L][H][T][K|V] (connector.vllm)
+# [L][K,V][T][H][D] (KVStoreClient), and vLLM's per-layer pages [L][H][T][K|V] (connector.vllm)
 LAYOUTS = ("layer_kv_token_head_dim", "layer_head_token_kvdim")
 
 

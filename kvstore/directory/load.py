@@ -11,6 +11,7 @@ builds no model per block.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ from kvstore.directory.settings import DirectorySettings
 from kvstore.directory.writer import Tx
 
 
-FLUSH_CHUNK = 2000  # blocks per access-statistics job: the writer is never held long
+STATS_ROWS_PER_FLUSH = 2000  # access statistics written per reaper tick: the writer is never held long
 
 
 class Loads:
@@ -41,6 +42,7 @@ class Loads:
         self._metrics = metrics
         self._settings = settings
         self._clock = clock
+        self._pending_stats: dict[int, tuple[float, int]] = {}  # block id -> (last access, hits), for SQL
 
     def lookup(self, namespace_id: str, hashes: list[str], locations: bool) -> dict:
         hits = self._index.lookup(namespace_id, hashes)
@@ -91,23 +93,26 @@ class Loads:
         return specs.LoadCompleted(released=released, invalidated=invalidated)
 
     def flush_accesses(self) -> int:
-        """What lookups and loads found since the last flush, off the request path: hit counts and
-        the time of this flush to SQL (chunked jobs), and the hits to the tier policies, deepest
-        block of a lookup first (a prefix stays more recent than its suffixes). Returns the
-        distinct blocks flushed."""
+        """What lookups and loads found since the last flush, off the request path: the hits go to
+        the tier policies now (deepest block of a lookup first, so a prefix stays more recent than
+        its suffixes); counts and times join the statistics waiting for SQL, of which one job
+        writes at most STATS_ROWS_PER_FLUSH rows (the oldest first). Under a heavy lookup load the
+        SQL copy lags; it only orders the policies after a restart. Returns the distinct blocks hit."""
         counts, hits = self._index.drain_accesses()
         now = self._clock()
-        ids = list(counts)
-        for start in range(0, len(ids), FLUSH_CHUNK):
-            chunk = ids[start : start + FLUSH_CHUNK]
-            with self._policies.lock:
-                for block_id in chunk:
-                    hit = hits[block_id]
-                    held = [hit.tier.id] + [r.tier_id for r in hit.entry.replicas if r.tier_id != hit.tier.id]
-                    self._policies.hit_ids(held, block_key(hit.entry.namespace_id, hit.hash))
-            stats = {block_id: (now, counts[block_id]) for block_id in chunk}
-            self._write(lambda tx, s=stats: repo.record_hits(tx.session, s))
-        return len(ids)
+        with self._policies.lock:
+            for block_id, hit in hits.items():
+                held = [hit.tier.id] + [r.tier_id for r in hit.entry.replicas if r.tier_id != hit.tier.id]
+                self._policies.hit_ids(held, block_key(hit.entry.namespace_id, hit.hash))
+        pending = self._pending_stats
+        for block_id, n in counts.items():
+            pending[block_id] = (now, pending.pop(block_id, (0.0, 0))[1] + n)
+        if pending:
+            batch = {}
+            for block_id in list(itertools.islice(pending, STATS_ROWS_PER_FLUSH)):
+                batch[block_id] = pending.pop(block_id)
+            self._write(lambda tx: repo.record_hits(tx.session, batch))
+        return len(counts)
 
 
 def hit_body(hit: Hit) -> dict:

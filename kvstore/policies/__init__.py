@@ -1,4 +1,4 @@
-"""Eviction and admission policies (DESIGN §4): pure objects, no I/O, no clock, no DB.
+"""Eviction and admission policies: pure objects, no I/O, no clock, no DB.
 
     make_eviction(name, capacity)   # see `base.py` for the contract every eviction policy meets
     make_admission(spec, capacity)  # "adaptive", "doorkeeper,backpressure", "size:4KiB-64MiB,tinylfu"

@@ -1,4 +1,4 @@
-"""The eviction policy contract (DESIGN §4). Pure objects: no I/O, no clock, no DB, no logging.
+"""The eviction policy contract. Pure objects: no I/O, no clock, no DB, no logging.
 
 Calls, in the order a key lives through them:
     insert(key, parent)        # the caller guarantees: key not present; parent None or any key

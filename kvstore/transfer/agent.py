@@ -13,7 +13,7 @@ Calls, in the order they happen:
     agent.notifications()                         # on the peer: {sender: [message, ...]}
     agent.remove_peer(peer); agent.close()
 
-Pitfalls handled here (shared/NIXL.md §11, §13): the Python binding makes the
+Pitfalls handled here: the Python binding makes the
 UCX progress thread busy-poll a core, so we give it a 1 ms delay; agents are
 shared by threads, so sync mode is STRICT; on hosts without RDMA the IB module
 is left out, which avoids a segfault at interpreter exit; the cu12 wheel is
@@ -120,7 +120,7 @@ class Transfer:
         spins = 0
         while self.poll() == "pending":
             if time.monotonic() > deadline:
-                # A posted request cannot be aborted safely (NIXL.md pitfall 15); report it and
+                # A posted request cannot be aborted safely; report it and
                 # leave the handle to the agent's teardown.
                 self.state, self.error = "failed", f"timed out after {timeout_s}s"
                 break
