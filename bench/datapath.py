@@ -70,7 +70,8 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
             load_s = timed(lambda: _expect(client.load_blocks(hashes, dst_views), n, "load"))
             load_t = dict(client.last_timings)
             assert np.array_equal(src.array, dst.array), "loaded bytes differ from saved bytes"
-            locations = [b.location for b in client.directory.lookup(ns.namespace_id, [h.hex() for h in hashes]).blocks]
+            locations = [b.location for b in client.directory.lookup(ns.namespace_id, [h.hex() for h in hashes],
+                                                                          locations=True).blocks]
             raw_w = raw_nixl(client, "WRITE", src_views, locations)
             raw_r = raw_nixl(client, "READ", dst_views, locations)
             copy_s = timed(lambda: np.copyto(dst.array, src.array))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -28,26 +29,33 @@ def index_matches_sql(service) -> None:
     assert fresh._blocks == service.index._blocks
 
 
-def test_a_lookup_takes_no_job_and_writes_nothing(database_url):
-    settings = make_settings(database_url, reaper_interval_s=60)  # no access-statistics flush meanwhile
-    control = ControlServer({"dram": PageAllocator(32, PAGE)})
+@contextmanager
+def one_worker(database_url: str, pages: int = 32, **settings):
+    """The directory over HTTP with one DRAM-only worker endpoint of `pages` pages."""
+    settings = make_settings(database_url, **settings)
+    control = ControlServer({"dram": PageAllocator(pages, PAGE)})
     control.start()
     app = create_app(settings)
     try:
         with ServerThread(app) as server:
-            client = DirectoryClient(server.url)
+            client = DirectoryClient(server.url, timeout_s=300)
             s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings,
                       app.state.service)
             s.register_worker(control_url=control.url)
-            complete(s, prepare(s, chain(4)))
-            jobs = s.service.writer.jobs
-            for _ in range(50):
-                assert hits(s, chain(4)) == 4
-            assert s.service.writer.jobs == jobs  # answered from the index alone
-            assert s.service.loads.flush_accesses() == 4  # the hits reach SQL later, in one batch
+            yield s
             client.close()
     finally:
         control.stop()
+
+
+def test_a_lookup_takes_no_job_and_writes_nothing(database_url):
+    with one_worker(database_url, reaper_interval_s=60) as s:  # no access-statistics flush meanwhile
+        complete(s, prepare(s, chain(4)))
+        jobs = s.service.writer.jobs
+        for _ in range(50):
+            assert hits(s, chain(4)) == 4
+        assert s.service.writer.jobs == jobs  # answered from the index alone
+        assert s.service.loads.flush_accesses() == 4  # the hits reach SQL later, in one batch
 
 
 def test_duplicate_hashes_in_one_prepare_store_are_a_400_and_reserve_nothing(stack):
@@ -78,50 +86,27 @@ def test_bad_sizes_on_a_full_tier_are_a_400_before_any_room_is_made(stack):
 
 def test_a_save_that_needs_more_room_than_one_round_frees_gets_it(database_url):
     """A full DRAM-only tier and a request for most of it: room is made for the whole request."""
-    settings = make_settings(database_url)
-    control = ControlServer({"dram": PageAllocator(2 * 600, PAGE)})  # 600 blocks
-    control.start()
-    app = create_app(settings)
-    try:
-        with ServerThread(app) as server:
-            client = DirectoryClient(server.url)
-            s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings,
-                      app.state.service)
-            s.register_worker(control_url=control.url)
-            for start in range(0, 600, 100):
-                complete(s, prepare(s, chain(100, start=start * 4)))
-            big = prepare(s, chain(500, start=100_000))  # more than one round of 256 moves
-            assert [b.status for b in big.blocks] == ["admitted"] * 500
-            assert complete(s, big).committed == 500
-            client.close()
-    finally:
-        control.stop()
+    with one_worker(database_url, pages=2 * 600) as s:  # 600 blocks
+        for start in range(0, 600, 100):
+            complete(s, prepare(s, chain(100, start=start * 4)))
+        big = prepare(s, chain(500, start=100_000))  # more than one round of 256 moves
+        assert [b.status for b in big.blocks] == ["admitted"] * 500
+        assert complete(s, big).committed == 500
 
 
 def test_seventy_thousand_blocks_in_one_call_pass_every_statement(database_url):
     """PostgreSQL takes at most 65,535 parameters a statement: every IN list is chunked."""
     n = 70_000
-    settings = make_settings(database_url, reaper_interval_s=60)
-    control = ControlServer({"dram": PageAllocator(2 * n, PAGE)})
-    control.start()
-    app = create_app(settings)
-    try:
-        with ServerThread(app) as server:
-            client = DirectoryClient(server.url, timeout_s=300)
-            s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings,
-                      app.state.service)
-            s.register_worker(control_url=control.url)
-            hashes = [f"{i:032x}" for i in range(n)]
-            assert complete(s, prepare(s, hashes)).committed == n
-            load = client.prepare_load(specs.PrepareLoad(namespace_id=s.namespace_id, hashes=hashes))
-            assert len(load.blocks) == n
-            assert s.service.loads.flush_accesses() == n
-            assert client.complete_load(specs.CompleteLoad(token=load.token)).released == n
-            assert client.evict(s.namespace_id) == n
-            assert hits(s, hashes) == 0 and s.free_pages() == 2 * n
-            client.close()
-    finally:
-        control.stop()
+    with one_worker(database_url, pages=2 * n, reaper_interval_s=60) as s:
+        client = s.client
+        hashes = [f"{i:032x}" for i in range(n)]
+        assert complete(s, prepare(s, hashes)).committed == n
+        load = client.prepare_load(specs.PrepareLoad(namespace_id=s.namespace_id, hashes=hashes))
+        assert len(load.blocks) == n
+        assert s.service.loads.flush_accesses() == n
+        assert client.complete_load(specs.CompleteLoad(token=load.token)).released == n
+        assert client.evict(s.namespace_id) == n
+        assert hits(s, hashes) == 0 and s.free_pages() == 2 * n
 
 
 def test_concurrent_engines_never_see_a_500_and_the_index_stays_true(stack):
@@ -164,18 +149,8 @@ def test_concurrent_engines_never_see_a_500_and_the_index_stays_true(stack):
 @pytest.fixture
 def quiet(database_url):
     """A stack whose reaper stays asleep: the writer runs only what the test sends."""
-    settings = make_settings(database_url, reaper_interval_s=60)
-    control = ControlServer({"dram": PageAllocator(32, PAGE)})
-    control.start()
-    app = create_app(settings)
-    with ServerThread(app) as server:
-        client = DirectoryClient(server.url)
-        s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings,
-                  app.state.service)
-        s.register_worker(control_url=control.url)
+    with one_worker(database_url, reaper_interval_s=60) as s:
         yield s
-        client.close()
-    control.stop()
 
 
 def test_waiting_writers_share_one_commit(quiet):
