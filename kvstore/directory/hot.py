@@ -12,6 +12,8 @@ The OpenAPI document describes these routes with the pydantic specs of
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
@@ -23,6 +25,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.directory import wire
 from kvstore.directory.service import DirectoryService
 
+log = logging.getLogger(__name__)
 _BODIES: dict[str, type[BaseModel]] = {}  # operation path -> the spec its body follows
 
 
@@ -110,6 +113,9 @@ class LookupFastPath:
             payload = wire.encode(self.service.lookup(req.namespace_id, req.hashes, req.locations))
         except KVStoreError as exc:
             status, payload = exc.http_status, wire.encode(exc.to_body())
+        except Exception as exc:  # a bug: the same answer as every other route's
+            log.exception("unhandled error in a lookup")
+            status, payload = 500, wire.encode(KVStoreError("internal", type(exc).__name__).to_body())
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode())]})

@@ -88,10 +88,13 @@ class DirectoryService:
         """Recover from the stop, then build the index, the page pools and the namespaces from SQL."""
         self.recover()
         t0 = time.perf_counter()
-        with self._sessions() as session:
-            self._namespaces = {row.id: Namespace.from_dict(row.spec) for row in session.query(NamespaceRow)}
-            self.index.rebuild(session)
-            self.pools.rebuild(session, self.index.tiers, self.index.workers)
+
+        def build(tx: Tx) -> None:  # a job: nothing commits while the index is read from SQL
+            self._namespaces.update({row.id: Namespace.from_dict(row.spec)
+                                     for row in tx.session.query(NamespaceRow)})
+            self.index.rebuild(tx.session)
+            self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
+        self.writer.run(build)
         log.info("index of %d blocks built in %.1f s", self.index.num_blocks, time.perf_counter() - t0)
 
     def recover(self) -> int:

@@ -63,7 +63,7 @@ class ControlServer:
 
     def grant(self, req: specs.GrantRequest) -> specs.GrantResult:
         if req.kind not in ("hbm", "dram"):
-            raise KVStoreError("invalid", "only memory tiers are granted", kind=req.kind)
+            raise KVStoreError("invalid", "only memory tiers are granted", tier=req.kind)
         return specs.GrantResult(runs=self._allocator(req.kind).grant(req.token, req.max_pages))
 
     def free(self, req: specs.FreeRequest) -> int:
@@ -91,7 +91,7 @@ class ControlServer:
 
     def _allocator(self, kind: str) -> PageAllocator:
         if kind not in self.allocators:
-            raise KVStoreError("not_found", f"this worker has no {kind} tier", kind=kind)
+            raise KVStoreError("not_found", f"this worker has no {kind} tier", tier=kind)
         return self.allocators[kind]
 
 

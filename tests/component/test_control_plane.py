@@ -287,3 +287,22 @@ def test_a_move_without_an_answer_keeps_its_destination_until_the_deadline(datab
     finally:
         server.__exit__()
         worker.control.stop()
+
+
+def test_a_worker_grants_at_most_its_free_pages_and_only_of_memory_tiers():
+    import httpx
+
+    control = ControlServer({"dram": PageAllocator(8, PAGE), "nvme": PageAllocator(8, PAGE)})
+    control.start()
+    try:
+        grant = lambda body: httpx.post(control.url + "/v1/grant", json=body, timeout=10)  # noqa: E731
+        first = grant({"token": "g1", "kind": "dram", "max_pages": 6})
+        assert first.status_code == 200 and first.json()["runs"] == [{"first": 0, "count": 6}]
+        assert grant({"token": "g2", "kind": "dram", "max_pages": 6}).json()["runs"] == [{"first": 6, "count": 2}]
+        assert grant({"token": "g3", "kind": "dram", "max_pages": 6}).json()["runs"] == []  # nothing left
+        refused = grant({"token": "g4", "kind": "nvme", "max_pages": 1})
+        assert refused.status_code == 400 and refused.json()["error"] == "invalid"
+        assert grant({"token": "g5", "kind": "dram", "max_pages": 0}).status_code == 400
+        assert grant({"token": "x" * 65, "kind": "dram", "max_pages": 1}).status_code == 400
+    finally:
+        control.stop()
