@@ -27,6 +27,7 @@ from kvstore.directory.settings import DirectorySettings
 from kvstore.directory.writer import Tx
 
 
+PROMOTION_ROUNDS = 3  # stagings of one prepare_load, when blocks move between tiers meanwhile
 STATS_ROWS_PER_FLUSH = 2000  # access statistics written per reaper tick: the writer is never held long
 
 
@@ -54,9 +55,15 @@ class Loads:
         """Pin the leading hits an engine can read of every chain, under one token (a block that
         chains share is pinned once). NVMe/S3-only hits are staged into memory first."""
         found = [self._index.lookup(namespace_id, c, record=False) for c in chains]
-        if any(h.tier.kind not in tiers.ENGINE_READABLE for hits in found for h in hits):
+        for _ in range(PROMOTION_ROUNDS):  # a block may move down (or up) while it is being staged
+            staged = [h for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE]
+            if not staged:
+                break
             self._promote([h for hits in found for h in hits])
+            before = {h.replica.id for h in staged}
             found = [self._index.lookup(namespace_id, c, record=False) for c in chains]
+            if {h.replica.id for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE} >= before:
+                break  # nothing of it was staged: the memory tier cannot take it now
         found = [_readable_prefix(hits) for hits in found]
         wanted = list({h.replica.id: None for hits in found for h in hits})
         if not wanted:

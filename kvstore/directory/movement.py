@@ -15,6 +15,8 @@ How a copy runs is `moves.Moves`; this module decides what to copy.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import Counter
 from typing import NamedTuple
 
 from kvstore.core import tiers
@@ -50,6 +52,8 @@ class Movement:
         self._reclaim = reclaim
         self._pools = pools
         self._policies = policies
+        self._loading: Counter = Counter()  # block ids being staged for readers: no demotion takes them
+        self._loading_lock = threading.Lock()
 
     # ---- demotion ----------------------------------------------------------------------
 
@@ -116,6 +120,8 @@ class Movement:
 
     def _plan(self, tx: Tx, tier_id: int, worker_id: int, to_free: int, protected: set[int],
               namespace_id: str | None, limit: int) -> _Plan:
+        with self._loading_lock:
+            protected = protected | set(self._loading)
         tier, worker = tx.session.get(Tier, tier_id), tx.session.get(Worker, worker_id)
         own = repo.tiers_of(tx.session, worker_id)
         lower_kind = tiers.below(own, tier.kind, gds="GDS_MT" in worker.backends)
@@ -212,6 +218,16 @@ class Movement:
             if hit.tier.kind in tiers.DURABLE and hit.worker.state == "active":  # a draining worker takes nothing in
                 by_source.setdefault((hit.worker.id, hit.tier.id), []).append(hit)
         protected = {h.entry.block_id for h in hits}
+        with self._loading_lock:
+            self._loading.update(protected)
+        try:
+            self._promote(by_source, protected)
+        finally:
+            with self._loading_lock:
+                self._loading.subtract(protected)
+                self._loading += Counter()  # drops the zero counts
+
+    def _promote(self, by_source: dict, protected: set[int]) -> None:
         for (worker_id, tier_id), items in by_source.items():
             own = self._write(lambda tx: {k: t.id for k, t in repo.tiers_of(tx.session, worker_id).items()})
             gds = "GDS_MT" in self._write(lambda tx: tx.session.get(Worker, worker_id).backends)

@@ -58,7 +58,7 @@ class Store:
     def _prepare(self, tx: Tx, req, now: float, room_first: bool):
         existing = repo.block_refs(tx.session, req.namespace_id, [b.hash for b in req.blocks])
         states = _replica_states(tx.session, existing) if existing else {}
-        decisions: dict[str, specs.StoreDecision] = {}
+        decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
         wanted = []
         for block in req.blocks:
             state = states.get(block.hash, set())
