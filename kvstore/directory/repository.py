@@ -70,10 +70,15 @@ def blocks_by_hash(session: Session, namespace_id: str, hashes: list[str]) -> di
 
 
 def replicas_of(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
+    return _replicas_where(session, Replica.block_id, block_ids)
+
+
+def _replicas_where(session: Session, column, ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
+    """(replica, tier, worker) of the replicas whose `column` is in `ids`, chunked."""
     rows = []
-    for chunk in chunks(block_ids):
+    for chunk in chunks(ids):
         query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
-                 .join(Worker, Tier.worker_id == Worker.id).where(Replica.block_id.in_(chunk)))
+                 .join(Worker, Tier.worker_id == Worker.id).where(column.in_(chunk)))
         rows.extend(session.execute(query).tuples())
     return rows
 
@@ -87,10 +92,6 @@ def readable(state: str, epoch: int, tier_kind: str, worker_state: str, worker_e
     if state not in VISIBLE or (tier_kind != "s3" and worker_state == "dead"):
         return False
     return tier_kind not in MEMORY or epoch == worker_epoch
-
-
-def visible_replicas(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
-    return [(r, t, w) for r, t, w in replicas_of(session, block_ids) if is_visible(r, t, w)]
 
 
 def insert_blocks(session: Session, rows: list[dict]) -> dict[str, int]:
@@ -157,12 +158,7 @@ def writing_rows(session: Session, token: str) -> list[WritingRow]:
 
 
 def replica_rows(session: Session, replica_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
-    rows = []
-    for chunk in chunks(replica_ids):
-        query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
-                 .join(Worker, Tier.worker_id == Worker.id).where(Replica.id.in_(chunk)))
-        rows.extend(session.execute(query).tuples())
-    return rows
+    return _replicas_where(session, Replica.id, replica_ids)
 
 
 def expired_reservations(session: Session, now: float) -> list[str]:
