@@ -126,8 +126,14 @@ def saver_client(port: int, namespace_id: str, first_chain: int, seconds: float,
     out.put(stored)
 
 
-def lookups(port: int, namespace_id: str, chains: int, clients: int, seconds: float, locations: bool = False,
-            saver_from: int | None = None) -> dict:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def lookups(port: int, pid: int, namespace_id: str, chains: int, clients: int, seconds: float,
+            locations: bool = False, saver_from: int | None = None) -> dict:
     ctx = mp.get_context("spawn")
     out, saved = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=lookup_client, args=(port, namespace_id, chains, seconds, locations, i, out))
@@ -136,15 +142,18 @@ def lookups(port: int, namespace_id: str, chains: int, clients: int, seconds: fl
         procs.append(ctx.Process(target=saver_client, args=(port, namespace_id, saver_from, seconds, saved)))
     for p in procs:
         p.start()
+    cpu0 = cpu_s(pid)
     results = [out.get() for _ in range(clients)]
     stored = saved.get() if saver_from is not None else 0
+    cpu = cpu_s(pid) - cpu0  # the clients start and stop within a few ms of each other
     for p in procs:
         p.join()
     latencies = sorted(x for lat, _ in results for x in lat)
     return {"clients": clients, "locations": locations, "lookups": len(latencies),
             "per_s": len(latencies) / seconds, "p50_ms": 1e3 * latencies[len(latencies) // 2],
             "p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)],
-            "full_hits": sum(h for _, h in results) / max(1, len(latencies)), "saved_meanwhile": stored}
+            "full_hits": sum(h for _, h in results) / max(1, len(latencies)), "saved_meanwhile": stored,
+            "directory_cpu_us_per_lookup": 1e6 * cpu / max(1, len(latencies))}
 
 
 def rss_mib(pid: int) -> float:
@@ -209,10 +218,12 @@ def main() -> None:
             print(f"\rfill: {chains * CHAIN:,} blocks in {fill_s:.0f} s ({chains * CHAIN / fill_s:,.0f} blocks/s)")
             rss = rss_mib(directory.pid)
             legacy = args.directory_src.resolve() != REPO.resolve()  # answers locations always
-            phases = [lookups(port, namespace_id, chains, 1, args.seconds),
-                      lookups(port, namespace_id, chains, 1, args.seconds, locations="always" if legacy else True),
-                      lookups(port, namespace_id, chains, 4, args.seconds),
-                      lookups(port, namespace_id, chains, 4, args.seconds, saver_from=chains + 10)]
+            pid = directory.pid
+            phases = [lookups(port, pid, namespace_id, chains, 1, args.seconds),
+                      lookups(port, pid, namespace_id, chains, 1, args.seconds,
+                              locations="always" if legacy else True),
+                      lookups(port, pid, namespace_id, chains, 4, args.seconds),
+                      lookups(port, pid, namespace_id, chains, 4, args.seconds, saver_from=chains + 10)]
             stores = {}
             next_chain = chains + 100_000
             for size in (64, 1024):
@@ -238,9 +249,10 @@ def main() -> None:
     control.stop()
 
     names = ["1 client", "1 client, locations", "4 clients", "4 clients + 1 saving"]
-    print_table(["lookups of 128 hashes", "lookups/s", "p50 ms", "p99 ms", "full hits", "saved meanwhile"],
-                [[n, round(p["per_s"]), p["p50_ms"], p["p99_ms"], p["full_hits"], p["saved_meanwhile"]]
-                 for n, p in zip(names, phases)])
+    print_table(["lookups of 128 hashes", "lookups/s", "p50 ms", "p99 ms", "full hits", "saved meanwhile",
+                 "directory CPU µs/lookup"],
+                [[n, round(p["per_s"]), p["p50_ms"], p["p99_ms"], p["full_hits"], p["saved_meanwhile"],
+                  round(p["directory_cpu_us_per_lookup"])] for n, p in zip(names, phases)])
     print()
     print_table(["prepare+complete", "ms", "µs per block"], [[f"{k} blocks", v["ms"], v["us_per_block"]]
                                                             for k, v in stores.items()])

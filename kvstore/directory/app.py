@@ -23,7 +23,7 @@ from kvstore.directory.settings import DirectorySettings
 log = logging.getLogger(__name__)
 # Threads that wait for the GIL (the writer, saves in the thread pool) get it after at most this long
 # while the event loop answers lookups; Python's default, 5 ms, starves them under a lookup load.
-GIL_SWITCH_S = 0.0005
+GIL_SWITCH_S = 0.002
 
 
 class NamespaceBody(BaseModel):

@@ -4,7 +4,9 @@
     index.reload(session, block_ids)         # after a commit that touched these blocks
     index.reload_topology(session)           # after a commit that touched workers or tiers
     index.lookup(namespace_id, hashes) -> [Hit]   # leading blocks with a readable replica; no lock, no SQL
-    index.drain_accesses() -> (counts, hits)      # what lookups found since, for the access statistics
+    index.count(namespace_id, hashes) -> (hits, {tier kind: hits})   # the same, without locations
+    index.record(entries)                         # a load read them: for the access statistics
+    index.drain_accesses() -> (counts, entries)   # what loads read since
 
 SQL is the truth; this is a copy the writer brings up to date after each group
 commit and before it answers the callers, so a lookup never sees a block
@@ -18,6 +20,7 @@ from __future__ import annotations
 import gc
 import sys
 from collections import Counter
+from operator import itemgetter
 from typing import NamedTuple
 
 from sqlalchemy import select
@@ -28,6 +31,7 @@ from kvstore.directory.models import Block, Replica, Tier, Worker
 from kvstore.directory.models.replica import VISIBLE
 
 CHUNK = 500  # ids per IN list
+_BLOCK_ID, _HOME = itemgetter(0), itemgetter(6)  # of an Entry
 REBUILD_BATCH = 20_000  # rows read and applied at a time when the index is built
 
 
@@ -64,6 +68,7 @@ class Entry(NamedTuple):
     nbytes: int
     checksum: str
     replicas: tuple  # ReplicaViews, best tier first
+    home: tuple  # of replicas[0] (see Index._home)
 
 
 class Hit(NamedTuple):
@@ -84,7 +89,10 @@ class Index:
         self.tiers: dict[int, TierView] = {}
         self.workers: dict[int, WorkerView] = {}
         self._counts: Counter = Counter()  # block id -> hits since the last drain, deepest first seen first
-        self._hits: dict[int, Hit] = {}  # block id -> its latest hit
+        self._hits: dict[int, Entry] = {}  # block id -> its entry when last hit
+        self._readable: dict[int, tuple] = {}  # tier id -> (tier, worker, the epoch a replica needs or None)
+        self._readable_homes: set[tuple] = set()  # (tier id, that epoch)
+        self._homes: dict[tuple, tuple] = {}  # each home once
 
     @property
     def num_blocks(self) -> int:
@@ -92,32 +100,59 @@ class Index:
 
     # ---- reads (any thread) ----------------------------------------------------------------
 
-    def lookup(self, namespace_id: str, hashes: list[str], record: bool = True) -> list[Hit]:
-        blocks = self._blocks.get(namespace_id)
-        if not blocks:
-            return []
-        tiers_, workers = self.tiers, self.workers
+    def lookup(self, namespace_id: str, hashes: list[str]) -> list[Hit]:
+        entries, homes = self._leading(namespace_id, hashes)
         hits = []
-        for h in hashes:
-            entry = blocks.get(h)
-            best = _best(entry, tiers_, workers) if entry is not None else None
-            if best is None:
-                break
-            hits.append(Hit(h, entry, best[0], best[1], best[2]))
-        if record:
-            self.record(hits)
+        for entry, home in zip(entries, homes):
+            tier, worker, _ = self._readable[home[0]]
+            replica = next(r for r in entry.replicas if self._home(r) == home)
+            hits.append(Hit(entry.hash, entry, replica, tier, worker))
         return hits
 
-    def record(self, hits: list[Hit]) -> None:
-        """Count these hits in the access statistics (flushed to SQL in batches, off the request
-        path). C-level dict updates: a few microseconds for a long prefix."""
-        if hits:
-            deepest_first = hits[::-1]
-            ids = [h.entry.block_id for h in deepest_first]
+    def count(self, namespace_id: str, hashes: list[str]) -> tuple[int, dict[str, int]]:
+        """A lookup that needs no locations: the leading hits and their number per tier kind. The hot
+        path of every engine's scheduler: no Hit is built."""
+        entries, homes = self._leading(namespace_id, hashes)
+        by_kind: dict[str, int] = {}
+        for (tier_id, _), n in Counter(homes).items():
+            kind = self._readable[tier_id][0].kind
+            by_kind[kind] = by_kind.get(kind, 0) + n
+        return len(entries), by_kind
+
+    def _leading(self, namespace_id: str, hashes: list[str]) -> tuple[list[Entry], list[tuple]]:
+        """The leading blocks with a readable replica, and the home of the replica each is read from.
+        Mostly passes in C: the entries up to the first miss, and which of them can be read from
+        their best replica; only a block whose best replica cannot be read is looked at in Python."""
+        blocks = self._blocks.get(namespace_id)
+        if not blocks:
+            return [], []
+        entries = list(map(blocks.get, hashes))
+        if None in entries:
+            entries = entries[: entries.index(None)]
+        homes = list(map(_HOME, entries))
+        readable = list(map(self._readable_homes.__contains__, homes))
+        if False not in readable:
+            return entries, homes
+        k = readable.index(False)
+        for entry in entries[k:]:
+            best = self.best(entry)
+            if best is None:
+                break
+            homes[k] = self._home(best[0])
+            k += 1
+        return entries[:k], homes[:k]
+
+    def record(self, entries: list[Entry]) -> None:
+        """Count these blocks as read (a load pinned them) in the access statistics, flushed to SQL
+        in batches off the request path. A lookup is a question, not an access: it counts nothing
+        (a scheduler may ask again for the same waiting request). C-level dict updates."""
+        if entries:
+            deepest_first = entries[::-1]
+            ids = list(map(_BLOCK_ID, deepest_first))
             self._counts.update(ids)
             self._hits.update(zip(ids, deepest_first))
 
-    def drain_accesses(self) -> tuple[Counter, dict[int, Hit]]:
+    def drain_accesses(self) -> tuple[Counter, dict[int, Entry]]:
         counts, hits = self._counts, self._hits
         self._counts, self._hits = Counter(), {}
         return counts, hits
@@ -163,12 +198,38 @@ class Index:
         self._apply(merged, set(), notify=self.on_change is not None)
 
     def reload_topology(self, session: Session) -> None:
-        self.workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state)
-                        for w in session.execute(select(Worker.id, Worker.name, Worker.agent_name, Worker.epoch,
-                                                        Worker.state))}
-        self.tiers = {t.id: TierView(t.id, t.worker_id, t.kind, t.page_bytes, t.base_addr)
-                      for t in session.execute(select(Tier.id, Tier.worker_id, Tier.kind, Tier.page_bytes,
-                                                      Tier.base_addr))}
+        workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state)
+                   for w in session.execute(select(Worker.id, Worker.name, Worker.agent_name, Worker.epoch,
+                                                   Worker.state))}
+        self.set_topology(workers, {t.id: TierView(t.id, t.worker_id, t.kind, t.page_bytes, t.base_addr)
+                                    for t in session.execute(select(Tier.id, Tier.worker_id, Tier.kind,
+                                                                    Tier.page_bytes, Tier.base_addr))})
+
+    def set_topology(self, workers: dict[int, WorkerView], tiers_: dict[int, TierView]) -> None:
+        """Workers and tiers, and from them which tiers can be read: objects in S3 whatever their
+        worker's state, NVMe while its worker lives, memory only in the epoch that wrote it."""
+        readable = {}
+        for tier in tiers_.values():
+            worker = workers[tier.worker_id]
+            if tier.kind == "s3" or worker.state != "dead":
+                readable[tier.id] = (tier, worker, worker.epoch if tier.kind in tiers.MEMORY else None)
+        self.workers, self.tiers, self._readable = workers, tiers_, readable
+        self._readable_homes = {(tier_id, epoch) for tier_id, (_, _, epoch) in readable.items()}
+
+    def _home(self, replica: ReplicaView) -> tuple[int, int | None]:
+        """(tier id, the epoch it was written in if its tier is memory, else None), one shared tuple
+        per value: a replica is readable when its home is one of the readable homes."""
+        tier = self.tiers.get(replica.tier_id)
+        home = (replica.tier_id, replica.epoch if tier is not None and tier.kind in tiers.MEMORY else None)
+        return self._homes.setdefault(home, home)
+
+    def best(self, entry: Entry) -> tuple[ReplicaView, TierView, WorkerView] | None:
+        """The first readable replica of `entry` (they are kept best tier first)."""
+        for replica in entry.replicas:
+            where = self._readable.get(replica.tier_id)
+            if where is not None and (where[2] is None or where[2] == replica.epoch):
+                return replica, where[0], where[1]
+        return None
 
     def _apply(self, rows, asked: set[int], notify: bool) -> None:
         """Replace the entries of the blocks in `rows`; blocks in `asked` with no row are gone."""
@@ -191,7 +252,8 @@ class Index:
             replicas.sort(key=lambda r: tiers.PREFERENCE[tiers_[r.tier_id].kind] if r.tier_id in tiers_ else 99)
             by_hash = self._blocks.setdefault(namespace_id, {})
             old = by_hash.get(block_hash)
-            entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, tuple(replicas))
+            entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, tuple(replicas),
+                          self._home(replicas[0]))
             by_hash[block_hash] = entry
             self._by_id[block_id] = entry
             if notify:
@@ -215,19 +277,3 @@ def _rows_query():
                    Replica.tier_id, Replica.epoch, Replica.pages)
             .join(Replica, Replica.block_id == Block.id)
             .where(Replica.state.in_(VISIBLE), Block.checksum.is_not(None)))
-
-
-def _best(entry: Entry, tiers_: dict[int, TierView], workers: dict[int, WorkerView]):
-    """The first readable replica (they are kept best tier first): READY or MOVING on a live worker,
-    a memory tier only in the epoch that wrote it."""
-    for replica in entry.replicas:
-        tier = tiers_.get(replica.tier_id)
-        if tier is None:
-            continue
-        worker = workers[tier.worker_id]
-        if tier.kind != "s3" and worker.state == "dead":
-            continue
-        if tier.kind in tiers.MEMORY and replica.epoch != worker.epoch:
-            continue
-        return replica, tier, worker
-    return None

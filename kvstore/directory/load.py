@@ -29,6 +29,7 @@ from kvstore.directory.writer import Tx
 
 PROMOTION_ROUNDS = 3  # stagings of one prepare_load, when blocks move between tiers meanwhile
 STATS_ROWS_PER_FLUSH = 2000  # access statistics written per reaper tick: the writer is never held long
+POLICY_HITS_AT_ONCE = 2000  # blocks whose hits go to the policies under one hold of their lock
 
 
 class Loads:
@@ -46,22 +47,25 @@ class Loads:
         self._pending_stats: dict[int, tuple[float, int]] = {}  # block id -> (last access, hits), for SQL
 
     def lookup(self, namespace_id: str, hashes: list[str], locations: bool) -> dict:
+        if not locations:
+            hit, tiers_ = self._index.count(namespace_id, hashes)
+            self._metrics.count_lookup(len(hashes), hit)
+            return {"num_hit_blocks": hit, "blocks": [], "by_tier": tiers_}
         hits = self._index.lookup(namespace_id, hashes)
         self._metrics.count_lookup(len(hashes), len(hits))
-        return {"num_hit_blocks": len(hits), "blocks": [hit_body(h) for h in hits] if locations else [],
-                "by_tier": by_tier(hits)}
+        return {"num_hit_blocks": len(hits), "blocks": [hit_body(h) for h in hits], "by_tier": by_tier(hits)}
 
     def prepare(self, namespace_id: str, chains: list[list[str]], reader: str) -> dict:
         """Pin the leading hits an engine can read of every chain, under one token (a block that
         chains share is pinned once). NVMe/S3-only hits are staged into memory first."""
-        found = [self._index.lookup(namespace_id, c, record=False) for c in chains]
+        found = [self._index.lookup(namespace_id, c) for c in chains]
         for _ in range(PROMOTION_ROUNDS):  # a block may move down (or up) while it is being staged
             staged = [h for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE]
             if not staged:
                 break
             self._promote([h for hits in found for h in hits])
             before = {h.replica.id for h in staged}
-            found = [self._index.lookup(namespace_id, c, record=False) for c in chains]
+            found = [self._index.lookup(namespace_id, c) for c in chains]
             if {h.replica.id for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE} >= before:
                 break  # nothing of it was staged: the memory tier cannot take it now
         found = [_readable_prefix(hits) for hits in found]
@@ -74,7 +78,7 @@ class Loads:
         found = [_pinned_prefix(hits, pinned) for hits in found]
         for asked, hits in zip(chains, found):
             self._metrics.count_lookup(len(asked), len(hits))
-            self._index.record(hits)
+            self._index.record([h.entry for h in hits])
         return {"token": token if pinned else None, "expires_at": expires_at if pinned else None,
                 "chains": [[hit_body(h) for h in hits] for hits in found]}
 
@@ -100,17 +104,22 @@ class Loads:
         return specs.LoadCompleted(released=released, invalidated=invalidated)
 
     def flush_accesses(self) -> int:
-        """What lookups and loads found since the last flush, off the request path: the hits go to
-        the tier policies now (deepest block of a lookup first, so a prefix stays more recent than
-        its suffixes); counts and times join the statistics waiting for SQL, of which one job
-        writes at most STATS_ROWS_PER_FLUSH rows (the oldest first). Under a heavy lookup load the
-        SQL copy lags; it only orders the policies after a restart. Returns the distinct blocks hit."""
-        counts, hits = self._index.drain_accesses()
+        """What loads read since the last flush, off the request path: the hits go to the tier
+        policies now (deepest block of a load first, so a prefix stays more recent than its
+        suffixes); counts and times join the statistics waiting for SQL, of which one job writes at
+        most STATS_ROWS_PER_FLUSH rows (the oldest first). Under a heavy load the SQL copy lags; it
+        only orders the policies after a restart. Returns the distinct blocks read."""
+        counts, entries = self._index.drain_accesses()
         now = self._clock()
-        with self._policies.lock:
-            for block_id, hit in hits.items():
-                held = [hit.tier.id] + [r.tier_id for r in hit.entry.replicas if r.tier_id != hit.tier.id]
-                self._policies.hit_ids(held, block_key(hit.entry.namespace_id, hit.hash))
+        hits = []
+        for entry in entries.values():
+            best = self._index.best(entry)
+            if best is not None:  # still readable
+                tier_id = best[1].id
+                hits.append(([tier_id] + [r.tier_id for r in entry.replicas if r.tier_id != tier_id],
+                             block_key(entry.namespace_id, entry.hash)))
+        for start in range(0, len(hits), POLICY_HITS_AT_ONCE):  # the writer's admissions wait between
+            self._policies.hit_many(hits[start : start + POLICY_HITS_AT_ONCE])
         pending = self._pending_stats
         for block_id, n in counts.items():
             pending[block_id] = (now, pending.pop(block_id, (0.0, 0))[1] + n)

@@ -107,16 +107,19 @@ class TierPolicies:
                 policy.admission.record(key)
 
     @_locked
-    def hit_ids(self, tier_ids: list[int], key: str) -> None:
-        """Like `hit`, by tier id, for tiers that already have a policy (the first serves the key)."""
-        for i, tier_id in enumerate(tier_ids):
-            policy = self._tiers.get(tier_id)
-            if policy is None:
-                continue
-            if key in policy.eviction:
-                policy.eviction.touch(key)
-            if i == 0:
-                policy.admission.record(key)
+    def hit_many(self, hits: list[tuple[list[int], str]]) -> None:
+        """Like `hit`, by tier id, for many keys under one lock: (tier ids, the first serves it; key).
+        Tiers without a policy yet are skipped."""
+        policies = self._tiers
+        for tier_ids, key in hits:
+            for i, tier_id in enumerate(tier_ids):
+                policy = policies.get(tier_id)
+                if policy is None:
+                    continue
+                if key in policy.eviction:
+                    policy.eviction.touch(key)
+                if i == 0:
+                    policy.admission.record(key)
 
     @_locked
     def built(self, tier) -> bool:

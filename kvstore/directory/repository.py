@@ -169,11 +169,18 @@ def expired_reservations(session: Session, now: float) -> list[str]:
 def record_hits(session: Session, hits: dict[int, tuple[float, int]]) -> None:
     """Access statistics gathered in memory: block id -> (last access, hits since the last flush)."""
     if hits:
-        table = Block.__table__
-        session.connection().execute(
-            update(table).where(table.c.id == bindparam("b_id"))
-            .values(last_access=bindparam("b_at"), hit_count=table.c.hit_count + bindparam("b_n")),
-            [{"b_id": b, "b_at": at, "b_n": n} for b, (at, n) in hits.items()])
+        driver_many(session, f"UPDATE {Block.__tablename__} SET last_access = ?, hit_count = hit_count + ? "
+                    "WHERE id = ?", [(at, n, b) for b, (at, n) in hits.items()])
+
+
+def driver_many(session: Session, sql: str, rows: list[tuple]) -> None:
+    """One statement for many rows straight through the database driver (`?` placeholders): the
+    statement is not compiled again and no parameters are processed per row, which costs SQLAlchemy
+    Core about ten microseconds a row."""
+    connection = session.connection()
+    if connection.dialect.paramstyle in ("format", "pyformat"):
+        sql = sql.replace("?", "%s")
+    connection.exec_driver_sql(sql, rows)
 
 
 def delete_orphan_blocks(session: Session, block_ids: list[int]) -> None:

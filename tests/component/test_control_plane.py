@@ -55,7 +55,11 @@ def test_a_lookup_takes_no_job_and_writes_nothing(database_url):
         for _ in range(50):
             assert hits(s, chain(4)) == 4
         assert s.service.writer.jobs == jobs  # answered from the index alone
-        assert s.service.loads.flush_accesses() == 4  # the hits reach SQL later, in one batch
+        assert s.service.loads.flush_accesses() == 0  # a lookup is not an access
+        load = s.client.prepare_load(specs.PrepareLoad(namespace_id=s.namespace_id, hashes=chain(4)))
+        assert s.service.loads.flush_accesses() == 4  # a load is: its blocks reach SQL later, in one batch
+        s.client.complete_load(specs.CompleteLoad(token=load.token, blocks=[
+            specs.BlockRead(hash=b.hash, ok=True) for b in load.blocks]))
 
 
 def test_duplicate_hashes_in_one_prepare_store_are_a_400_and_reserve_nothing(stack):

@@ -33,6 +33,15 @@ def hits(stack, hashes) -> int:
     return stack.client.lookup(stack.namespace_id, hashes).num_hit_blocks
 
 
+def read(stack, hashes) -> int:
+    """Load the prefix as an engine does (pin, read, release): an access, unlike a lookup."""
+    load = stack.client.prepare_load(specs.PrepareLoad(namespace_id=stack.namespace_id, hashes=hashes))
+    if load.token:
+        stack.client.complete_load(specs.CompleteLoad(token=load.token, blocks=[
+            specs.BlockRead(hash=b.hash, ok=True) for b in load.blocks]))
+    return len(load.blocks)
+
+
 def test_a_block_is_visible_only_after_complete(stack):
     hashes = chain(3)
     prepared = prepare(stack, hashes)
@@ -177,6 +186,11 @@ def test_unknown_namespace_and_bad_bodies_get_error_bodies(stack):
     assert answer.status_code == 404 and answer.json()["error"] == "not_found"
     answer = stack.http.post("/v1/lookup", json={"namespace_id": stack.namespace_id, "hashes": ["XYZ"]})
     assert answer.status_code == 400 and answer.json()["error"] == "invalid"
+    for path, body in [("/v1/lookup", {"hashes": ["00", "0g0", "ab"]}), ("/v1/load/prepare", {"hashes": ["a-b"]}),
+                       ("/v1/load/prepare-batch", {"chains": [["00"], ["00", "0 1"]]}),
+                       ("/v1/lookup", {"hashes": ["0"]}), ("/v1/lookup", {"hashes": ["0" * 129]})]:
+        answer = stack.http.post(path, json={"namespace_id": stack.namespace_id, **body})
+        assert answer.status_code == 400 and answer.json()["error"] == "invalid", (path, body)
     answer = stack.http.post("/v1/namespaces", json={"namespace": {"model_id": "m"}})
     assert answer.status_code == 400 and "namespace" in answer.json()["detail"]
     answer = stack.http.post("/v1/store/prepare", json={"namespace_id": stack.namespace_id, "blocks": [

@@ -13,7 +13,7 @@ from kvstore.directory.settings import DirectorySettings
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
 from tests.component.conftest import NS, Stack, make_settings
-from tests.component.test_directory import chain, complete, hits, prepare
+from tests.component.test_directory import chain, complete, hits, prepare, read
 from tests.helpers import ServerThread
 
 
@@ -68,7 +68,7 @@ def test_eviction_order_survives_a_directory_restart(database_url, control):
         old, recent = chain(8), chain(8, start=1000)  # 16 blocks fill the 32 pages
         complete(s, prepare(s, old))
         complete(s, prepare(s, recent))
-        hits(s, old)  # the first chain is now the most recently used
+        assert read(s, old) == 8  # the first chain is now the most recently used
     finally:
         server.__exit__(None, None, None)
     server, s2 = _stack(settings, control)  # a new directory process state on the same database

@@ -9,9 +9,9 @@ from kvstore.core import specs
 
 def index_with(worker_state: str = "active", worker_epoch: int = 1) -> Index:
     index = Index()
-    index.workers = {1: WorkerView(1, "w", "w-agent", worker_epoch, worker_state)}
-    index.tiers = {10: TierView(10, 1, "dram", 128, 1 << 20), 11: TierView(11, 1, "nvme", 128, 0),
-                   12: TierView(12, 1, "s3", 1, 0)}
+    index.set_topology({1: WorkerView(1, "w", "w-agent", worker_epoch, worker_state)},
+                       {10: TierView(10, 1, "dram", 128, 1 << 20), 11: TierView(11, 1, "nvme", 128, 0),
+                        12: TierView(12, 1, "s3", 1, 0)})
     rows = []
     for i, (tier_id, epoch) in enumerate([(10, 1), (11, 1), (12, 1)]):  # block i lives on one tier
         rows.append((i, "ns", f"h{i}", None, 256, "0123456789abcdef", 100 + i, tier_id, epoch, [[2 * i, 2]]))
@@ -45,13 +45,29 @@ def test_a_reload_without_rows_forgets_the_block_and_tells_the_policies():
     assert changes == [("ns/h1", None, [], [11])]
 
 
-def test_hits_are_counted_deepest_first_until_drained():
+def test_reads_are_counted_deepest_first_until_drained_and_lookups_count_nothing():
     index = index_with()
     index.lookup("ns", ["h0", "h1"])
-    index.lookup("ns", ["h0"])
-    counts, hits = index.drain_accesses()
-    assert counts == {0: 2, 1: 1} and list(counts) == [1, 0]
+    index.count("ns", ["h0", "h1"])
     assert index.drain_accesses()[0] == {}
+    index.record([h.entry for h in index.lookup("ns", ["h0", "h1"])])
+    index.record([h.entry for h in index.lookup("ns", ["h0"])])
+    counts, entries = index.drain_accesses()
+    assert counts == {0: 2, 1: 1} and list(counts) == [1, 0]
+    assert [e.hash for e in entries.values()] == ["h1", "h0"]
+    assert index.drain_accesses()[0] == {}
+
+
+def test_a_count_agrees_with_a_lookup_on_hits_and_tiers():
+    for state, epoch in [("active", 1), ("active", 2), ("dead", 1)]:
+        index = index_with(worker_state=state, worker_epoch=epoch)
+        for hashes in (["h0", "h1", "h2"], ["h2", "h0"], ["h1", "nope", "h2"], []):
+            hits = index.lookup("ns", hashes)
+            kinds: dict[str, int] = {}
+            for h in hits:
+                kinds[h.tier.kind] = kinds.get(h.tier.kind, 0) + 1
+            assert index.count("ns", hashes) == (len(hits), kinds), (state, epoch, hashes)
+    assert index_with().count("other", ["h0"]) == (0, {})
 
 
 def test_page_credit_places_many_blocks_in_one_cut_and_takes_them_back():
