@@ -113,15 +113,6 @@ class BlockRef(NamedTuple):
     depth: int
 
 
-class ReplicaState(NamedTuple):
-    block_id: int
-    state: str
-    epoch: int
-    tier_kind: str
-    worker_state: str
-    worker_epoch: int
-
-
 def block_refs(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, BlockRef]:
     """hash -> (id, depth) of the blocks the directory has, as plain rows."""
     found: dict[str, BlockRef] = {}
@@ -130,16 +121,6 @@ def block_refs(session: Session, namespace_id: str, hashes: list[str]) -> dict[s
                                                                 Block.hash.in_(chunk))
         found.update((h, BlockRef(i, d)) for h, i, d in session.execute(query))
     return found
-
-
-def replica_states(session: Session, block_ids: list[int]) -> list[ReplicaState]:
-    rows = []
-    for chunk in chunks(block_ids):
-        query = (select(Replica.block_id, Replica.state, Replica.epoch, Tier.kind, Worker.state, Worker.epoch)
-                 .join(Tier, Replica.tier_id == Tier.id).join(Worker, Tier.worker_id == Worker.id)
-                 .where(Replica.block_id.in_(chunk)))
-        rows.extend(ReplicaState(*row) for row in session.execute(query))
-    return rows
 
 
 def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[Replica, Block, Tier, Worker]]:
@@ -173,14 +154,21 @@ def record_hits(session: Session, hits: dict[int, tuple[float, int]]) -> None:
                     "WHERE id = ?", [(at, n, b) for b, (at, n) in hits.items()])
 
 
-def driver_many(session: Session, sql: str, rows: list[tuple]) -> None:
-    """One statement for many rows straight through the database driver (`?` placeholders): the
-    statement is not compiled again and no parameters are processed per row, which costs SQLAlchemy
-    Core about ten microseconds a row."""
+def driver(session: Session, sql: str) -> tuple:
+    """The session's connection and `sql` (`?` placeholders) as its driver wants it, to run straight
+    through the driver: not compiled again, no parameters processed per row (SQLAlchemy Core costs
+    about ten microseconds a row)."""
     connection = session.connection()
     if connection.dialect.paramstyle in ("format", "pyformat"):
         sql = sql.replace("?", "%s")
-    connection.exec_driver_sql(sql, rows)
+    return connection, sql
+
+
+def driver_many(session: Session, sql: str, rows: list[tuple]) -> None:
+    """One statement for many rows (executemany) through the driver."""
+    if rows:
+        connection, sql = driver(session, sql)
+        connection.exec_driver_sql(sql, rows)
 
 
 def delete_orphan_blocks(session: Session, block_ids: list[int]) -> None:

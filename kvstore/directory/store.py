@@ -18,10 +18,10 @@ from typing import NamedTuple
 
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
+from kvstore.directory import repo_store as sql
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.models import Tier, Worker
-from kvstore.directory.models.replica import READY, WRITING
+from kvstore.directory.models.replica import WRITING
 from kvstore.directory.policy import TierPolicies, block_key
 from kvstore.directory.pools import PagePools
 from kvstore.directory.reclaim import Reclaim
@@ -56,15 +56,14 @@ class Store:
         return prepared
 
     def _prepare(self, tx: Tx, req, now: float, room_first: bool):
-        existing = repo.block_refs(tx.session, req.namespace_id, [b.hash for b in req.blocks])
-        states = _replica_states(tx.session, existing) if existing else {}
+        existing = sql.known_blocks(tx.session, req.namespace_id, [b.hash for b in req.blocks])
         decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
         wanted = []
         for block in req.blocks:
-            state = states.get(block.hash, set())
-            if READY in state:
+            known = existing.get(block.hash)
+            if known is not None and known.ready:
                 decisions[block.hash] = {"hash": block.hash, "status": "exists"}
-            elif WRITING in state:
+            elif known is not None and known.writing:
                 decisions[block.hash] = {"hash": block.hash, "status": "in_progress"}
             else:
                 wanted.append(block)
@@ -76,7 +75,7 @@ class Store:
         return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
                 "blocks": [decisions[b.hash] for b in req.blocks]}
 
-    def _place(self, tx: Tx, namespace_id: str, wanted: list[specs.BlockToStore], existing: dict[str, repo.BlockRef],
+    def _place(self, tx: Tx, namespace_id: str, wanted: list[specs.BlockToStore], existing: dict[str, sql.KnownBlock],
                token: str, expires_at: float, now: float, decisions: dict, room_first: bool) -> int | _NeedRoom:
         """Pages for `wanted` on the placement tier, from the page pool; fills `decisions`. With
         `room_first`, a request the pool cannot hold changes nothing and asks for room instead."""
@@ -110,16 +109,15 @@ class Store:
         block_ids = _new_blocks(tx, namespace_id, [b for b, _ in placed], existing, now)
         replicas = []
         for block, runs in placed:
-            replicas.append(dict(block_id=block_ids[block.hash], tier_id=tier.id, epoch=worker.epoch, state=WRITING,
-                                 token=token, pages=runs, reserved_bytes=sum(c for _, c in runs) * tier.page_bytes,
-                                 expires_at=expires_at, created_at=now))
+            replicas.append((block_ids[block.hash], tier.id, worker.epoch, token, runs,
+                             sum(c for _, c in runs) * tier.page_bytes, expires_at, now))
             decisions[block.hash] = {"hash": block.hash, "status": "admitted",
                                      "location": location(worker, tier, runs, block.nbytes)}
-        repo.insert_replicas(tx.session, replicas)
-        repo.add_used(tx.session, {tier.id: sum(r["reserved_bytes"] for r in replicas)})
+        sql.insert_reservations(tx.session, replicas)
+        sql.add_used(tx.session, tier.id, sum(r[5] for r in replicas))
         return len(placed)
 
-    def _admitted(self, tier: Tier, namespace_id: str, wanted: list[specs.BlockToStore],
+    def _admitted(self, tier: sql.PlacementTier, namespace_id: str, wanted: list[specs.BlockToStore],
                   decisions: dict) -> list[specs.BlockToStore]:
         """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
         admitted, rejected = [], set()
@@ -147,7 +145,7 @@ class Store:
 
     def _complete(self, tx: Tx, req, now: float) -> tuple[int, bool, int]:
         reports = {b.hash: b for b in req.blocks}
-        rows = repo.writing_rows(tx.session, req.token)
+        rows = sql.writing_rows(tx.session, req.token)
         if not rows:  # also what a worker restart leaves: its new epoch dropped the reservation
             raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token (a worker "
                                "that restarted since prepare_store drops its reservations)", token=req.token)
@@ -160,7 +158,7 @@ class Store:
             else:
                 good.append(row)
                 checksums[row.block_id] = report.checksum.lower()
-        repo.commit_replicas(tx.session, [r.replica_id for r in good], checksums)
+        sql.commit_replicas(tx.session, [r.replica_id for r in good], checksums)
         tx.committed([(r.block_id, r.namespace_id, r.hash, r.parent, r.nbytes, checksums[r.block_id], r.replica_id,
                        r.tier_id, r.epoch, r.pages) for r in good])
         self._reclaim.drop(tx, repo.replica_rows(tx.session, failed))
@@ -196,42 +194,29 @@ class Store:
         return renewed
 
 
-def _new_blocks(tx: Tx, namespace_id: str, blocks: list[specs.BlockToStore], existing: dict[str, repo.BlockRef],
+def _new_blocks(tx: Tx, namespace_id: str, blocks: list[specs.BlockToStore], existing: dict[str, sql.KnownBlock],
                 now: float) -> dict[str, int]:
     """Ids of `blocks`, inserting the ones the directory has not seen. Depth follows the parent chain."""
     ids = {h: b.id for h, b in existing.items()}
     depths = {h: b.depth for h, b in existing.items()}
     outside = {b.parent for b in blocks if b.parent and b.parent not in depths} - {b.hash for b in blocks}
     if outside:  # a chain saved in several calls (chunked prefill): continue from the stored parent
-        depths.update({h: b.depth for h, b in repo.block_refs(tx.session, namespace_id, sorted(outside)).items()})
+        depths.update({h: b.depth for h, b in sql.known_blocks(tx.session, namespace_id, sorted(outside)).items()})
     rows = []
     for block in blocks:
         if block.hash in ids:
             continue
         depths[block.hash] = depths[block.parent] + 1 if block.parent in depths else 0
-        rows.append(dict(namespace_id=namespace_id, hash=block.hash, parent=block.parent, depth=depths[block.hash],
-                         nbytes=block.nbytes, created_at=now, last_access=now, hit_count=0))
-    ids.update(repo.insert_blocks(tx.session, rows))
+        rows.append((namespace_id, block.hash, block.parent, depths[block.hash], block.nbytes, now))
+    ids.update(sql.insert_blocks(tx.session, rows))
     return ids
 
 
-def _replica_states(session, blocks: dict[str, repo.BlockRef]) -> dict[str, set[str]]:
-    """Per block hash: READY if some replica is visible, WRITING if a live reservation exists."""
-    by_id = {b.id: h for h, b in blocks.items()}
-    states: dict[str, set[str]] = {}
-    for r in repo.replica_states(session, list(by_id)):
-        if repo.readable(r.state, r.epoch, r.tier_kind, r.worker_state, r.worker_epoch):
-            states.setdefault(by_id[r.block_id], set()).add(READY)
-        elif r.state == WRITING and r.epoch == r.worker_epoch:
-            states.setdefault(by_id[r.block_id], set()).add(WRITING)
-    return states
-
-
-def _placement(session, pools: PagePools) -> tuple[Tier, Worker] | None:
+def _placement(session, pools: PagePools) -> tuple[sql.PlacementTier, sql.PlacementWorker] | None:
     """The memory tier new blocks go to: the fastest kind any active worker has, and of those the one
     with the most page credit left."""
     for kind in tiers.MEMORY:
-        candidates = repo.active_tiers(session, kind)
+        candidates = sql.placement_tiers(session, kind)
         if candidates:
             return max(candidates, key=lambda tw: pools.free_bytes(tw[0].id, tw[1].epoch))
     return None

@@ -14,9 +14,9 @@ class Replica(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     block_id: Mapped[int] = mapped_column(ForeignKey("blocks.id", ondelete="CASCADE"), index=True)
-    tier_id: Mapped[int] = mapped_column(ForeignKey("tiers.id", ondelete="CASCADE"), index=True)
+    tier_id: Mapped[int] = mapped_column(ForeignKey("tiers.id", ondelete="CASCADE"))  # (tier_id, state) indexes it
     epoch: Mapped[int] = mapped_column(Integer)  # the worker's epoch at allocation
-    state: Mapped[str] = mapped_column(String(16), index=True)
+    state: Mapped[str] = mapped_column(String(16))  # (state, expires_at) indexes it
     token: Mapped[str] = mapped_column(String(64), index=True)  # reservation (ownership) token
     pages: Mapped[list] = mapped_column(JSON)  # [[first_page, count], ...]
     reserved_bytes: Mapped[int] = mapped_column(BigInteger)
