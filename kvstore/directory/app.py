@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.directory import db, wire
-from kvstore.directory.hot import LookupFastPath, document_bodies, hot_routes
+from kvstore.directory.hot import HotCalls, HotPath, document_bodies, hot_routes
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.service import DirectoryService
 from kvstore.directory.settings import DirectorySettings
@@ -31,10 +31,10 @@ class NamespaceBody(BaseModel):
 
 
 def create_app(settings: DirectorySettings | None = None):
-    """The directory as an ASGI app: FastAPI behind the lookup fast path. `.state.service` is the
+    """The directory as an ASGI app: FastAPI behind the hot calls' path. `.state.service` is the
     service, `.fastapi` the framework app (routes, OpenAPI)."""
     app = create_fastapi(settings)
-    fast = LookupFastPath(app, app.state.service)
+    fast = HotPath(app, app.state.hot)
     fast.state, fast.fastapi = app.state, app
     return fast
 
@@ -62,7 +62,8 @@ def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
     app.state.service = service
     _add_error_handlers(app)
     app.include_router(_routes(service))
-    app.include_router(hot_routes(service))
+    app.state.hot = HotCalls(service)
+    app.include_router(hot_routes(app.state.hot))
     document_bodies(app)
     return app
 

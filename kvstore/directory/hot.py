@@ -1,9 +1,8 @@
 """The hot calls: lookup, prepare/complete store, prepare/complete load.
 
 Bodies are decoded by msgspec (`wire.py`) and answers encoded once from plain
-values; no pydantic model is built per block. A lookup runs on the event loop
-(it only reads the in-memory index); the others wait for the writer in the
-thread pool. Until the index is built every hot call answers 503, which a
+values; no pydantic model is built per block. `HotPath` answers them in front
+of FastAPI. Until the index is built every hot call answers 503, which a
 connector treats as a miss.
 
 The OpenAPI document describes these routes with the pydantic specs of
@@ -35,86 +34,93 @@ def _body(path: str, model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def _answer(value) -> Response:
-    return Response(wire.encode(value), media_type="application/json")
-
-
-def hot_routes(service: DirectoryService) -> APIRouter:
-    r = APIRouter()
-
-    async def body(request: Request, kind):
-        if not service.index.ready:
-            raise KVStoreError("unavailable", "the directory is building its lookup index")
-        return wire.decode(await request.body(), kind)
-
-    @r.post("/v1/lookup", response_model=specs.LookupResult, openapi_extra=_body("/v1/lookup", specs.LookupRequest))
-    async def lookup(request: Request) -> Response:
-        req = await body(request, wire.Lookup)
-        return _answer(service.lookup(req.namespace_id, req.hashes, req.locations))
-
-    @r.post("/v1/store/prepare", response_model=specs.StorePrepared,
-            openapi_extra=_body("/v1/store/prepare", specs.PrepareStore))
-    async def prepare_store(request: Request) -> Response:
-        req = await body(request, wire.PrepareStore)
-        return _answer(await run_in_threadpool(service.prepare_store, req))
-
-    @r.post("/v1/store/complete", response_model=specs.StoreCompleted,
-            openapi_extra=_body("/v1/store/complete", specs.CompleteStore))
-    async def complete_store(request: Request) -> Response:
-        req = await body(request, wire.CompleteStore)
-        done = await run_in_threadpool(service.store.complete, req)
-        return _answer({"committed": done.committed, "rolled_back": done.rolled_back})
-
-    @r.post("/v1/load/prepare", response_model=specs.LoadPrepared,
-            openapi_extra=_body("/v1/load/prepare", specs.PrepareLoad))
-    async def prepare_load(request: Request) -> Response:
-        req = await body(request, wire.PrepareLoad)
-        batch = await run_in_threadpool(service.prepare_loads, req.namespace_id, [req.hashes], req.reader)
-        return _answer({"token": batch["token"], "expires_at": batch["expires_at"], "blocks": batch["chains"][0]})
-
-    @r.post("/v1/load/prepare-batch", response_model=specs.LoadsPrepared,
-            openapi_extra=_body("/v1/load/prepare-batch", specs.PrepareLoads))
-    async def prepare_loads(request: Request) -> Response:
-        req = await body(request, wire.PrepareLoads)
-        return _answer(await run_in_threadpool(service.prepare_loads, req.namespace_id, req.chains, req.reader))
-
-    @r.post("/v1/load/complete", response_model=specs.LoadCompleted,
-            openapi_extra=_body("/v1/load/complete", specs.CompleteLoad))
-    async def complete_load(request: Request) -> Response:
-        req = await body(request, wire.CompleteLoad)
-        done = await run_in_threadpool(service.loads.complete, req)
-        return _answer({"released": done.released, "invalidated": done.invalidated})
-
-    return r
-
-
 MAX_BODY = 32 << 20  # bytes of one request body
 
 
-class LookupFastPath:
-    """ASGI in front of the app: `POST /v1/lookup` answered straight from the index, without the
-    framework's routing, request and response objects (they cost more than the lookup itself).
-    The FastAPI route of the same path stays as its documentation and does the same."""
+class HotCalls:
+    """The hot calls, from a request body to an answer of plain values. A lookup runs on the event
+    loop (it only reads the in-memory index); a save's prepare and complete wait for the writer
+    without a thread of their own; loads, which may stage blocks through workers, run on a thread."""
 
-    def __init__(self, app, service: DirectoryService) -> None:
-        self.app = app
+    def __init__(self, service: DirectoryService) -> None:
         self.service = service
+        self.by_path = {"/v1/lookup": self.lookup, "/v1/store/prepare": self.prepare_store,
+                        "/v1/store/complete": self.complete_store, "/v1/load/prepare": self.prepare_load,
+                        "/v1/load/prepare-batch": self.prepare_loads, "/v1/load/complete": self.complete_load}
+
+    def _decode(self, body: bytes, kind):
+        if not self.service.index.ready:
+            raise KVStoreError("unavailable", "the directory is building its lookup index")
+        return wire.decode(body, kind)
+
+    async def lookup(self, body: bytes):
+        req = self._decode(body, wire.Lookup)
+        return self.service.lookup(req.namespace_id, req.hashes, req.locations)
+
+    async def prepare_store(self, body: bytes):
+        return await self.service.prepare_store_async(self._decode(body, wire.PrepareStore))
+
+    async def complete_store(self, body: bytes):
+        done = await self.service.store.complete_async(self._decode(body, wire.CompleteStore))
+        return {"committed": done.committed, "rolled_back": done.rolled_back}
+
+    async def prepare_load(self, body: bytes):
+        req = self._decode(body, wire.PrepareLoad)
+        batch = await run_in_threadpool(self.service.prepare_loads, req.namespace_id, [req.hashes], req.reader)
+        return {"token": batch["token"], "expires_at": batch["expires_at"], "blocks": batch["chains"][0]}
+
+    async def prepare_loads(self, body: bytes):
+        req = self._decode(body, wire.PrepareLoads)
+        return await run_in_threadpool(self.service.prepare_loads, req.namespace_id, req.chains, req.reader)
+
+    async def complete_load(self, body: bytes):
+        done = await run_in_threadpool(self.service.loads.complete, self._decode(body, wire.CompleteLoad))
+        return {"released": done.released, "invalidated": done.invalidated}
+
+
+def hot_routes(calls: HotCalls) -> APIRouter:
+    """The hot calls as FastAPI routes: what the OpenAPI document shows. `HotPath` answers the same
+    paths first, with the same handlers."""
+    r = APIRouter()
+    documented = [("/v1/lookup", specs.LookupRequest, specs.LookupResult),
+                  ("/v1/store/prepare", specs.PrepareStore, specs.StorePrepared),
+                  ("/v1/store/complete", specs.CompleteStore, specs.StoreCompleted),
+                  ("/v1/load/prepare", specs.PrepareLoad, specs.LoadPrepared),
+                  ("/v1/load/prepare-batch", specs.PrepareLoads, specs.LoadsPrepared),
+                  ("/v1/load/complete", specs.CompleteLoad, specs.LoadCompleted)]
+    for path, body_spec, answer_spec in documented:
+        handler = calls.by_path[path]
+        r.add_api_route(path, _route(handler), methods=["POST"], response_model=answer_spec,
+                        name=handler.__name__, openapi_extra=_body(path, body_spec))
+    return r
+
+
+def _route(handler):
+    async def route(request: Request) -> Response:
+        return Response(wire.encode(await handler(await request.body())), media_type="application/json")
+    return route
+
+
+class HotPath:
+    """ASGI in front of the app: the hot calls answered without the framework's routing, middleware,
+    request and response objects (they cost more than a lookup itself)."""
+
+    def __init__(self, app, calls: HotCalls) -> None:
+        self.app = app
+        self.calls = calls
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/v1/lookup" or scope["method"] != "POST":
+        handler = self.calls.by_path.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         status, payload = 200, b""
         try:
-            body = await _read_body(receive)
-            if not self.service.index.ready:
-                raise KVStoreError("unavailable", "the directory is building its lookup index")
-            req = wire.decode(body, wire.Lookup)
-            payload = wire.encode(self.service.lookup(req.namespace_id, req.hashes, req.locations))
+            payload = wire.encode(await handler(await _read_body(receive)))
         except KVStoreError as exc:
             status, payload = exc.http_status, wire.encode(exc.to_body())
         except Exception as exc:  # a bug: the same answer as every other route's
-            log.exception("unhandled error in a lookup")
+            log.exception("unhandled error in %s", scope["path"])
             status, payload = 500, wire.encode(KVStoreError("internal", type(exc).__name__).to_body())
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),

@@ -119,6 +119,15 @@ class Index:
             by_kind[kind] = by_kind.get(kind, 0) + n
         return len(entries), by_kind
 
+    def readable(self, namespace_id: str, hashes: list[str]) -> set[str]:
+        """Which of `hashes` (anywhere in the list) have a readable replica."""
+        blocks = self._blocks.get(namespace_id)
+        if not blocks:
+            return set()
+        homes = self._readable_homes
+        return {h for h, entry in zip(hashes, map(blocks.get, hashes))
+                if entry is not None and (entry.home in homes or self.best(entry) is not None)}
+
     def _leading(self, namespace_id: str, hashes: list[str]) -> tuple[list[Entry], list[tuple]]:
         """The leading blocks with a readable replica, and the home of the replica each is read from.
         Mostly passes in C: the entries up to the first miss, and which of them can be read from

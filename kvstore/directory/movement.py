@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
 
 from kvstore.core import tiers
@@ -46,8 +47,10 @@ class _Plan(NamedTuple):
 
 
 class Movement:
-    def __init__(self, write, moves: Moves, reclaim: Reclaim, pools: PagePools, policies: TierPolicies) -> None:
+    def __init__(self, write, moves: Moves, reclaim: Reclaim, pools: PagePools, policies: TierPolicies,
+                 reserved_bytes: Callable[[int], int] = lambda tier_id: 0) -> None:
         self._write = write
+        self._reserved = reserved_bytes  # tier id -> bytes that saves hold reserved (not in SQL yet)
         self.moves = moves
         self._reclaim = reclaim
         self._pools = pools
@@ -59,8 +62,8 @@ class Movement:
 
     def demote(self) -> int:
         def pressured(tx: Tx):
-            return [(t.id, w.id, _above_low(t)) for kind in ("hbm", "dram", "nvme")
-                    for t, w in repo.active_tiers(tx.session, kind) if _over_high(t)]
+            return [(t.id, w.id, _above_low(t, self._reserved(t.id))) for kind in ("hbm", "dram", "nvme")
+                    for t, w in repo.active_tiers(tx.session, kind) if _over_high(t, self._reserved(t.id))]
         return sum(self._demote_tier(t, w, n, set())["demoted"] for t, w, n in self._write(pressured))
 
     def make_room(self, tier_id: int, worker_id: int, nbytes: int, protected: set[int] = frozenset()) -> None:
@@ -245,12 +248,12 @@ def _lower(tx: Tx, tier_id: int, worker_id: int) -> tuple[int, str, bool] | None
     return (own[kind].id, kind, own[kind].capacity_bytes is not None) if kind else None
 
 
-def _over_high(tier: Tier) -> bool:
-    return tier.capacity_bytes is not None and tier.used_bytes > tier.high_watermark * tier.capacity_bytes
+def _over_high(tier: Tier, reserved: int) -> bool:
+    return tier.capacity_bytes is not None and tier.used_bytes + reserved > tier.high_watermark * tier.capacity_bytes
 
 
-def _above_low(tier: Tier) -> int:
-    return max(0, tier.used_bytes - int(tier.low_watermark * (tier.capacity_bytes or 0)))
+def _above_low(tier: Tier, reserved: int) -> int:
+    return max(0, tier.used_bytes + reserved - int(tier.low_watermark * (tier.capacity_bytes or 0)))
 
 
 def _enough(candidates: list[tuple[Replica, Block]], to_free: int) -> list[tuple[Replica, Block]]:

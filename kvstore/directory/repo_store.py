@@ -1,8 +1,8 @@
 """The save path's SQL, straight through the database driver.
 
-prepare_store and complete_store run these once per save, with one row per
-block: SQLAlchemy's per-row parameter processing and ORM loading cost more
-than SQLite itself (about 100 µs a block against 10). The statements are
+complete_store runs these once per save, with one row per block:
+SQLAlchemy's per-row parameter processing and ORM loading cost more than
+SQLite itself (about 100 µs a block against 10). The statements are
 plain SQL that SQLite and PostgreSQL both take; `?` placeholders become `%s`
 for drivers that want them.
 """
@@ -14,22 +14,15 @@ from typing import NamedTuple
 
 from sqlalchemy.orm import Session
 
-from kvstore.directory.models.replica import READY, WRITING
-from kvstore.directory.repository import CHUNK, WritingRow, driver, driver_many, readable
+from kvstore.directory.models.replica import READY
+from kvstore.directory.repository import CHUNK, driver, driver_many
 
-ROWS_PER_INSERT = 500  # rows of one multi-row INSERT: 8 columns stay under every driver's parameter limit
-
-
-class KnownBlock(NamedTuple):
-    """A block the directory already has, as prepare_store checks it."""
-    id: int
-    depth: int
-    ready: bool  # some replica is readable
-    writing: bool  # a reservation of a live epoch is being written
+ROWS_PER_INSERT = 500  # rows of one multi-row INSERT: 8 or 9 columns stay under every driver's parameter limit
 
 
 class PlacementTier(NamedTuple):
-    """A memory tier new blocks may go to, with what placement, admission and locations need."""
+    """A memory tier new blocks may go to, with what placement, admission and locations need
+    (`used_bytes` counts what reservations hold)."""
     id: int
     worker_id: int
     kind: str
@@ -55,21 +48,14 @@ def _marks(n: int) -> str:
     return ", ".join("?" * n)
 
 
-def known_blocks(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, KnownBlock]:
-    """hash -> what the directory has of it, one query per 500 hashes (blocks and their replicas)."""
-    found: dict[str, list] = {}
+def depths(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, int]:
+    """hash -> depth of the blocks the directory has."""
+    found: dict[str, int] = {}
     for start in range(0, len(hashes), CHUNK):
         chunk = hashes[start : start + CHUNK]
-        for block_hash, block_id, depth, state, epoch, kind, worker_state, worker_epoch in rows(
-                session, "SELECT b.hash, b.id, b.depth, r.state, r.epoch, t.kind, w.state, w.epoch FROM blocks b "
-                "LEFT JOIN replicas r ON r.block_id = b.id LEFT JOIN tiers t ON t.id = r.tier_id "
-                f"LEFT JOIN workers w ON w.id = t.worker_id WHERE b.namespace_id = ? AND b.hash IN ({_marks(len(chunk))})",
-                (namespace_id, *chunk)):
-            known = found.setdefault(block_hash, [block_id, depth, False, False])
-            if state is not None:
-                known[2] |= readable(state, epoch, kind, worker_state, worker_epoch)
-                known[3] |= state == WRITING and epoch == worker_epoch
-    return {h: KnownBlock(*v) for h, v in found.items()}
+        found.update(rows(session, f"SELECT hash, depth FROM blocks WHERE namespace_id = ? AND hash IN "
+                          f"({_marks(len(chunk))})", (namespace_id, *chunk)))
+    return found
 
 
 def placement_tiers(session: Session, kind: str) -> list[tuple[PlacementTier, PlacementWorker]]:
@@ -80,42 +66,41 @@ def placement_tiers(session: Session, kind: str) -> list[tuple[PlacementTier, Pl
         "WHERE t.kind = ? AND w.state = 'active'", (kind,))]
 
 
-def insert_blocks(session: Session, blocks: list[tuple]) -> dict[str, int]:
-    """(namespace, hash, parent, depth, nbytes, created_at) rows, new; returns hash -> id."""
+def insert_blocks(session: Session, namespace_id: str, blocks: list[tuple], now: float) -> dict[str, int]:
+    """(hash, parent, depth, nbytes, checksum) rows, committed; returns hash -> id. A block row that is
+    already there (a replica of it is still being deleted) keeps its id and takes the new checksum."""
     ids: dict[str, int] = {}
     for start in range(0, len(blocks), ROWS_PER_INSERT):
         chunk = blocks[start : start + ROWS_PER_INSERT]
-        values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, 0)"] * len(chunk))
-        params = tuple(x for b in chunk for x in (*b, b[5]))  # last_access = created_at
+        values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, 0)"] * len(chunk))
+        params = tuple(x for h, p, d, n, c in chunk for x in (namespace_id, h, p, d, n, c, now, now))
         ids.update((h, i) for i, h in rows(
-            session, "INSERT INTO blocks (namespace_id, hash, parent, depth, nbytes, created_at, last_access, "
-            f"hit_count) VALUES {values} RETURNING id, hash", params))
+            session, "INSERT INTO blocks (namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
+            f"last_access, hit_count) VALUES {values} ON CONFLICT (namespace_id, hash) DO NOTHING RETURNING id, hash",
+            params))
+    there = [b for b in blocks if b[0] not in ids]
+    if there:
+        for start in range(0, len(there), CHUNK):
+            chunk = [b[0] for b in there[start : start + CHUNK]]
+            ids.update((h, i) for h, i in rows(
+                session, f"SELECT hash, id FROM blocks WHERE namespace_id = ? AND hash IN ({_marks(len(chunk))})",
+                (namespace_id, *chunk)))
+        driver_many(session, "UPDATE blocks SET checksum = ? WHERE id = ?", [(b[4], ids[b[0]]) for b in there])
     return ids
 
 
-def insert_reservations(session: Session, replicas: list[tuple]) -> None:
-    """(block id, tier id, epoch, token, pages, reserved bytes, expires_at, created_at) rows, WRITING."""
-    driver_many(session, "INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, expires_at, "
-         f"created_at) VALUES (?, ?, ?, '{WRITING}', ?, ?, ?, ?, ?)",
-         [(b, t, e, tok, json.dumps(pages), n, x, c) for b, t, e, tok, pages, n, x, c in replicas])
-
-
-def writing_rows(session: Session, token: str) -> list[WritingRow]:
-    found = rows(session, "SELECT r.id, r.epoch, r.expires_at, b.id, b.hash, w.epoch, t.id, b.namespace_id, "
-                 "b.parent, b.nbytes, r.pages FROM replicas r JOIN blocks b ON b.id = r.block_id "
-                 "JOIN tiers t ON t.id = r.tier_id JOIN workers w ON w.id = t.worker_id "
-                 f"WHERE r.token = ? AND r.state = '{WRITING}'", (token,))
-    return [WritingRow(*row[:10], json.loads(row[10]) if isinstance(row[10], str) else row[10]) for row in found]
-
-
-def commit_replicas(session: Session, replica_ids: list[int], checksums: dict[int, str]) -> None:
-    """WRITING -> READY for `replica_ids`; each block's checksum recorded (block id -> checksum)."""
-    for start in range(0, len(replica_ids), CHUNK):
-        chunk = replica_ids[start : start + CHUNK]
-        rows_changed = f"UPDATE replicas SET state = '{READY}', expires_at = NULL WHERE id IN ({_marks(len(chunk))})"
-        connection, sql = driver(session, rows_changed)
-        connection.exec_driver_sql(sql, tuple(chunk))
-    driver_many(session, "UPDATE blocks SET checksum = ? WHERE id = ?", [(c, b) for b, c in checksums.items()])
+def insert_replicas(session: Session, replicas: list[tuple]) -> dict[int, int]:
+    """(block id, tier id, epoch, token, pages, reserved bytes, created_at) rows, READY; returns block
+    id -> replica id."""
+    ids: dict[int, int] = {}
+    for start in range(0, len(replicas), ROWS_PER_INSERT):
+        chunk = replicas[start : start + ROWS_PER_INSERT]
+        values = ", ".join([f"(?, ?, ?, '{READY}', ?, ?, ?, NULL, ?)"] * len(chunk))
+        params = tuple(x for b, t, e, tok, pages, n, c in chunk for x in (b, t, e, tok, json.dumps(pages), n, c))
+        ids.update((b, i) for i, b in rows(
+            session, "INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, "
+            f"expires_at, created_at) VALUES {values} RETURNING id, block_id", params))
+    return ids
 
 
 def add_used(session: Session, tier_id: int, delta: int) -> None:

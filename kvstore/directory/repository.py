@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from kvstore.core.tiers import MEMORY
 from kvstore.directory.models import Block, Grant, Lease, NamespaceRow, Replica, Tier, Worker
-from kvstore.directory.models.replica import MOVING, READY, VISIBLE, WRITING
+from kvstore.directory.models.replica import MOVING, VISIBLE, WRITING
 
 CHUNK = 500  # ids per IN list: PostgreSQL takes at most 65,535 parameters a statement
 
@@ -22,21 +22,6 @@ def touched(session: Session, block_ids) -> None:
 
 def chunks(values: list) -> list[list]:
     return [values[i : i + CHUNK] for i in range(0, len(values), CHUNK)]
-
-
-class WritingRow(NamedTuple):
-    """One replica of a reservation, as complete_store checks it."""
-    replica_id: int
-    epoch: int
-    expires_at: float | None
-    block_id: int
-    hash: str
-    worker_epoch: int
-    tier_id: int
-    namespace_id: str
-    parent: str | None
-    nbytes: int
-    pages: list
 
 
 def namespace(session: Session, namespace_id: str) -> NamespaceRow | None:
@@ -130,14 +115,6 @@ def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[
     return list(session.execute(query).tuples())
 
 
-def writing_rows(session: Session, token: str) -> list[WritingRow]:
-    query = (select(Replica.id, Replica.epoch, Replica.expires_at, Block.id, Block.hash, Worker.epoch, Tier.id,
-                    Block.namespace_id, Block.parent, Block.nbytes, Replica.pages)
-             .join(Block, Replica.block_id == Block.id).join(Tier, Replica.tier_id == Tier.id)
-             .join(Worker, Tier.worker_id == Worker.id).where(Replica.token == token, Replica.state == WRITING))
-    return [WritingRow(*row) for row in session.execute(query)]
-
-
 def replica_rows(session: Session, replica_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
     return _replicas_where(session, Replica.id, replica_ids)
 
@@ -187,19 +164,6 @@ def pin(session: Session, replica_ids: list[int], token: str, holder: str, expir
         session.execute(insert(Lease), [dict(replica_id=r, token=token, holder=holder, expires_at=expires_at)
                                         for r in replica_ids if r in readable])
     return readable
-
-
-def commit_replicas(session: Session, replica_ids: list[int], checksums: dict[int, str]) -> None:
-    """WRITING -> READY for `replica_ids`; record each block's checksum (block id -> checksum). The
-    caller tells the index (Tx.committed)."""
-    for chunk in chunks(replica_ids):
-        session.execute(update(Replica).where(Replica.id.in_(chunk)).values(state=READY, expires_at=None)
-                        .execution_options(synchronize_session=False))
-    if checksums:
-        table = Block.__table__
-        session.connection().execute(
-            update(table).where(table.c.id == bindparam("b_id")).values(checksum=bindparam("b_sum")),
-            [{"b_id": b, "b_sum": c} for b, c in checksums.items()])
 
 
 def pinned_by_token(session: Session, token: str) -> list[tuple[Replica, Block]]:

@@ -38,6 +38,7 @@ from kvstore.directory.moves import Moves
 from kvstore.directory.policy import TierPolicies
 from kvstore.directory.pools import PagePools
 from kvstore.directory.reclaim import Reclaim
+from kvstore.directory.reservations import Reservations
 from kvstore.directory.settings import DirectorySettings
 from kvstore.directory.store import Store
 from kvstore.directory.workercalls import WorkerCalls
@@ -60,11 +61,12 @@ class DirectoryService:
         write = self.writer.run
         self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s)
         reclaim = Reclaim(self.calls, self.pools)
+        self.reservations = Reservations()
         self.movement = Movement(write, Moves(write, self.calls, reclaim, self.pools, metrics, clock), reclaim,
-                                 self.pools, self.policies)
+                                 self.pools, self.policies, self.reservations.reserved_bytes)
         self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock)
-        self.store = Store(write, self.pools, self.policies, metrics, settings, reclaim, self.movement.make_room,
-                           clock)
+        self.store = Store(self.writer, self.index, self.pools, self.reservations, self.policies, metrics, settings,
+                           self.movement.make_room, clock)
         self.loads = Loads(write, self.index, self.movement.promote, reclaim, self.policies, metrics, settings, clock)
         self._reclaim = reclaim
         self._namespaces: dict[str, Namespace] = {}
@@ -149,10 +151,13 @@ class DirectoryService:
 
     # ---- the hot calls, checked -------------------------------------------------------------------
 
-    def prepare_store(self, req: specs.PrepareStore) -> specs.StorePrepared:
-        namespace = self.namespace(req.namespace_id)
-        check_blocks(namespace, req.blocks)
+    def prepare_store(self, req: specs.PrepareStore) -> dict:
+        check_blocks(self.namespace(req.namespace_id), req.blocks)
         return self.store.prepare(req)
+
+    async def prepare_store_async(self, req) -> dict:
+        check_blocks(self.namespace(req.namespace_id), req.blocks)
+        return await self.store.prepare_async(req)
 
     def lookup(self, namespace_id: str, hashes: list[str], locations: bool = False) -> dict:
         self.namespace(namespace_id)
@@ -181,7 +186,7 @@ class DirectoryService:
         def job(tx: Tx) -> tuple[int, int, int, list[int]]:
             now = self._clock()
             leases = repo.delete_expired_leases(tx.session, now)
-            tokens = repo.expired_reservations(tx.session, now)
+            tokens = repo.expired_reservations(tx.session, now)  # moves' destinations
             for token in tokens:
                 rows = repo.replicas_with_token(tx.session, token, WRITING)
                 self._reclaim.drop(tx, [(r, t, w) for r, _, t, w in rows])
@@ -189,7 +194,7 @@ class DirectoryService:
             draining = self.membership.finish_drains(tx)
             if leases or tokens or dead:
                 self._reclaim.collect_deleting(tx)
-            return leases, len(tokens), dead, draining
+            return leases, len(tokens) + self.store.expire(tx, now), dead, draining
         leases, tokens, dead, draining = self.writer.run(job)
         if leases or tokens or dead:
             log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, tokens, dead)
@@ -235,7 +240,7 @@ class DirectoryService:
     def tiers(self) -> list[specs.TierUsage]:
         with self._sessions() as session:
             return [specs.TierUsage(worker=w.name, kind=t.kind, capacity_bytes=t.capacity_bytes,
-                                    used_bytes=t.used_bytes, num_blocks=n, page_bytes=t.page_bytes,
+                                    used_bytes=t.used_bytes + self.reservations.reserved_bytes(t.id), num_blocks=n, page_bytes=t.page_bytes,
                                     high_watermark=t.high_watermark, low_watermark=t.low_watermark,
                                     credit_free_bytes=self.pools.free_bytes(t.id, w.epoch)
                                     if t.kind in MEMORY else None)
@@ -243,7 +248,9 @@ class DirectoryService:
 
     def stats(self) -> specs.Stats:
         with self._sessions() as session:
-            return specs.Stats(**repo.counts(session), replicas_by_tier=repo.replicas_by_tier(session),
+            counts = repo.counts(session)  # its reservations are the moves' destinations
+            counts["reservations"] += self.reservations.blocks
+            return specs.Stats(**counts, replicas_by_tier=repo.replicas_by_tier(session),
                                indexed_blocks=self.index.num_blocks,
                                commit_groups=self.writer.groups, committed_jobs=self.writer.jobs)
 

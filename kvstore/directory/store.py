@@ -1,17 +1,21 @@
 """Saves: prepare_store -> (the engine writes) -> complete_store | abort_store; renew.
 
-    store.prepare(req, namespace) -> StorePrepared   # admission, placement, pages from the page pool
-    store.complete(req) -> StoreCompleted            # WRITING -> READY, checksums recorded, in one job
+    store.prepare(req) -> StorePrepared      # admission, placement, pages from the page pool
+    store.complete(req) -> StoreCompleted    # blocks, checksums and READY replicas, in one job
     store.abort(token) -> n
-    store.renew(token) -> Renewed                    # leases and reservations alike
+    store.renew(token) -> Renewed            # leases and reservations alike
+    store.expire(tx, now) -> n               # the reaper: reservations past their expiry
 
 A save makes no call to a worker: pages come from the page credit the workers
 granted (`pools`). Only when that credit cannot hold the request does the save
-first make room (demotion, outside every job) and then place.
+first make room (demotion, outside every job) and then place. What prepare
+hands out is a reservation in memory (`reservations`); complete writes the
+blocks to SQL in one job, so a save costs one commit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable
 from typing import NamedTuple
@@ -20,28 +24,29 @@ from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory import repo_store as sql
 from kvstore.directory import repository as repo
+from kvstore.directory.index import Index
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.models.replica import WRITING
 from kvstore.directory.policy import TierPolicies, block_key
 from kvstore.directory.pools import PagePools
-from kvstore.directory.reclaim import Reclaim
+from kvstore.directory.reservations import Reservation, Reservations, Reserved
 from kvstore.directory.settings import DirectorySettings
-from kvstore.directory.writer import Tx
+from kvstore.directory.writer import Tx, Writer
 from kvstore.policies import Admit, Throttled
 
 
 class Store:
-    def __init__(self, write, pools: PagePools, policies: TierPolicies, metrics: DirectoryMetrics,
-                 settings: DirectorySettings, reclaim: Reclaim, make_room: Callable[[int, int, int], None],
-                 clock: Callable[[], float]) -> None:
-        self._write = write
+    def __init__(self, writer: Writer, index: Index, pools: PagePools, reservations: Reservations,
+                 policies: TierPolicies, metrics: DirectoryMetrics, settings: DirectorySettings,
+                 make_room: Callable[[int, int, int], None], clock: Callable[[], float]) -> None:
+        self._write, self._write_async = writer.run, writer.run_async
+        self._index = index
         self._pools = pools
         self._policies = policies
         self._metrics = metrics
         self._settings = settings
-        self._reclaim = reclaim
         self._make_room = make_room  # (tier id, worker id, bytes): demote until they fit
         self._clock = clock
+        self.reservations = reservations
 
     # ---- prepare ---------------------------------------------------------------------------
 
@@ -49,39 +54,62 @@ class Store:
         """Namespace and sizes are checked by the caller. When the page credit cannot hold the new
         blocks, room is made first (outside every job), then the blocks are placed."""
         prepared = self._write(lambda tx: self._prepare(tx, req, self._clock(), room_first=True))
+        return self._after_room(req, prepared) if isinstance(prepared, _NeedRoom) else self._prepared(prepared)
+
+    async def prepare_async(self, req) -> dict:
+        """`prepare` for the event loop; making room calls workers, so that part runs on a thread."""
+        prepared = await self._write_async(lambda tx: self._prepare(tx, req, self._clock(), room_first=True))
         if isinstance(prepared, _NeedRoom):
-            self._make_room(prepared.tier_id, prepared.worker_id, prepared.nbytes)
-            prepared = self._write(lambda tx: self._prepare(tx, req, self._clock(), room_first=False))
+            return await asyncio.to_thread(self._after_room, req, prepared)
+        return self._prepared(prepared)
+
+    def _after_room(self, req, need: _NeedRoom) -> dict:
+        self._make_room(need.tier_id, need.worker_id, need.nbytes)
+        return self._prepared(self._write(lambda tx: self._prepare(tx, req, self._clock(), room_first=False)))
+
+    def _prepared(self, prepared: dict) -> dict:
         self._metrics.count_store_decisions(prepared["blocks"])
         return prepared
 
     def _prepare(self, tx: Tx, req, now: float, room_first: bool):
-        existing = sql.known_blocks(tx.session, req.namespace_id, [b.hash for b in req.blocks])
+        ready = self._index.readable(req.namespace_id, [b.hash for b in req.blocks])
         decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
         wanted = []
         for block in req.blocks:
-            known = existing.get(block.hash)
-            if known is not None and known.ready:
+            if block.hash in ready:
                 decisions[block.hash] = {"hash": block.hash, "status": "exists"}
-            elif known is not None and known.writing:
+            elif self._being_written(req.namespace_id, block.hash, now):
                 decisions[block.hash] = {"hash": block.hash, "status": "in_progress"}
             else:
                 wanted.append(block)
         token = secrets.token_hex(16)
         expires_at = now + self._settings.reservation_ttl_s
-        admitted = self._place(tx, req.namespace_id, wanted, existing, token, expires_at, now, decisions, room_first)
+        admitted = self._place(tx, req.namespace_id, wanted, token, expires_at, decisions, room_first)
         if isinstance(admitted, _NeedRoom):
             return admitted
         return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
                 "blocks": [decisions[b.hash] for b in req.blocks]}
 
-    def _place(self, tx: Tx, namespace_id: str, wanted: list[specs.BlockToStore], existing: dict[str, sql.KnownBlock],
-               token: str, expires_at: float, now: float, decisions: dict, room_first: bool) -> int | _NeedRoom:
-        """Pages for `wanted` on the placement tier, from the page pool; fills `decisions`. With
-        `room_first`, a request the pool cannot hold changes nothing and asks for room instead."""
+    def _being_written(self, namespace_id: str, block_hash: str, now: float) -> bool:
+        """Another save holds a live reservation for the block (in time, in its worker's epoch)."""
+        r = self.reservations.writer_of(namespace_id, block_hash)
+        if r is None:
+            return False
+        if r.taken:  # its completion is committing
+            return True
+        if r.expires_at < now:
+            return False
+        worker = self._index.workers.get(r.worker_id)
+        return worker is not None and worker.epoch == r.epoch
+
+    def _place(self, tx: Tx, namespace_id: str, wanted: list, token: str, expires_at: float, decisions: dict,
+               room_first: bool) -> int | _NeedRoom:
+        """Pages for `wanted` on the placement tier, from the page pool, as one reservation; fills
+        `decisions`. With `room_first`, a request the pool cannot hold changes nothing and asks for
+        room instead."""
         if not wanted:
             return 0
-        choice = _placement(tx.session, self._pools)
+        choice = _placement(tx.session, self._pools, self.reservations)
         if choice is None:
             for block in wanted:
                 decisions[block.hash] = _rejected(block.hash, "no_worker")
@@ -102,23 +130,18 @@ class Store:
                 room = self._pools.free_bytes(tier.id, worker.epoch) >= block.nbytes
                 decisions[block.hash] = _rejected(block.hash, "parent_rejected" if room else "no_space")
             else:
-                placed.append((block, runs))
-        tx.on_rollback.append(lambda: [self._pools.free(tier.id, worker.epoch, runs) for _, runs in placed])
+                placed.append(Reserved(block.hash, block.parent, block.nbytes, runs))
+                decisions[block.hash] = {"hash": block.hash, "status": "admitted",
+                                         "location": location(worker, tier, runs, block.nbytes)}
         if not placed:
             return 0
-        block_ids = _new_blocks(tx, namespace_id, [b for b, _ in placed], existing, now)
-        replicas = []
-        for block, runs in placed:
-            replicas.append((block_ids[block.hash], tier.id, worker.epoch, token, runs,
-                             sum(c for _, c in runs) * tier.page_bytes, expires_at, now))
-            decisions[block.hash] = {"hash": block.hash, "status": "admitted",
-                                     "location": location(worker, tier, runs, block.nbytes)}
-        sql.insert_reservations(tx.session, replicas)
-        sql.add_used(tx.session, tier.id, sum(r[5] for r in replicas))
+        reservation = Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
+                                  expires_at, placed)
+        self.reservations.add(reservation)
+        tx.on_rollback.append(lambda: self._release(self.reservations.pop(token), placed))
         return len(placed)
 
-    def _admitted(self, tier: sql.PlacementTier, namespace_id: str, wanted: list[specs.BlockToStore],
-                  decisions: dict) -> list[specs.BlockToStore]:
+    def _admitted(self, tier: sql.PlacementTier, namespace_id: str, wanted: list, decisions: dict) -> list:
         """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
         admitted, rejected = [], set()
         for block in wanted:
@@ -133,10 +156,21 @@ class Store:
                 admitted.append(block)
         return admitted
 
-    # ---- complete, abort, renew ---------------------------------------------------------------
+    def _release(self, reservation: Reservation | None, blocks: list[Reserved]) -> None:
+        """Give `blocks`' pages back to the pool (a void epoch's pool takes nothing back)."""
+        if reservation is not None:
+            for block in blocks:
+                self._pools.free(reservation.tier_id, reservation.epoch, block.runs)
+
+    # ---- complete, abort, renew, expire ---------------------------------------------------------
 
     def complete(self, req) -> specs.StoreCompleted:
-        committed, expired, total = self._write(lambda tx: self._complete(tx, req, self._clock()))
+        return self._completed(req, *self._write(lambda tx: self._complete(tx, req, self._clock())))
+
+    async def complete_async(self, req) -> specs.StoreCompleted:
+        return self._completed(req, *await self._write_async(lambda tx: self._complete(tx, req, self._clock())))
+
+    def _completed(self, req, committed: int, expired: bool, total: int) -> specs.StoreCompleted:
         self._metrics.blocks_committed.inc(committed)
         if expired:
             raise KVStoreError("conflict", "the reservation expired before completion; nothing was committed",
@@ -144,31 +178,48 @@ class Store:
         return specs.StoreCompleted(committed=committed, rolled_back=total - committed)
 
     def _complete(self, tx: Tx, req, now: float) -> tuple[int, bool, int]:
+        r = self.reservations.take(req.token)
+        if r is None:  # also what a directory restart leaves: it rolled the reservation back
+            raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token (a directory "
+                               "restart rolls back open reservations)", token=req.token)
+        tx.on_rollback.append(lambda: self.reservations.untake(r))
+        worker = self._index.workers.get(r.worker_id)
+        expired = r.expires_at < now
+        live = not expired and worker is not None and worker.epoch == r.epoch  # a restart drops the pages
         reports = {b.hash: b for b in req.blocks}
-        rows = sql.writing_rows(tx.session, req.token)
-        if not rows:  # also what a worker restart leaves: its new epoch dropped the reservation
-            raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token (a worker "
-                               "that restarted since prepare_store drops its reservations)", token=req.token)
-        expired = any(r.expires_at is not None and r.expires_at < now for r in rows)
-        failed, good, checksums = [], [], {}
-        for row in rows:
-            report = reports.get(row.hash)
-            if expired or report is None or not report.ok or report.checksum is None or row.epoch != row.worker_epoch:
-                failed.append(row.replica_id)
-            else:
-                good.append(row)
-                checksums[row.block_id] = report.checksum.lower()
-        sql.commit_replicas(tx.session, [r.replica_id for r in good], checksums)
-        tx.committed([(r.block_id, r.namespace_id, r.hash, r.parent, r.nbytes, checksums[r.block_id], r.replica_id,
-                       r.tier_id, r.epoch, r.pages) for r in good])
-        self._reclaim.drop(tx, repo.replica_rows(tx.session, failed))
-        return len(good), expired, len(rows)
+        good, failed = [], []
+        for block in r.blocks:
+            report = reports.get(block.hash)
+            ok = live and report is not None and report.ok and report.checksum is not None
+            (good if ok else failed).append(block)
+        if good:
+            self._commit(tx, r, good, {b.hash: reports[b.hash].checksum.lower() for b in good}, now)
+        tx.after_commit.append(lambda: self._release(self.reservations.pop(r.token), failed))
+        return len(good), expired, len(r.blocks)
+
+    def _commit(self, tx: Tx, r: Reservation, blocks: list[Reserved], checksums: dict[str, str], now: float) -> None:
+        """The blocks, their checksums and their READY replicas, and the tier's used bytes."""
+        chain = {b.hash: b.parent for b in blocks}
+        outside = sorted({p for p in chain.values() if p is not None and p not in chain})
+        depths = sql.depths(tx.session, r.namespace_id, outside) if outside else {}
+        for block in blocks:  # parents come first in a chain
+            depths[block.hash] = depths[block.parent] + 1 if block.parent in depths else 0
+        block_ids = sql.insert_blocks(tx.session, r.namespace_id, [
+            (b.hash, b.parent, depths[b.hash], b.nbytes, checksums[b.hash]) for b in blocks], now)
+        replica_ids = sql.insert_replicas(tx.session, [
+            (block_ids[b.hash], r.tier_id, r.epoch, r.token, b.runs, r.bytes_of([b]), now) for b in blocks])
+        sql.add_used(tx.session, r.tier_id, r.bytes_of(blocks))
+        tx.committed([(block_ids[b.hash], r.namespace_id, b.hash, b.parent, b.nbytes, checksums[b.hash],
+                       replica_ids[block_ids[b.hash]], r.tier_id, r.epoch, b.runs) for b in blocks])
 
     def abort(self, token: str) -> int:
         def job(tx: Tx) -> int:
-            rows = repo.replicas_with_token(tx.session, token, WRITING)
-            self._reclaim.drop(tx, [(r, t, w) for r, _, t, w in rows])
-            return len(rows)
+            r = self.reservations.take(token)
+            if r is None:
+                return 0
+            tx.on_rollback.append(lambda: self.reservations.untake(r))
+            tx.after_commit.append(lambda: self._release(self.reservations.pop(token), r.blocks))
+            return len(r.blocks)
         return self._write(job)
 
     def renew(self, token: str) -> specs.Renewed:
@@ -181,44 +232,34 @@ class Store:
                 for lease in leases:
                     lease.expires_at = expires_at
                 return specs.Renewed(token=token, expires_at=expires_at)
-            writing = [r for r, _, _, _ in repo.replicas_with_token(tx.session, token, WRITING)]
-            if writing and all(r.expires_at is not None and r.expires_at >= now for r in writing):
-                expires_at = now + self._settings.reservation_ttl_s
-                for replica in writing:
-                    replica.expires_at = expires_at
-                return specs.Renewed(token=token, expires_at=expires_at)
+            r = self.reservations.get(token)
+            if r is not None and r.expires_at >= now:
+                before, r.expires_at = r.expires_at, now + self._settings.reservation_ttl_s
+                tx.on_rollback.append(lambda: setattr(r, "expires_at", before))
+                return specs.Renewed(token=token, expires_at=r.expires_at)
             return None
         renewed = self._write(job)
         if renewed is None:
             raise KVStoreError("conflict", "unknown, completed or expired token; it cannot be renewed", token=token)
         return renewed
 
-
-def _new_blocks(tx: Tx, namespace_id: str, blocks: list[specs.BlockToStore], existing: dict[str, sql.KnownBlock],
-                now: float) -> dict[str, int]:
-    """Ids of `blocks`, inserting the ones the directory has not seen. Depth follows the parent chain."""
-    ids = {h: b.id for h, b in existing.items()}
-    depths = {h: b.depth for h, b in existing.items()}
-    outside = {b.parent for b in blocks if b.parent and b.parent not in depths} - {b.hash for b in blocks}
-    if outside:  # a chain saved in several calls (chunked prefill): continue from the stored parent
-        depths.update({h: b.depth for h, b in sql.known_blocks(tx.session, namespace_id, sorted(outside)).items()})
-    rows = []
-    for block in blocks:
-        if block.hash in ids:
-            continue
-        depths[block.hash] = depths[block.parent] + 1 if block.parent in depths else 0
-        rows.append((namespace_id, block.hash, block.parent, depths[block.hash], block.nbytes, now))
-    ids.update(sql.insert_blocks(tx.session, rows))
-    return ids
+    def expire(self, tx: Tx, now: float) -> int:
+        """Reservations past their expiry roll back (in the reaper's job); returns how many."""
+        gone = self.reservations.expired(now)
+        for r in gone:
+            tx.on_rollback.append(lambda r=r: self.reservations.add(r))
+            tx.after_commit.append(lambda r=r: self._release(r, r.blocks))
+        return len(gone)
 
 
-def _placement(session, pools: PagePools) -> tuple[sql.PlacementTier, sql.PlacementWorker] | None:
+def _placement(session, pools: PagePools, reservations: Reservations):
     """The memory tier new blocks go to: the fastest kind any active worker has, and of those the one
-    with the most page credit left."""
+    with the most page credit left. Its used bytes count what reservations hold."""
     for kind in tiers.MEMORY:
         candidates = sql.placement_tiers(session, kind)
         if candidates:
-            return max(candidates, key=lambda tw: pools.free_bytes(tw[0].id, tw[1].epoch))
+            tier, worker = max(candidates, key=lambda tw: pools.free_bytes(tw[0].id, tw[1].epoch))
+            return tier._replace(used_bytes=tier.used_bytes + reservations.reserved_bytes(tier.id)), worker
     return None
 
 

@@ -2,6 +2,7 @@
 
     writer = Writer(sessions, on_commit)
     writer.run(job) -> what job(tx) returned     # from any thread; raises what the job raised
+    await writer.run_async(job)                  # the same from the event loop, which it does not block
     writer.close()
 
 A job runs inside a SAVEPOINT of the writer's transaction; jobs that queue up
@@ -19,6 +20,7 @@ job, never inside one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -67,6 +69,12 @@ class Writer:
         future: Future = Future()
         self._queue.put((job, future))
         return future.result()
+
+    async def run_async(self, job: Callable[[Tx], T]) -> T:
+        """For the event loop: no thread of the pool waits for the writer, the loop is woken once."""
+        future: Future = Future()
+        self._queue.put((job, future))
+        return await asyncio.wrap_future(future)
 
     def close(self) -> None:
         self._queue.put(None)

@@ -150,6 +150,37 @@ def test_concurrent_engines_never_see_a_500_and_the_index_stays_true(stack):
     stack.free_pages()  # page credit and used_bytes agree
 
 
+def test_a_save_that_shares_a_commit_with_the_completion_of_the_same_blocks_does_not_write_them_again(quiet):
+    """A completion and a second save of its blocks in one group commit: the index only learns of
+    the commit after the group, so the blocks count as being written until then."""
+    s = quiet
+    first = prepare(s, chain(2))
+    hold, held = threading.Event(), threading.Event()
+
+    def block_the_writer(tx):
+        held.set()
+        hold.wait(10)
+    answers: dict[str, object] = {}
+    blocker = threading.Thread(target=s.service.writer.run, args=(block_the_writer,))
+    blocker.start()
+    held.wait(10)
+    completer = threading.Thread(target=lambda: answers.update(done=complete(s, first)))
+    completer.start()
+    wait_until(lambda: s.service.writer._queue.qsize() == 1, 10, "the completion queued")
+    again = threading.Thread(target=lambda: answers.update(again=prepare(s, chain(2))))
+    again.start()
+    wait_until(lambda: s.service.writer._queue.qsize() == 2, 10, "the second save queued")
+    groups = s.service.writer.groups
+    hold.set()
+    for t in (blocker, completer, again):
+        t.join(10)
+    assert s.service.writer.groups == groups + 2  # the blocker's group, then both in one
+    assert answers["done"].committed == 2
+    assert [b.status for b in answers["again"].blocks] == ["in_progress"] * 2
+    assert s.client.stats().replicas_by_tier == {"dram": 2}
+    index_matches_sql(s.service)
+
+
 @pytest.fixture
 def quiet(database_url):
     """A stack whose reaper stays asleep: the writer runs only what the test sends."""

@@ -232,6 +232,21 @@ def test_health_metrics_and_tiers(stack):
     assert stack.http.get("/openapi.json").json()["info"]["title"] == "kvstore directory"
 
 
+def test_the_openapi_document_describes_every_hot_call(stack):
+    doc = stack.http.get("/openapi.json").json()
+    for path, body, answer in [("/v1/lookup", "LookupRequest", "LookupResult"),
+                               ("/v1/store/prepare", "PrepareStore", "StorePrepared"),
+                               ("/v1/store/complete", "CompleteStore", "StoreCompleted"),
+                               ("/v1/load/prepare", "PrepareLoad", "LoadPrepared"),
+                               ("/v1/load/prepare-batch", "PrepareLoads", "LoadsPrepared"),
+                               ("/v1/load/complete", "CompleteLoad", "LoadCompleted")]:
+        operation = doc["paths"][path]["post"]
+        assert "parameters" not in operation, path  # everything is in the body
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + body)
+        ok = operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        assert ok.endswith("/" + answer) and body in doc["components"]["schemas"], path
+
+
 def test_a_worker_that_deregisters_takes_its_dram_replicas_along(stack):
     complete(stack, prepare(stack, chain(2)))
     with pytest.raises(KVStoreError) as info:
