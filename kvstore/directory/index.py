@@ -41,6 +41,7 @@ class TierView(NamedTuple):
     kind: str
     page_bytes: int
     base_addr: int
+    capacity_bytes: int | None = None
 
 
 class WorkerView(NamedTuple):
@@ -210,9 +211,8 @@ class Index:
         workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state)
                    for w in session.execute(select(Worker.id, Worker.name, Worker.agent_name, Worker.epoch,
                                                    Worker.state))}
-        self.set_topology(workers, {t.id: TierView(t.id, t.worker_id, t.kind, t.page_bytes, t.base_addr)
-                                    for t in session.execute(select(Tier.id, Tier.worker_id, Tier.kind,
-                                                                    Tier.page_bytes, Tier.base_addr))})
+        self.set_topology(workers, {t.id: TierView(*t) for t in session.execute(
+            select(Tier.id, Tier.worker_id, Tier.kind, Tier.page_bytes, Tier.base_addr, Tier.capacity_bytes))})
 
     def set_topology(self, workers: dict[int, WorkerView], tiers_: dict[int, TierView]) -> None:
         """Workers and tiers, and from them which tiers can be read: objects in S3 whatever their
@@ -240,6 +240,18 @@ class Index:
                 return replica, where[0], where[1]
         return None
 
+    def _forget(self, block_id: int, notify: bool) -> None:
+        old = self._by_id.pop(block_id, None)
+        if old is None:
+            return
+        by_hash = self._blocks.get(old.namespace_id, {})
+        if by_hash.get(old.hash) is old:
+            del by_hash[old.hash]
+            if not by_hash:
+                self._blocks.pop(old.namespace_id, None)
+        if notify:
+            self.on_change(f"{old.namespace_id}/{old.hash}", None, [], [r.tier_id for r in old.replicas])
+
     def _apply(self, rows, asked: set[int], notify: bool) -> None:
         """Replace the entries of the blocks in `rows`; blocks in `asked` with no row are gone."""
         found: dict[int, tuple] = {}
@@ -249,18 +261,16 @@ class Index:
             found[block_id][5].append(ReplicaView(replica_id, tier_id, epoch, _flat(pages)))
         tiers_ = self.tiers
         for block_id in asked - set(found):
-            old = self._by_id.pop(block_id, None)
-            if old is not None:
-                by_hash = self._blocks.get(old.namespace_id, {})
-                by_hash.pop(old.hash, None)
-                if not by_hash:
-                    self._blocks.pop(old.namespace_id, None)
-                if notify:
-                    self.on_change(f"{old.namespace_id}/{old.hash}", None, [], [r.tier_id for r in old.replicas])
+            self._forget(block_id, notify)
         for block_id, (namespace_id, block_hash, parent, nbytes, checksum, replicas) in found.items():
             replicas.sort(key=lambda r: tiers.PREFERENCE[tiers_[r.tier_id].kind] if r.tier_id in tiers_ else 99)
+            previous = self._by_id.get(block_id)
+            if previous is not None and (previous.namespace_id, previous.hash) != (namespace_id, block_hash):
+                self._forget(block_id, notify)  # SQLite gave a deleted block's id to this new one
             by_hash = self._blocks.setdefault(namespace_id, {})
             old = by_hash.get(block_hash)
+            if old is not None and old.block_id != block_id:  # the block was deleted and saved again
+                self._by_id.pop(old.block_id, None)
             entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, tuple(replicas),
                           self._home(replicas[0]))
             by_hash[block_hash] = entry

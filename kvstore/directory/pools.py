@@ -7,11 +7,11 @@
     pools.rebuild(session)                           # at start: grants minus the pages replicas hold
 
 A worker grants pages in bulk (`POST /v1/grant`), so a save needs no call to
-the worker: the directory allocates from its pool inside the save's job and
+the worker: the directory allocates from its pool when it prepares the save and
 gives pages back to the pool when a replica goes. Grants are recorded in SQL
 with the worker's epoch; a new epoch (the worker restarted, its memory is
-empty) voids them. Only the writer thread allocates and frees; other threads
-only read sizes.
+empty) voids them. Only the writer thread adds and drops pools; each pool
+locks its own allocations and frees, which saves make from the event loop.
 """
 
 from __future__ import annotations

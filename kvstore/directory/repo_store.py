@@ -10,33 +10,12 @@ for drivers that want them.
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
-
 from sqlalchemy.orm import Session
 
 from kvstore.directory.models.replica import READY
 from kvstore.directory.repository import CHUNK, driver, driver_many
 
 ROWS_PER_INSERT = 500  # rows of one multi-row INSERT: 8 or 9 columns stay under every driver's parameter limit
-
-
-class PlacementTier(NamedTuple):
-    """A memory tier new blocks may go to, with what placement, admission and locations need
-    (`used_bytes` counts what reservations hold)."""
-    id: int
-    worker_id: int
-    kind: str
-    capacity_bytes: int | None
-    used_bytes: int
-    page_bytes: int
-    base_addr: int
-
-
-class PlacementWorker(NamedTuple):
-    id: int
-    name: str
-    agent_name: str
-    epoch: int
 
 
 def rows(session: Session, sql: str, params: tuple = ()) -> list[tuple]:
@@ -56,14 +35,6 @@ def depths(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, 
         found.update(rows(session, f"SELECT hash, depth FROM blocks WHERE namespace_id = ? AND hash IN "
                           f"({_marks(len(chunk))})", (namespace_id, *chunk)))
     return found
-
-
-def placement_tiers(session: Session, kind: str) -> list[tuple[PlacementTier, PlacementWorker]]:
-    """The tiers of `kind` on active workers."""
-    return [(PlacementTier(*row[:7]), PlacementWorker(*row[7:])) for row in rows(
-        session, "SELECT t.id, t.worker_id, t.kind, t.capacity_bytes, t.used_bytes, t.page_bytes, t.base_addr, "
-        "w.id, w.name, w.agent_name, w.epoch FROM tiers t JOIN workers w ON w.id = t.worker_id "
-        "WHERE t.kind = ? AND w.state = 'active'", (kind,))]
 
 
 def insert_blocks(session: Session, namespace_id: str, blocks: list[tuple], now: float) -> dict[str, int]:

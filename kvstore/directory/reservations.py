@@ -14,12 +14,14 @@ reservation anyway (its writers got no answer they can trust), and its page
 credit is rebuilt as grants minus the pages that committed replicas hold,
 which gives reserved pages back.
 
-Only the writer thread changes reservations (inside jobs, which undo their
-change if their group does not commit); other threads read counts.
+Saves add them under the store's lock; the writer's jobs end them (undoing
+that if their group does not commit). Every change holds `Reservations`' own
+lock.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -53,8 +55,13 @@ class Reservations:
         self._writing: dict[tuple[str, str], Reservation] = {}  # (namespace, hash) -> its reservation
         self._bytes: dict[int, int] = {}  # tier id -> bytes reserved
         self.blocks = 0  # being written
+        self._lock = threading.Lock()
 
     def add(self, r: Reservation) -> None:
+        with self._lock:
+            self._add(r)
+
+    def _add(self, r: Reservation) -> None:
         self._by_token[r.token] = r
         for block in r.blocks:
             self._writing[(r.namespace_id, block.hash)] = r
@@ -69,15 +76,20 @@ class Reservations:
         """The reservation, for a job that ends it: it is popped once the job's group has committed
         (until then a save of the same blocks still finds them being written), or given back with
         `untake` if the group fails. None if unknown or already taken."""
-        r = self.get(token)
-        if r is not None:
-            r.taken = True
-        return r
+        with self._lock:
+            r = self.get(token)
+            if r is not None:
+                r.taken = True
+            return r
 
     def untake(self, r: Reservation) -> None:
         r.taken = False
 
     def pop(self, token: str) -> Reservation | None:
+        with self._lock:
+            return self._pop(token)
+
+    def _pop(self, token: str) -> Reservation | None:
         r = self._by_token.pop(token, None)
         if r is not None:
             for block in r.blocks:
@@ -92,7 +104,8 @@ class Reservations:
 
     def expired(self, now: float) -> list[Reservation]:
         """Reservations past their expiry, removed (a scan of the open ones: a few per engine)."""
-        return [self.pop(r.token) for r in list(self._by_token.values()) if r.expires_at < now and not r.taken]
+        with self._lock:
+            return [self._pop(r.token) for r in list(self._by_token.values()) if r.expires_at < now and not r.taken]
 
     def reserved_bytes(self, tier_id: int) -> int:
         return self._bytes.get(tier_id, 0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -24,7 +25,7 @@ from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory import repo_store as sql
 from kvstore.directory import repository as repo
-from kvstore.directory.index import Index
+from kvstore.directory.index import Index, WorkerView
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.policy import TierPolicies, block_key
 from kvstore.directory.pools import PagePools
@@ -32,6 +33,8 @@ from kvstore.directory.reservations import Reservation, Reservations, Reserved
 from kvstore.directory.settings import DirectorySettings
 from kvstore.directory.writer import Tx, Writer
 from kvstore.policies import Admit, Throttled
+
+LOOP_PREPARE_BLOCKS = 1024  # longer saves are prepared on a thread: the event loop answers lookups meanwhile
 
 
 class Store:
@@ -47,44 +50,56 @@ class Store:
         self._make_room = make_room  # (tier id, worker id, bytes): demote until they fit
         self._clock = clock
         self.reservations = reservations
+        self._lock = threading.Lock()
 
     # ---- prepare ---------------------------------------------------------------------------
 
     def prepare(self, req) -> dict:
         """Namespace and sizes are checked by the caller. When the page credit cannot hold the new
-        blocks, room is made first (outside every job), then the blocks are placed."""
-        prepared = self._write(lambda tx: self._prepare(tx, req, self._clock(), room_first=True))
+        blocks, room is made first (by demotion, through workers), then the blocks are placed."""
+        prepared = self._prepare(req, room_first=True)
         return self._after_room(req, prepared) if isinstance(prepared, _NeedRoom) else self._prepared(prepared)
 
     async def prepare_async(self, req) -> dict:
-        """`prepare` for the event loop; making room calls workers, so that part runs on a thread."""
-        prepared = await self._write_async(lambda tx: self._prepare(tx, req, self._clock(), room_first=True))
+        """`prepare` for the event loop: in memory, so answered there; a long request and making
+        room (worker calls) run on a thread."""
+        if len(req.blocks) > LOOP_PREPARE_BLOCKS:
+            return await asyncio.to_thread(self.prepare, req)
+        prepared = self._prepare(req, room_first=True)
         if isinstance(prepared, _NeedRoom):
             return await asyncio.to_thread(self._after_room, req, prepared)
         return self._prepared(prepared)
 
     def _after_room(self, req, need: _NeedRoom) -> dict:
         self._make_room(need.tier_id, need.worker_id, need.nbytes)
-        return self._prepared(self._write(lambda tx: self._prepare(tx, req, self._clock(), room_first=False)))
+        return self._prepared(self._prepare(req, room_first=False))
 
     def _prepared(self, prepared: dict) -> dict:
         self._metrics.count_store_decisions(prepared["blocks"])
         return prepared
 
-    def _prepare(self, tx: Tx, req, now: float, room_first: bool):
-        ready = self._index.readable(req.namespace_id, [b.hash for b in req.blocks])
-        decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
-        wanted = []
-        for block in req.blocks:
-            if block.hash in ready:
-                decisions[block.hash] = {"hash": block.hash, "status": "exists"}
-            elif self._being_written(req.namespace_id, block.hash, now):
-                decisions[block.hash] = {"hash": block.hash, "status": "in_progress"}
-            else:
-                wanted.append(block)
-        token = secrets.token_hex(16)
-        expires_at = now + self._settings.reservation_ttl_s
-        admitted = self._place(tx, req.namespace_id, wanted, token, expires_at, decisions, room_first)
+    def _prepare(self, req, room_first: bool):
+        """Decide every block and reserve pages for the new ones, with no SQL: which blocks exist comes
+        from the index, which are being written from the reservations. The writer adds a completed
+        save's blocks to the index before it drops their reservation, so asking the reservations
+        first never misses a block in between."""
+        with self._lock:  # one decision at a time: no two saves reserve the same block
+            now = self._clock()
+            hashes = [b.hash for b in req.blocks]
+            writing = {h for h in hashes if self._being_written(req.namespace_id, h, now)}
+            ready = self._index.readable(req.namespace_id, hashes)
+            decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
+            wanted = []
+            for block in req.blocks:
+                if block.hash in ready:
+                    decisions[block.hash] = {"hash": block.hash, "status": "exists"}
+                elif block.hash in writing:
+                    decisions[block.hash] = {"hash": block.hash, "status": "in_progress"}
+                else:
+                    wanted.append(block)
+            token = secrets.token_hex(16)
+            expires_at = now + self._settings.reservation_ttl_s
+            admitted = self._place(req.namespace_id, wanted, token, expires_at, decisions, room_first)
         if isinstance(admitted, _NeedRoom):
             return admitted
         return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
@@ -102,14 +117,14 @@ class Store:
         worker = self._index.workers.get(r.worker_id)
         return worker is not None and worker.epoch == r.epoch
 
-    def _place(self, tx: Tx, namespace_id: str, wanted: list, token: str, expires_at: float, decisions: dict,
+    def _place(self, namespace_id: str, wanted: list, token: str, expires_at: float, decisions: dict,
                room_first: bool) -> int | _NeedRoom:
         """Pages for `wanted` on the placement tier, from the page pool, as one reservation; fills
         `decisions`. With `room_first`, a request the pool cannot hold changes nothing and asks for
         room instead."""
         if not wanted:
             return 0
-        choice = _placement(tx.session, self._pools, self.reservations)
+        choice = _placement(self._index, self._pools)
         if choice is None:
             for block in wanted:
                 decisions[block.hash] = _rejected(block.hash, "no_worker")
@@ -133,15 +148,12 @@ class Store:
                 placed.append(Reserved(block.hash, block.parent, block.nbytes, runs))
                 decisions[block.hash] = {"hash": block.hash, "status": "admitted",
                                          "location": location(worker, tier, runs, block.nbytes)}
-        if not placed:
-            return 0
-        reservation = Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
-                                  expires_at, placed)
-        self.reservations.add(reservation)
-        tx.on_rollback.append(lambda: self._release(self.reservations.pop(token), placed))
+        if placed:
+            self.reservations.add(Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
+                                              expires_at, placed))
         return len(placed)
 
-    def _admitted(self, tier: sql.PlacementTier, namespace_id: str, wanted: list, decisions: dict) -> list:
+    def _admitted(self, tier: PlacementTier, namespace_id: str, wanted: list, decisions: dict) -> list:
         """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
         admitted, rejected = [], set()
         for block in wanted:
@@ -252,14 +264,28 @@ class Store:
         return len(gone)
 
 
-def _placement(session, pools: PagePools, reservations: Reservations):
+class PlacementTier(NamedTuple):
+    """A memory tier new blocks may go to, as placement, admission and locations see it."""
+    id: int
+    worker_id: int
+    kind: str
+    capacity_bytes: int | None
+    used_bytes: int  # its pages not in the page credit: committed replicas and reservations
+    page_bytes: int
+    base_addr: int
+
+
+def _placement(index: Index, pools: PagePools) -> tuple[PlacementTier, WorkerView] | None:
     """The memory tier new blocks go to: the fastest kind any active worker has, and of those the one
-    with the most page credit left. Its used bytes count what reservations hold."""
+    with the most page credit left."""
     for kind in tiers.MEMORY:
-        candidates = sql.placement_tiers(session, kind)
+        candidates = [(t, index.workers[t.worker_id]) for t in index.tiers.values()
+                      if t.kind == kind and index.workers[t.worker_id].state == "active"]
         if candidates:
             tier, worker = max(candidates, key=lambda tw: pools.free_bytes(tw[0].id, tw[1].epoch))
-            return tier._replace(used_bytes=tier.used_bytes + reservations.reserved_bytes(tier.id)), worker
+            used = pools.granted_bytes(tier.id, worker.epoch) - pools.free_bytes(tier.id, worker.epoch)
+            return PlacementTier(tier.id, tier.worker_id, kind, tier.capacity_bytes, used, tier.page_bytes,
+                                 tier.base_addr), worker
     return None
 
 

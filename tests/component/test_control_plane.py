@@ -27,6 +27,7 @@ def index_matches_sql(service) -> None:
     with service._sessions() as session:
         fresh.rebuild(session)
     assert fresh._blocks == service.index._blocks
+    assert fresh._by_id == service.index._by_id
 
 
 @contextmanager
@@ -150,33 +151,32 @@ def test_concurrent_engines_never_see_a_500_and_the_index_stays_true(stack):
     stack.free_pages()  # page credit and used_bytes agree
 
 
-def test_a_save_that_shares_a_commit_with_the_completion_of_the_same_blocks_does_not_write_them_again(quiet):
-    """A completion and a second save of its blocks in one group commit: the index only learns of
-    the commit after the group, so the blocks count as being written until then."""
+def test_a_save_of_blocks_whose_completion_is_committing_does_not_write_them_again(quiet):
+    """complete_store has committed but the index has not yet heard of it: a save of the same blocks
+    then finds them being written, and once the index has them, finds that they exist."""
     s = quiet
     first = prepare(s, chain(2))
-    hold, held = threading.Event(), threading.Event()
+    writer = s.service.writer
+    committed, go_on = threading.Event(), threading.Event()
+    follow = writer._on_commit
 
-    def block_the_writer(tx):
-        held.set()
-        hold.wait(10)
+    def slow_follow(*args):
+        committed.set()
+        go_on.wait(10)
+        follow(*args)
+    writer._on_commit = slow_follow
     answers: dict[str, object] = {}
-    blocker = threading.Thread(target=s.service.writer.run, args=(block_the_writer,))
-    blocker.start()
-    held.wait(10)
     completer = threading.Thread(target=lambda: answers.update(done=complete(s, first)))
     completer.start()
-    wait_until(lambda: s.service.writer._queue.qsize() == 1, 10, "the completion queued")
-    again = threading.Thread(target=lambda: answers.update(again=prepare(s, chain(2))))
-    again.start()
-    wait_until(lambda: s.service.writer._queue.qsize() == 2, 10, "the second save queued")
-    groups = s.service.writer.groups
-    hold.set()
-    for t in (blocker, completer, again):
-        t.join(10)
-    assert s.service.writer.groups == groups + 2  # the blocker's group, then both in one
+    try:
+        assert committed.wait(10)
+        assert [b.status for b in prepare(s, chain(2)).blocks] == ["in_progress"] * 2
+    finally:
+        writer._on_commit = follow
+        go_on.set()
+        completer.join(10)
     assert answers["done"].committed == 2
-    assert [b.status for b in answers["again"].blocks] == ["in_progress"] * 2
+    assert [b.status for b in prepare(s, chain(2)).blocks] == ["exists"] * 2
     assert s.client.stats().replicas_by_tier == {"dram": 2}
     index_matches_sql(s.service)
 

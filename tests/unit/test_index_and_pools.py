@@ -82,3 +82,20 @@ def test_page_credit_places_many_blocks_in_one_cut_and_takes_them_back():
     assert pools.allocate(7, 2, 128) is None  # another epoch: that credit is void
     pools.add(7, 2, 128, [specs.PageRun(first=0, count=1)])
     assert pools.free_bytes(7, 1) == 0 and pools.free_bytes(7, 2) == 128
+
+
+def test_a_block_id_that_sqlite_gives_again_replaces_the_deleted_block_in_the_index():
+    index = index_with()
+    reused = (0, "ns", "new", None, 256, "0123456789abcdef", 300, 10, 1, [[40, 2]])  # block 0 was h0
+    index._apply([reused], set(), notify=False)
+    assert index.lookup("ns", ["h0"]) == [] and [h.hash for h in index.lookup("ns", ["new"])] == ["new"]
+    index._apply([], {0}, notify=False)
+    assert index.lookup("ns", ["new"]) == [] and index.num_blocks == 2
+
+
+def test_a_block_saved_again_under_a_new_id_leaves_no_entry_of_its_old_id():
+    index = index_with()
+    index._apply([(7, "ns", "h0", None, 256, "0123456789abcdef", 301, 10, 1, [[50, 2]])], set(), notify=False)
+    assert index.num_blocks == 3 and index.lookup("ns", ["h0"])[0].entry.block_id == 7
+    index._apply([], {0}, notify=False)  # the old id's removal does not take the new entry
+    assert index.lookup("ns", ["h0"])[0].entry.block_id == 7
