@@ -198,14 +198,29 @@ class Index:
         """Replicas just committed READY, as (block id, namespace, hash, parent, nbytes, checksum,
         replica id, tier id, epoch, pages): merged into their blocks' entries."""
         merged = []
-        for block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages in rows:
+        for row in rows:
+            block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages = row
             old = self._blocks.get(namespace_id, {}).get(block_hash)
+            if old is None and block_id not in self._by_id:  # a new block (a save): no merge, no sort
+                self._new(row)
+                continue
             others = [r for r in old.replicas if r.id != replica_id] if old is not None else []
             merged += [(block_id, namespace_id, block_hash, parent, nbytes, checksum, r.id, r.tier_id, r.epoch,
                         r.pages) for r in others]
-            merged.append((block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch,
-                           pages))
-        self._apply(merged, set(), notify=self.on_change is not None)
+            merged.append(row)
+        if merged:
+            self._apply(merged, set(), notify=self.on_change is not None)
+
+    def _new(self, row: tuple) -> None:
+        block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages = row
+        namespace_id = sys.intern(namespace_id)
+        replica = ReplicaView(replica_id, tier_id, epoch, _flat(pages))
+        entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, (replica,), self._home(replica))
+        self._blocks.setdefault(namespace_id, {})[block_hash] = entry
+        self._by_id[block_id] = entry
+        if self.on_change is not None:
+            self.on_change(f"{namespace_id}/{block_hash}", f"{namespace_id}/{parent}" if parent else None,
+                           [tier_id], [])
 
     def reload_topology(self, session: Session) -> None:
         workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state)

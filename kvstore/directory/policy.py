@@ -1,6 +1,7 @@
 """The directory's eviction and admission: one pair of policy objects (kvstore/policies) per tier.
 
     policies.admit(tier, key, nbytes)     # placement of a new block, and "keep it one tier down?"
+    policies.admit_many(tier, [(key, nbytes)])      # the same for a save's blocks
     policies.hit(tiers, key)              # a lookup or load found it: touch + record
     policies.victims(tier, rows, ...)     # sync with the tier's READY replicas, then evict
     policies.changed(key, parent, added, removed)   # the index saw a block's replicas come or go
@@ -95,6 +96,11 @@ class TierPolicies:
         for condition in policy.pressure:
             condition.pressure = tier.used_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
         return policy.admission.admit(key, nbytes)
+
+    @_locked
+    def admit_many(self, tier, requests: list[tuple[str, int]]) -> list[Decision]:
+        """`admit` for (key, nbytes) in turn, under one hold of the lock."""
+        return [self.admit(tier, key, nbytes) for key, nbytes in requests]
 
     @_locked
     def hit(self, tiers: list, key: str) -> None:

@@ -156,8 +156,8 @@ class Store:
     def _admitted(self, tier: PlacementTier, namespace_id: str, wanted: list, decisions: dict) -> list:
         """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
         admitted, rejected = [], set()
-        for block in wanted:
-            decision = self._policies.admit(tier, block_key(namespace_id, block.hash), block.nbytes)
+        asked = self._policies.admit_many(tier, [(block_key(namespace_id, b.hash), b.nbytes) for b in wanted])
+        for block, decision in zip(wanted, asked):
             if block.parent in rejected or not isinstance(decision, Admit):
                 reason = ("parent_rejected" if block.parent in rejected else
                           "throttled" if isinstance(decision, Throttled) else "not_admitted")

@@ -14,12 +14,11 @@ from msgspec import Meta
 
 from kvstore.core.errors import KVStoreError
 
-Hash = Annotated[str, Meta(pattern=r"^[0-9a-f]{2,128}$")]
-# In lists of hashes the digits are checked once for the whole list (`_hex_only`): a pattern per
-# string costs a 128-block lookup more than the lookup itself.
-HashInList = Annotated[str, Meta(min_length=2, max_length=128)]
+# Hex digits are checked once for all the hashes (and checksums) of a body, by `_digits_only`: a
+# pattern per string costs a 128-block lookup more than the lookup itself.
+Hash = Annotated[str, Meta(min_length=2, max_length=128)]
+Checksum = Annotated[str, Meta(min_length=16, max_length=16)]
 HEX_DIGITS = b"0123456789abcdef"
-Checksum = Annotated[str, Meta(pattern=r"^[0-9a-fA-F]{16}$")]
 Token = Annotated[str, Meta(max_length=64)]
 NamespaceId = Annotated[str, Meta(max_length=16)]
 Reader = Annotated[str, Meta(max_length=200)]
@@ -33,7 +32,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class Lookup(_Body):
     namespace_id: NamespaceId
-    hashes: Annotated[list[HashInList], Meta(max_length=MAX_HASHES)]
+    hashes: Annotated[list[Hash], Meta(max_length=MAX_HASHES)]
     locations: bool = False
 
 
@@ -62,13 +61,13 @@ class CompleteStore(_Body):
 
 class PrepareLoad(_Body):
     namespace_id: NamespaceId
-    hashes: Annotated[list[HashInList], Meta(max_length=MAX_HASHES)]
+    hashes: Annotated[list[Hash], Meta(max_length=MAX_HASHES)]
     reader: Reader = ""
 
 
 class PrepareLoads(_Body):
     namespace_id: NamespaceId
-    chains: Annotated[list[list[HashInList]], Meta(max_length=4096)]
+    chains: Annotated[list[list[Hash]], Meta(max_length=4096)]
     reader: Reader = ""
 
 
@@ -98,19 +97,25 @@ def decode(body: bytes, kind: type[T]) -> T:
     if isinstance(value, PrepareLoads):
         if sum(len(c) for c in value.chains) > MAX_HASHES:
             raise KVStoreError("invalid", f"at most {MAX_HASHES} hashes in all chains together")
-        _hex_only([h for c in value.chains for h in c])
+        _digits_only("hash", [h for c in value.chains for h in c])
     elif isinstance(value, (Lookup, PrepareLoad)):
-        _hex_only(value.hashes)
+        _digits_only("hash", value.hashes)
+    elif isinstance(value, PrepareStore):
+        _digits_only("hash", [b.hash for b in value.blocks] + [b.parent for b in value.blocks if b.parent])
+    elif isinstance(value, (CompleteStore, CompleteLoad)):
+        _digits_only("hash", [b.hash for b in value.blocks])
+        if isinstance(value, CompleteStore):
+            _digits_only("checksum", [b.checksum.lower() for b in value.blocks if b.checksum is not None])
     return value
 
 
-def _hex_only(hashes: list[str]) -> None:
-    """Every hash is lowercase hex: deleting the digits from the joined list leaves nothing (a
-    table lookup per byte in C)."""
-    if "".join(hashes).encode().translate(None, HEX_DIGITS):
-        bad = next(h for h in hashes if h.encode().translate(None, HEX_DIGITS))
+def _digits_only(what: str, values: list[str]) -> None:
+    """Every value is lowercase hex digits: deleting them from the joined list leaves nothing (a
+    table lookup per byte, in C)."""
+    if "".join(values).encode().translate(None, HEX_DIGITS):
+        bad = next(v for v in values if v.encode().translate(None, HEX_DIGITS))
         raise KVStoreError("invalid", "request body does not match the schema",
-                           errors=[f"hash {bad[:140]!r} is not 2-128 lowercase hex digits"])
+                           errors=[f"{what} {bad[:140]!r} is not made of hex digits"])
 
 
 encode = msgspec.json.Encoder().encode

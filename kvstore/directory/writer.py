@@ -8,7 +8,8 @@
 A job runs inside a SAVEPOINT of the writer's transaction; jobs that queue up
 while a COMMIT is under way run together and share the next one, so a burst of
 saves pays for one durable commit instead of one each. A job that raises is
-rolled back to its savepoint alone. Only after the COMMIT returns does the
+rolled back to its savepoint alone (a job alone in its group needs no
+SAVEPOINT: the transaction is its own). Only after the COMMIT returns does the
 writer call `on_commit` (the lookup index follows the rows the group touched)
 and then the jobs' `after_commit` calls (worker frees, page pools), and only
 then are the callers answered: nothing a caller is told about is lost, and
@@ -107,14 +108,21 @@ class Writer:
         outcomes: list[tuple[Tx, Future, Any, BaseException | None]] = []
         with self._sessions() as session:
             committed = session.info.setdefault("committed", [])
+            alone = len(group) == 1  # no SAVEPOINT: a failure rolls back the transaction, which is its own
             for job, future in group:
                 tx = Tx(session)
                 mark = len(committed)
                 try:
-                    with session.begin_nested():
+                    if alone:
                         result = job(tx)
+                        session.flush()
+                    else:
+                        with session.begin_nested():
+                            result = job(tx)
                     outcomes.append((tx, future, result, None))
                 except BaseException as exc:
+                    if alone:
+                        session.rollback()
                     del committed[mark:]  # what the failed job committed to the index is void
                     _run_all(tx.on_rollback)
                     outcomes.append((tx, future, None, exc))

@@ -235,9 +235,14 @@ def test_a_failing_job_is_rolled_back_alone(quiet):
     for t in [holder, *runners]:
         t.join()
     assert isinstance(outcome["bad"], KVStoreError) and outcome["good"] is None
+    groups = stack.service.writer.groups
+    assert isinstance(_try(stack.service.writer.run, bad), KVStoreError)  # alone in its group: no SAVEPOINT
+    stack.service.writer.run(lambda tx: tx.session.add(NamespaceRow(id="next0000", spec={}, created_at=0.0)))
+    assert stack.service.writer.groups == groups + 2
     with stack.service._sessions() as session:
         assert session.get(NamespaceRow, "good0000") is not None
         assert session.get(NamespaceRow, "bad00000") is None
+        assert session.get(NamespaceRow, "next0000") is not None
 
 
 def _try(call, *args):

@@ -188,9 +188,20 @@ def test_unknown_namespace_and_bad_bodies_get_error_bodies(stack):
     assert answer.status_code == 400 and answer.json()["error"] == "invalid"
     for path, body in [("/v1/lookup", {"hashes": ["00", "0g0", "ab"]}), ("/v1/load/prepare", {"hashes": ["a-b"]}),
                        ("/v1/load/prepare-batch", {"chains": [["00"], ["00", "0 1"]]}),
-                       ("/v1/lookup", {"hashes": ["0"]}), ("/v1/lookup", {"hashes": ["0" * 129]})]:
+                       ("/v1/lookup", {"hashes": ["0"]}), ("/v1/lookup", {"hashes": ["0" * 129]}),
+                       ("/v1/store/prepare", {"blocks": [{"hash": "ab", "nbytes": BLOCK, "parent": "a_"}]}),
+                       ("/v1/store/prepare", {"blocks": [{"hash": "aB", "nbytes": BLOCK}]})]:
         answer = stack.http.post(path, json={"namespace_id": stack.namespace_id, **body})
         assert answer.status_code == 400 and answer.json()["error"] == "invalid", (path, body)
+    for path, blocks in [("/v1/store/complete", [{"hash": "ab", "ok": True, "checksum": "0123456789abcdeg"}]),
+                         ("/v1/store/complete", [{"hash": "ab", "ok": True, "checksum": "0123"}]),
+                         ("/v1/store/complete", [{"hash": "xy", "ok": True}]),
+                         ("/v1/load/complete", [{"hash": "ab", "ok": True}, {"hash": "é0", "ok": False}])]:
+        answer = stack.http.post(path, json={"token": "t" * 32, "blocks": blocks})
+        assert answer.status_code == 400 and answer.json()["error"] == "invalid", (path, blocks)
+    answer = stack.http.post("/v1/store/complete", json={"token": "t" * 32, "blocks": [
+        {"hash": "ab", "ok": True, "checksum": "0123456789ABCDEF"}]})
+    assert answer.status_code == 409  # upper-case checksum digits are fine; the token is unknown
     answer = stack.http.post("/v1/namespaces", json={"namespace": {"model_id": "m"}})
     assert answer.status_code == 400 and "namespace" in answer.json()["detail"]
     answer = stack.http.post("/v1/store/prepare", json={"namespace_id": stack.namespace_id, "blocks": [
