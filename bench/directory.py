@@ -16,8 +16,8 @@ moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
    restarted on the full database.
 
 `--directory-src DIR` runs the directory from another checkout (a before/after
-comparison on the same machine); a directory that always answers locations (no
-`locations` field) is asked without it.
+comparison on the same machine); `--always-locations` for one that predates the
+`locations` field (it always answers them), which is then asked without it.
 """
 
 from __future__ import annotations
@@ -193,6 +193,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per lookup phase")
     parser.add_argument("--repeats", type=int, default=20, help="prepare+complete calls per size")
     parser.add_argument("--directory-src", type=Path, default=REPO)
+    parser.add_argument("--always-locations", action="store_true",
+                        help="the directory predates the `locations` field (it always answers them)")
     parser.add_argument("--json")
     args = parser.parse_args()
     chains = max(1, args.blocks // CHAIN)
@@ -217,7 +219,7 @@ def main() -> None:
             fill_s = time.perf_counter() - t0
             print(f"\rfill: {chains * CHAIN:,} blocks in {fill_s:.0f} s ({chains * CHAIN / fill_s:,.0f} blocks/s)")
             rss = rss_mib(directory.pid)
-            legacy = args.directory_src.resolve() != REPO.resolve()  # answers locations always
+            legacy = args.always_locations  # a directory that answers locations always
             pid = directory.pid
             phases = [lookups(port, pid, namespace_id, chains, 1, args.seconds),
                       lookups(port, pid, namespace_id, chains, 1, args.seconds,

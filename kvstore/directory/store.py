@@ -182,22 +182,23 @@ class Store:
     async def complete_async(self, req) -> specs.StoreCompleted:
         return self._completed(req, *await self._write_async(lambda tx: self._complete(tx, req, self._clock())))
 
-    def _completed(self, req, committed: int, expired: bool, total: int) -> specs.StoreCompleted:
+    def _completed(self, req, committed: int, refused: str | None, total: int) -> specs.StoreCompleted:
         self._metrics.blocks_committed.inc(committed)
-        if expired:
-            raise KVStoreError("conflict", "the reservation expired before completion; nothing was committed",
-                               token=req.token)
+        if refused:
+            raise KVStoreError("conflict", f"{refused}; nothing was committed", token=req.token)
         return specs.StoreCompleted(committed=committed, rolled_back=total - committed)
 
-    def _complete(self, tx: Tx, req, now: float) -> tuple[int, bool, int]:
+    def _complete(self, tx: Tx, req, now: float) -> tuple[int, str | None, int]:
         r = self.reservations.take(req.token)
         if r is None:  # also what a directory restart leaves: it rolled the reservation back
             raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token (a directory "
                                "restart rolls back open reservations)", token=req.token)
         tx.on_rollback.append(lambda: self.reservations.untake(r))
         worker = self._index.workers.get(r.worker_id)
-        expired = r.expires_at < now
-        live = not expired and worker is not None and worker.epoch == r.epoch  # a restart drops the pages
+        refused = ("the reservation expired before completion" if r.expires_at < now else
+                   "the worker restarted since prepare_store (its memory, and so the written blocks, are gone)"
+                   if worker is None or worker.epoch != r.epoch else None)
+        live = refused is None
         reports = {b.hash: b for b in req.blocks}
         good, failed = [], []
         for block in r.blocks:
@@ -207,7 +208,7 @@ class Store:
         if good:
             self._commit(tx, r, good, {b.hash: reports[b.hash].checksum.lower() for b in good}, now)
         tx.after_commit.append(lambda: self._release(self.reservations.pop(r.token), failed))
-        return len(good), expired, len(r.blocks)
+        return len(good), refused, len(r.blocks)
 
     def _commit(self, tx: Tx, r: Reservation, blocks: list[Reserved], checksums: dict[str, str], now: float) -> None:
         """The blocks, their checksums and their READY replicas, and the tier's used bytes."""

@@ -12,13 +12,11 @@ import pytest
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.pages import PageAllocator
-from kvstore.directory.app import create_app
 from kvstore.directory.index import Index
 from kvstore.worker.control import ControlServer
-from tests.component.conftest import NS, PAGE, Stack, make_settings
+from tests.stacks import PAGE, Stack, directory_stack, make_settings
 from tests.component.test_directory import BLOCK, chain, complete, hits, prepare
-from tests.helpers import ServerThread, wait_until
-from kvstore.client import DirectoryClient
+from tests.helpers import wait_until
 
 
 def index_matches_sql(service) -> None:
@@ -30,23 +28,9 @@ def index_matches_sql(service) -> None:
     assert fresh._by_id == service.index._by_id
 
 
-@contextmanager
 def one_worker(database_url: str, pages: int = 32, **settings):
     """The directory over HTTP with one DRAM-only worker endpoint of `pages` pages."""
-    settings = make_settings(database_url, **settings)
-    control = ControlServer({"dram": PageAllocator(pages, PAGE)})
-    control.start()
-    app = create_app(settings)
-    try:
-        with ServerThread(app) as server:
-            client = DirectoryClient(server.url, timeout_s=300)
-            s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings,
-                      app.state.service)
-            s.register_worker(control_url=control.url)
-            yield s
-            client.close()
-    finally:
-        control.stop()
+    return directory_stack(make_settings(database_url, **settings), pages=pages)
 
 
 def test_a_lookup_takes_no_job_and_writes_nothing(database_url):
@@ -271,15 +255,15 @@ class TwoTierWorker:
                 specs.TierSpec(kind="nvme", capacity_bytes=64 * PAGE, page_bytes=PAGE)]))
 
 
+@contextmanager
 def two_tier_stack(database_url, mover, **settings):
     worker = TwoTierWorker(mover)
-    app = create_app(make_settings(database_url, **settings))
-    server = ServerThread(app).__enter__()
-    client = DirectoryClient(server.url)
-    s = Stack(server.url, client, None, None, client.register_namespace(NS), app.state.service.settings,
-              app.state.service)
-    worker.register(s)
-    return s, server, worker
+    try:
+        with directory_stack(make_settings(database_url, **settings), worker.control, register=False) as s:
+            worker.register(s)
+            yield s, worker
+    finally:
+        worker.control.stop()
 
 
 def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(database_url):
@@ -288,17 +272,13 @@ def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(databas
         return specs.MoveResult(ok=[False] * n, errors=["checksum mismatch in DRAM before demotion"] * n,
                                 codes=["source_corrupt"] * n)
 
-    s, server, worker = two_tier_stack(database_url, corrupt)
-    try:
+    with two_tier_stack(database_url, corrupt) as (s, worker):
         complete(s, prepare(s, chain(3)))
         s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
         assert hits(s, chain(3)) == 0  # before: the corrupt source went back to READY for good
         s.service.calls.settle()
         assert worker.nvme.free_pages == 64  # the destination went back too
         index_matches_sql(s.service)
-    finally:
-        server.__exit__()
-        worker.control.stop()
 
 
 def test_a_move_without_an_answer_keeps_its_destination_until_the_deadline(database_url):
@@ -313,8 +293,7 @@ def test_a_move_without_an_answer_keeps_its_destination_until_the_deadline(datab
         n = len(req.items)
         return specs.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
 
-    s, server, worker = two_tier_stack(database_url, slow, move_timeout_s=1.0)
-    try:
+    with two_tier_stack(database_url, slow, move_timeout_s=1.0) as (s, worker):
         complete(s, prepare(s, chain(2)))
         outcome = s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
         assert outcome.demoted == 0
@@ -324,9 +303,6 @@ def test_a_move_without_an_answer_keeps_its_destination_until_the_deadline(datab
         wait_until(lambda: worker.nvme.free_pages == 64, 5, "its pages back on the worker")
         answered.wait(10)
         index_matches_sql(s.service)
-    finally:
-        server.__exit__()
-        worker.control.stop()
 
 
 def test_a_worker_grants_at_most_its_free_pages_and_only_of_memory_tiers():

@@ -8,7 +8,7 @@ import pytest
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
-from tests.component.conftest import NS, PAGE
+from tests.stacks import NS, PAGE
 
 BLOCK = NS.block_nbytes  # 256 bytes = 2 pages of 128
 

@@ -6,22 +6,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvstore.client import DirectoryClient
 from kvstore.core import specs
-from kvstore.directory.app import create_app
 from kvstore.directory.settings import DirectorySettings
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
-from tests.component.conftest import NS, Stack, make_settings
+from tests.stacks import directory_stack, make_settings
 from tests.component.test_directory import chain, complete, hits, prepare, read
-from tests.helpers import ServerThread
-
-
-def _stack(settings, control):
-    server = ServerThread(create_app(settings)).__enter__()
-    client = DirectoryClient(server.url)
-    s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings)
-    return server, s
 
 
 @pytest.fixture
@@ -33,51 +23,36 @@ def control():
 
 
 def test_a_doorkeeper_admits_a_block_on_its_second_save(database_url, control):
-    server, s = _stack(make_settings(database_url, admission="doorkeeper"), control)
-    try:
-        s.register_worker(control_url=control.url)
+    with directory_stack(make_settings(database_url, admission="doorkeeper"), control) as s:
         first = prepare(s, chain(3)).blocks
         assert [(b.status, b.reason) for b in first] == [("rejected", "not_admitted")] + \
             [("rejected", "parent_rejected")] * 2
         assert s.free_pages() == 32  # nothing was reserved
         complete(s, prepare(s, chain(3)))  # seen before: admitted
         assert hits(s, chain(3)) == 3
-    finally:
-        server.__exit__(None, None, None)
 
 
 def test_a_full_tier_of_pinned_blocks_throttles_writers(database_url, control):
-    server, s = _stack(make_settings(database_url, admission="backpressure"), control)
-    try:
-        s.register_worker(control_url=control.url)
+    with directory_stack(make_settings(database_url, admission="backpressure"), control) as s:
         complete(s, prepare(s, chain(16)))
         load = s.client.prepare_load(specs.PrepareLoad(namespace_id=s.namespace_id, hashes=chain(16)))
         decision = prepare(s, chain(1, start=900)).blocks[0]
         assert (decision.status, decision.reason, decision.retry_after_s) == ("rejected", "throttled", 1.0)
         s.client.complete_load(specs.CompleteLoad(token=load.token))
         assert prepare(s, chain(1, start=900)).blocks[0].status == "admitted"  # unpinned: room is made
-    finally:
-        server.__exit__(None, None, None)
 
 
 def test_eviction_order_survives_a_directory_restart(database_url, control):
     settings = make_settings(database_url, heartbeat_timeout_s=600)
-    server, s = _stack(settings, control)
-    try:
-        s.register_worker(control_url=control.url)
+    with directory_stack(settings, control) as s:
         old, recent = chain(8), chain(8, start=1000)  # 16 blocks fill the 32 pages
         complete(s, prepare(s, old))
         complete(s, prepare(s, recent))
         assert read(s, old) == 8  # the first chain is now the most recently used
-    finally:
-        server.__exit__(None, None, None)
-    server, s2 = _stack(settings, control)  # a new directory process state on the same database
-    try:
+    with directory_stack(settings, control, register=False) as s2:  # new process state, same database
         assert [b.status for b in prepare(s2, chain(2, start=5000)).blocks] == ["admitted"] * 2
         assert hits(s2, old) == 8
         assert hits(s2, recent) == 6  # the two deepest blocks of the colder chain went
-    finally:
-        server.__exit__(None, None, None)
 
 
 def test_unknown_policies_and_tiers_are_refused_at_start():

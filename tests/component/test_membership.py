@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.client import DirectoryClient
-from kvstore.directory.app import create_app
-from tests.component.conftest import NS, make_settings
+from kvstore.core.pages import PageAllocator
+from kvstore.worker.control import ControlServer
+from tests.stacks import directory_stack, make_settings
 from tests.component.test_directory import chain, complete, hits, prepare
-from tests.helpers import ServerThread, wait_until
+from tests.helpers import wait_until
 
 
 @pytest.fixture
@@ -28,22 +28,14 @@ def test_a_silent_worker_is_declared_dead_and_its_dram_replicas_leave_lookups(st
 
 def test_a_restarted_directory_keeps_committed_blocks(database_url):
     settings = make_settings(database_url, heartbeat_timeout_s=600)
-    from kvstore.core.pages import PageAllocator
-    from kvstore.worker.control import ControlServer
-    from tests.component.conftest import Stack
-
     control = ControlServer({"dram": PageAllocator(32, 128)})
     control.start()
     try:
-        with ServerThread(create_app(settings)) as server:
-            client = DirectoryClient(server.url)
-            s = Stack(server.url, client, None, control.allocators["dram"], client.register_namespace(NS), settings)
-            s.register_worker(control_url=control.url)
+        with directory_stack(settings, control) as s:
             complete(s, prepare(s, chain(3)))
             dangling = prepare(s, chain(2, start=100))  # open at the "crash"
             assert dangling.token
-        with ServerThread(create_app(settings)) as server:  # same database, new process state
-            s.client = DirectoryClient(server.url)
+        with directory_stack(settings, control, register=False) as s:  # same database, new process state
             assert hits(s, chain(3)) == 3
             assert hits(s, chain(2, start=100)) == 0
             assert s.client.workers()[0].epoch == 1

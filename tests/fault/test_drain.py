@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.fault.conftest import FaultStack, wait_for
+from tests.fault.conftest import fault_stack, wait_for
 from tests.helpers import kvstore_cmd, wait_until
 from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS
 
@@ -17,7 +17,7 @@ BLOCKS = FULL // BLOCK_TOKENS
 
 @pytest.fixture
 def nvme_stack(tmp_path):
-    stack = FaultStack(tmp_path, worker_args=["--nvme-bytes", "32MiB", "--nvme-dir", str(tmp_path / "nvme")])
+    stack = fault_stack(tmp_path, worker_args=["--nvme-bytes", "32MiB", "--nvme-dir", str(tmp_path / "nvme")])
     stack.start_directory()
     stack.start_worker()
     yield stack

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from kvstore.core import specs
-from tests.fault.conftest import FaultStack
+from tests.fault.conftest import fault_stack
 from tests.helpers import MotoServer, wait_until
 from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS
 
@@ -22,7 +22,7 @@ def s3_stack(tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     moto = MotoServer(tmp_path / "moto.log").start()
     moto.client().create_bucket(Bucket="kv-cache")
-    stack = FaultStack(tmp_path, worker_args=["--s3-bucket", "kv-cache", "--s3-endpoint", moto.url,
+    stack = fault_stack(tmp_path, worker_args=["--s3-bucket", "kv-cache", "--s3-endpoint", moto.url,
                                               "--s3-prefix", "outage"])
     stack.start_directory()
     stack.start_worker()

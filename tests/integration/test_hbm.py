@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.client import DirectoryClient
 from tests.helpers import free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
-from tests.integration.conftest import run_engine
+from tests.stacks import run_engine
 from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS
 
 pytestmark = pytest.mark.gpu

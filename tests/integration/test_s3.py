@@ -12,7 +12,7 @@ import pytest
 from kvstore.client import DirectoryClient
 from kvstore.core.keys import block_hashes
 from tests.helpers import MotoServer, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
-from tests.integration.conftest import run_engine
+from tests.stacks import run_engine
 from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS, build_model, namespace_of, tokens
 
 FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
