@@ -209,7 +209,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if len(hashes) <= first:
             return 0, False
         try:
-            found = self.directory.lookup(self._namespace_id_now(), hashes, locations=True)
+            found = self.directory.lookup(self._namespace_id_now(), hashes)
         except KVStoreError as exc:
             log.warning("lookup for %s failed (%s): computing it", request.request_id, exc)
             return 0, False
@@ -217,7 +217,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if hit <= first:
             return 0, False
         self._matched[request.request_id] = (request, first, hit)
-        self._sources[request.request_id] = [b.location.tier for b in found.blocks[first:hit]]
+        self._sources[request.request_id] = found.tiers()[first:hit]
         return (hit - first) * self.block_size - (num_computed_tokens % self.block_size), self.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

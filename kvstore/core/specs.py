@@ -181,6 +181,12 @@ class LookupResult(_Spec):
     num_hit_blocks: int
     blocks: list[BlockHit] = Field([], description="the hits, only when the request asked for locations")
     by_tier: dict[str, int]
+    tier_runs: list[tuple[str, int]] = Field([], description="the hits' tier kinds in prefix order, run-length "
+                                             "encoded: [[kind, blocks], ...]")
+
+    def tiers(self) -> list[str]:
+        """The tier kind of each hit, in prefix order."""
+        return [kind for kind, n in self.tier_runs for _ in range(n)]
 
 
 class LookupBatchResult(_Spec):

@@ -4,7 +4,7 @@
     index.reload(session, block_ids)         # after a commit that touched these blocks
     index.reload_topology(session)           # after a commit that touched workers or tiers
     index.lookup(namespace_id, hashes) -> [Hit]   # leading blocks with a readable replica; no lock, no SQL
-    index.count(namespace_id, hashes) -> (hits, {tier kind: hits})   # the same, without locations
+    index.count(namespace_id, hashes) -> (hits, {kind: hits}, [(kind, n)])   # the same, without locations
     index.record(entries)                         # a load read them: for the access statistics
     index.drain_accesses() -> (counts, entries)   # what loads read since
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import sys
 from collections import Counter
+from itertools import groupby
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -110,15 +111,16 @@ class Index:
             hits.append(Hit(entry.hash, entry, replica, tier, worker))
         return hits
 
-    def count(self, namespace_id: str, hashes: list[str]) -> tuple[int, dict[str, int]]:
-        """A lookup that needs no locations: the leading hits and their number per tier kind. The hot
-        path of every engine's scheduler: no Hit is built."""
+    def count(self, namespace_id: str, hashes: list[str]) -> tuple[int, dict[str, int], list[tuple[str, int]]]:
+        """A lookup that needs no locations: the leading hits, their number per tier kind, and the
+        kinds in prefix order, run-length encoded. The hot path of every engine's scheduler: no Hit
+        is built."""
         entries, homes = self._leading(namespace_id, hashes)
         by_kind: dict[str, int] = {}
         for (tier_id, _), n in Counter(homes).items():
             kind = self._readable[tier_id][0].kind
             by_kind[kind] = by_kind.get(kind, 0) + n
-        return len(entries), by_kind
+        return len(entries), by_kind, tier_runs(self._readable[tier_id][0].kind for tier_id, _ in homes)
 
     def readable(self, namespace_id: str, hashes: list[str]) -> set[str]:
         """Which of `hashes` (anywhere in the list) have a readable replica."""
@@ -311,3 +313,8 @@ def _rows_query():
                    Replica.tier_id, Replica.epoch, Replica.pages)
             .join(Replica, Replica.block_id == Block.id)
             .where(Replica.state.in_(VISIBLE), Block.checksum.is_not(None)))
+
+
+def tier_runs(kinds) -> list[tuple[str, int]]:
+    """[(tier kind, blocks), ...] for consecutive blocks of the same kind."""
+    return [(kind, sum(1 for _ in run)) for kind, run in groupby(kinds)]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory import repository as repo
-from kvstore.directory.index import Hit, Index
+from kvstore.directory.index import Hit, Index, tier_runs
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.models.replica import DELETING
 from kvstore.directory.policy import TierPolicies, block_key
@@ -48,12 +48,13 @@ class Loads:
 
     def lookup(self, namespace_id: str, hashes: list[str], locations: bool) -> dict:
         if not locations:
-            hit, tiers_ = self._index.count(namespace_id, hashes)
+            hit, kinds, runs = self._index.count(namespace_id, hashes)
             self._metrics.count_lookup(len(hashes), hit)
-            return {"num_hit_blocks": hit, "blocks": [], "by_tier": tiers_}
+            return {"num_hit_blocks": hit, "blocks": [], "by_tier": kinds, "tier_runs": runs}
         hits = self._index.lookup(namespace_id, hashes)
         self._metrics.count_lookup(len(hashes), len(hits))
-        return {"num_hit_blocks": len(hits), "blocks": [hit_body(h) for h in hits], "by_tier": by_tier(hits)}
+        return {"num_hit_blocks": len(hits), "blocks": [hit_body(h) for h in hits], "by_tier": by_tier(hits),
+                "tier_runs": tier_runs(h.tier.kind for h in hits)}
 
     def prepare(self, namespace_id: str, chains: list[list[str]], reader: str) -> dict:
         """Pin the leading hits an engine can read of every chain, under one token (a block that

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from collections import Counter
 
 import httpx
 import pytest
@@ -46,7 +47,11 @@ def start(tmp_path, s3: MotoServer, port: int, run: int):
 def where(client: DirectoryClient, seed: int) -> dict:
     ns = namespace_of(build_model())
     hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=seed))]
-    return client.lookup(ns.namespace_id, hashes).by_tier
+    found = client.lookup(ns.namespace_id, hashes)
+    assert Counter(found.tiers()) == found.by_tier and len(found.tiers()) == found.num_hit_blocks
+    located = client.lookup(ns.namespace_id, hashes, locations=True)  # blocks may move in between
+    assert located.tiers() == [b.location.tier for b in located.blocks]
+    return found.by_tier
 
 
 def test_blocks_cascade_to_s3_and_come_back_even_after_a_kill(tmp_path, s3):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections import Counter
 
 import pytest
 import torch
@@ -32,7 +33,11 @@ def start(tmp_path, port: int, run: int):
 def by_tier(client: DirectoryClient, seed: int) -> dict:
     ns = namespace_of(build_model())
     hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=seed))]
-    return client.lookup(ns.namespace_id, hashes).by_tier
+    found = client.lookup(ns.namespace_id, hashes)
+    assert Counter(found.tiers()) == found.by_tier and len(found.tiers()) == found.num_hit_blocks
+    located = client.lookup(ns.namespace_id, hashes, locations=True)  # blocks may move in between
+    assert located.tiers() == [b.location.tier for b in located.blocks]
+    return found.by_tier
 
 
 def test_demotion_promotion_and_survival_of_a_kill(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from kvstore.directory.index import Index, TierView, WorkerView
 from kvstore.directory.pools import PagePools
 from kvstore.core import specs
@@ -66,8 +68,10 @@ def test_a_count_agrees_with_a_lookup_on_hits_and_tiers():
             kinds: dict[str, int] = {}
             for h in hits:
                 kinds[h.tier.kind] = kinds.get(h.tier.kind, 0) + 1
-            assert index.count("ns", hashes) == (len(hits), kinds), (state, epoch, hashes)
-    assert index_with().count("other", ["h0"]) == (0, {})
+            runs = [(k, len(list(g))) for k, g in itertools.groupby(h.tier.kind for h in hits)]
+            assert index.count("ns", hashes) == (len(hits), kinds, runs), (state, epoch, hashes)
+    assert index_with().count("other", ["h0"]) == (0, {}, [])
+    assert index_with().count("ns", ["h0", "h1", "h2"])[2] == [("dram", 1), ("nvme", 1), ("s3", 1)]
 
 
 def test_page_credit_places_many_blocks_in_one_cut_and_takes_them_back():
