@@ -116,11 +116,11 @@ class Index:
         kinds in prefix order, run-length encoded. The hot path of every engine's scheduler: no Hit
         is built."""
         entries, homes = self._leading(namespace_id, hashes)
+        runs = tier_runs(homes, lambda home: self._readable[home[0]][0].kind)
         by_kind: dict[str, int] = {}
-        for (tier_id, _), n in Counter(homes).items():
-            kind = self._readable[tier_id][0].kind
+        for kind, n in runs:
             by_kind[kind] = by_kind.get(kind, 0) + n
-        return len(entries), by_kind, tier_runs(self._readable[tier_id][0].kind for tier_id, _ in homes)
+        return len(entries), by_kind, runs
 
     def readable(self, namespace_id: str, hashes: list[str]) -> set[str]:
         """Which of `hashes` (anywhere in the list) have a readable replica."""
@@ -315,6 +315,13 @@ def _rows_query():
             .where(Replica.state.in_(VISIBLE), Block.checksum.is_not(None)))
 
 
-def tier_runs(kinds) -> list[tuple[str, int]]:
-    """[(tier kind, blocks), ...] for consecutive blocks of the same kind."""
-    return [(kind, sum(1 for _ in run)) for kind, run in groupby(kinds)]
+def tier_runs(keys, kind_of=lambda key: key) -> list[tuple[str, int]]:
+    """[(tier kind, blocks), ...] for consecutive blocks of the same kind. `keys` (one per block) are
+    grouped in C; `kind_of` names a key's tier kind once per group."""
+    runs: list[tuple[str, int]] = []
+    for key, group in groupby(keys):
+        kind, n = kind_of(key), len(list(group))
+        if runs and runs[-1][0] == kind:  # two tiers of one kind (on two workers) side by side
+            n += runs.pop()[1]
+        runs.append((kind, n))
+    return runs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from kvstore.directory.index import Index, TierView, WorkerView
+from kvstore.directory.index import Index, TierView, WorkerView, tier_runs
 from kvstore.directory.pools import PagePools
 from kvstore.core import specs
 
@@ -103,3 +103,10 @@ def test_a_block_saved_again_under_a_new_id_leaves_no_entry_of_its_old_id():
     assert index.num_blocks == 3 and index.lookup("ns", ["h0"])[0].entry.block_id == 7
     index._apply([], {0}, notify=False)  # the old id's removal does not take the new entry
     assert index.lookup("ns", ["h0"])[0].entry.block_id == 7
+
+
+def test_tier_runs_merge_neighbouring_tiers_of_one_kind():
+    homes = [(10, 1), (10, 1), (13, 1), (11, None), (10, 1)]  # tiers 10 and 13: DRAM of two workers
+    kinds = {10: "dram", 13: "dram", 11: "nvme"}
+    assert tier_runs(homes, lambda home: kinds[home[0]]) == [("dram", 3), ("nvme", 1), ("dram", 1)]
+    assert tier_runs([]) == [] and tier_runs(["s3", "s3"]) == [("s3", 2)]
