@@ -2,7 +2,7 @@
 
     policies.admit(tier, key, nbytes)     # placement of a new block, and "keep it one tier down?"
     policies.admit_many(tier, [(key, nbytes)])      # the same for a save's blocks
-    policies.hit(tiers, key)              # a lookup or load found it: touch + record
+    policies.hit_many([(tier ids, key)])  # loads read them: touch + record
     policies.victims(tier, rows, ...)     # sync with the tier's READY replicas, then evict
     policies.changed(key, parent, added, removed)   # the index saw a block's replicas come or go
     policies.evict(tier, n, keep) -> keys | None    # victims without a sync: O(victims)
@@ -103,19 +103,10 @@ class TierPolicies:
         return [self.admit(tier, key, nbytes) for key, nbytes in requests]
 
     @_locked
-    def hit(self, tiers: list, key: str) -> None:
-        """`key` was found; `tiers` hold it, the one that serves it first."""
-        for i, tier in enumerate(tiers):
-            policy = self._of(tier)
-            if key in policy.eviction:
-                policy.eviction.touch(key)
-            if i == 0:
-                policy.admission.record(key)
-
-    @_locked
     def hit_many(self, hits: list[tuple[list[int], str]]) -> None:
-        """Like `hit`, by tier id, for many keys under one lock: (tier ids, the first serves it; key).
-        Tiers without a policy yet are skipped."""
+        """Loads read these keys: (the ids of the tiers that hold it, the one that served it first;
+        key). Each holding tier's eviction policy is touched, the serving tier's admission records
+        the key. Tiers without a policy yet are skipped; one hold of the lock for all."""
         policies = self._tiers
         for tier_ids, key in hits:
             for i, tier_id in enumerate(tier_ids):

@@ -10,6 +10,7 @@ for drivers that want them.
 from __future__ import annotations
 
 import json
+
 from sqlalchemy.orm import Session
 
 from kvstore.directory.models.replica import READY
@@ -72,10 +73,3 @@ def insert_replicas(session: Session, replicas: list[tuple]) -> dict[int, int]:
             session, "INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, "
             f"expires_at, created_at) VALUES {values} RETURNING id, block_id", params))
     return ids
-
-
-def add_used(session: Session, tier_id: int, delta: int) -> None:
-    """An atomic `used_bytes = used_bytes + delta` (no read-modify-write)."""
-    if delta:
-        connection, sql = driver(session, "UPDATE tiers SET used_bytes = used_bytes + ? WHERE id = ?")
-        connection.exec_driver_sql(sql, (delta, tier_id))

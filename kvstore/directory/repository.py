@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from kvstore.core.tiers import MEMORY
@@ -68,17 +68,6 @@ def _replicas_where(session: Session, column, ids: list[int]) -> list[tuple[Repl
     return rows
 
 
-def is_visible(replica: Replica, tier: Tier, worker: Worker) -> bool:
-    """Readable now: READY/MOVING on a live worker; a memory tier only in the epoch that wrote it."""
-    return readable(replica.state, replica.epoch, tier.kind, worker.state, worker.epoch)
-
-
-def readable(state: str, epoch: int, tier_kind: str, worker_state: str, worker_epoch: int) -> bool:
-    if state not in VISIBLE or (tier_kind != "s3" and worker_state == "dead"):
-        return False
-    return tier_kind not in MEMORY or epoch == worker_epoch
-
-
 def insert_blocks(session: Session, rows: list[dict]) -> dict[str, int]:
     """Insert block rows with one executemany (Core: no ORM bookkeeping); returns hash -> id."""
     if not rows:
@@ -134,7 +123,9 @@ def record_hits(session: Session, hits: dict[int, tuple[float, int]]) -> None:
 def driver(session: Session, sql: str) -> tuple:
     """The session's connection and `sql` (`?` placeholders) as its driver wants it, to run straight
     through the driver: not compiled again, no parameters processed per row (SQLAlchemy Core costs
-    about ten microseconds a row)."""
+    about ten microseconds a row). Pending ORM changes are flushed first, as `session.execute` would,
+    so the statement runs after them."""
+    session.flush()
     connection = session.connection()
     if connection.dialect.paramstyle in ("format", "pyformat"):
         sql = sql.replace("?", "%s")
@@ -207,10 +198,8 @@ def drop_replicas(session: Session, replica_ids: list[int]) -> None:
 
 def add_used(session: Session, deltas: dict[int, int]) -> None:
     """tier id -> bytes: one atomic `used_bytes = used_bytes + delta` per tier (no read-modify-write)."""
-    for tier_id, delta in deltas.items():
-        if delta:
-            session.execute(update(Tier).where(Tier.id == tier_id).values(used_bytes=Tier.used_bytes + delta)
-                            .execution_options(synchronize_session=False))
+    driver_many(session, "UPDATE tiers SET used_bytes = used_bytes + ? WHERE id = ?",
+                [(delta, tier_id) for tier_id, delta in deltas.items() if delta])
 
 
 def volatile_replicas_of_worker(session: Session, worker_id: int) -> list[tuple[Replica, Tier]]:

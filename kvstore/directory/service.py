@@ -240,7 +240,8 @@ class DirectoryService:
     def tiers(self) -> list[specs.TierUsage]:
         with self._sessions() as session:
             return [specs.TierUsage(worker=w.name, kind=t.kind, capacity_bytes=t.capacity_bytes,
-                                    used_bytes=t.used_bytes + self.reservations.reserved_bytes(t.id), num_blocks=n, page_bytes=t.page_bytes,
+                                    used_bytes=t.used_bytes + self.reservations.reserved_bytes(t.id), num_blocks=n,
+                                    page_bytes=t.page_bytes,
                                     high_watermark=t.high_watermark, low_watermark=t.low_watermark,
                                     credit_free_bytes=self.pools.free_bytes(t.id, w.epoch)
                                     if t.kind in MEMORY else None)

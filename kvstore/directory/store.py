@@ -221,7 +221,7 @@ class Store:
             (b.hash, b.parent, depths[b.hash], b.nbytes, checksums[b.hash]) for b in blocks], now)
         replica_ids = sql.insert_replicas(tx.session, [
             (block_ids[b.hash], r.tier_id, r.epoch, r.token, b.runs, r.bytes_of([b]), now) for b in blocks])
-        sql.add_used(tx.session, r.tier_id, r.bytes_of(blocks))
+        repo.add_used(tx.session, {r.tier_id: r.bytes_of(blocks)})
         tx.committed([(block_ids[b.hash], r.namespace_id, b.hash, b.parent, b.nbytes, checksums[b.hash],
                        replica_ids[block_ids[b.hash]], r.tier_id, r.epoch, b.runs) for b in blocks])
 

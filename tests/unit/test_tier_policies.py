@@ -47,7 +47,7 @@ def test_hits_reorder_and_protected_keys_stay():
     tier, p = FakeTier(), policies()
     table = rows(("a", 1.0, False), ("b", 2.0, False), ("c", 3.0, False))
     p.victims(tier, table, set(), to_free=0, limit=10)  # sync only
-    p.hit([tier], "a")
+    p.hit_many([([tier.id], "a")])
     assert p.victims(tier, table, {"b"}, to_free=200, limit=10) == ["c", "a"]
 
 
