@@ -219,11 +219,10 @@ def main() -> None:
             fill_s = time.perf_counter() - t0
             print(f"\rfill: {chains * CHAIN:,} blocks in {fill_s:.0f} s ({chains * CHAIN / fill_s:,.0f} blocks/s)")
             rss = rss_mib(directory.pid)
-            legacy = args.always_locations  # a directory that answers locations always
             pid = directory.pid
             phases = [lookups(port, pid, namespace_id, chains, 1, args.seconds),
                       lookups(port, pid, namespace_id, chains, 1, args.seconds,
-                              locations="always" if legacy else True),
+                              locations="always" if args.always_locations else True),
                       lookups(port, pid, namespace_id, chains, 4, args.seconds),
                       lookups(port, pid, namespace_id, chains, 4, args.seconds, saver_from=chains + 10)]
             stores = {}
