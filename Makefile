@@ -12,9 +12,12 @@ VLLM_STAMP := $(VLLM_VENV)/.setup-done
 VLLM_IMPORTS := packaging pydantic regex psutil cbor2 pyzmq urllib3 'transformers>=5.16.1,<5.21' aiohttp \
 	requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
 	prometheus-client xgrammar fastapi partial-json-parser llguidance einops
+# peers the comparison benchmarks run against, each in its own environment
+MOONCAKE_VENV := .venv-mooncake
+LMCACHE_VENV := .venv-lmcache
 ARGS ?=
 
-.PHONY: setup setup-vllm run test test-unit test-vllm bench clean
+.PHONY: setup setup-vllm setup-mooncake setup-lmcache run test test-unit test-vllm bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -43,6 +46,23 @@ $(VLLM_STAMP): pyproject.toml Makefile
 		from vllm.v1.core.sched.scheduler import Scheduler"
 	touch $(VLLM_STAMP)
 
+setup-mooncake: $(MOONCAKE_VENV)/.setup-done
+
+$(MOONCAKE_VENV)/.setup-done: Makefile
+	# the transfer engine links the RDMA and NUMA libraries even when it only speaks TCP
+	dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || apt-get install -y -q libibverbs1 librdmacm1 libnuma1
+	test -x $(MOONCAKE_VENV)/bin/python || $(PYTHON) -m venv $(MOONCAKE_VENV)
+	$(MOONCAKE_VENV)/bin/pip install --quiet mooncake-transfer-engine-non-cuda==0.3.13.post1 numpy
+	touch $@
+
+setup-lmcache: $(LMCACHE_VENV)/.setup-done
+
+$(LMCACHE_VENV)/.setup-done: Makefile
+	test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/pip install --quiet torch==2.13.0
+	$(LMCACHE_VENV)/bin/pip install --quiet lmcache==0.5.6
+	touch $@
+
 run: setup
 	$(VENV)/bin/kvstore up $(ARGS)
 
@@ -60,5 +80,9 @@ test-unit: setup
 bench: setup
 	$(PY) bench/datapath.py $(ARGS)
 
+bench-peers: setup setup-mooncake setup-lmcache
+	$(PY) bench/vs_mooncake.py
+	$(PY) bench/vs_lmcache.py
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) var .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(MOONCAKE_VENV) $(LMCACHE_VENV) var .pytest_cache .hypothesis

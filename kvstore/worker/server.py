@@ -44,7 +44,7 @@ class StorageWorker:
             if settings.nvme_bytes else None
         self.s3 = S3Tier(settings.s3_endpoint, settings.s3_bucket, settings.s3_prefix, settings.s3_region,
                          settings.s3_virtual_addressing) if settings.s3_bucket else None
-        self.arena = HostBuffer(num_pages * settings.page_bytes)
+        self.arena = HostBuffer(num_pages * settings.page_bytes, populate=True)  # no page faults on saves
         self.allocator = PageAllocator(num_pages, settings.page_bytes)
         backends = {"UCX": {}}
         if self.nvme:
