@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -22,8 +23,10 @@ from tests.helpers import free_port, kvstore_cmd, stop, wait_http, wait_until  #
 
 
 @contextmanager
-def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[str, ...] = ()):
-    """Directory (SQLite in a temp dir) and one worker, as separate processes on loopback."""
+def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[str, ...] = (),
+                pids: dict[str, int] | None = None):
+    """Directory (SQLite in a temp dir) and one worker, as separate processes on loopback; their
+    process ids go into `pids` ("directory", "worker") when it is given."""
     from kvstore.client import DirectoryClient
 
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
@@ -38,6 +41,8 @@ def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[s
             worker = subprocess.Popen(kvstore_cmd("worker", "serve", "--directory-url", url, "--dram-bytes",
                                                   dram_bytes, "--page-bytes", page_bytes, *worker_args),
                                       stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)
+            if pids is not None:
+                pids.update(directory=directory.pid, worker=worker.pid)
             client = DirectoryClient(url)
             wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker registered")
             yield url
@@ -45,6 +50,12 @@ def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[s
             if worker is not None:
                 stop(worker)
             stop(directory)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed(fn) -> float:
@@ -79,8 +90,6 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    import os
-
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "kernel": platform.release(), "date": time.strftime("%Y-%m-%d")}
 

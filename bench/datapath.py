@@ -7,7 +7,9 @@ registered once, as a paged engine does, and saves/loads a batch of blocks per
 call through KVStoreClient.save_blocks / load_blocks: directory prepare, xxh3
 checksums, one NIXL request to the worker, directory complete. "raw NIXL" is
 the same bytes, same descriptors, same two processes, as one NIXL request with
-nothing else. "memcpy" is one thread's np.copyto of the batch. Each figure is
+nothing else; "raw+xxh3" is that request with the store's checksum pass over the same bytes
+running beside it (what the checksums cost on this machine). "memcpy" is one thread's np.copyto
+of the batch. Each figure is
 the median over --repeats batches; ratios are of medians from the same run.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -23,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import local_stack, machine, median, print_table, raw_xfer, timed, write_json  # noqa: E402
 
 from kvstore.connector import KVStoreClient, Namespace  # noqa: E402
+from kvstore.core.keys import checksum  # noqa: E402
 from kvstore.core.memory import HostBuffer  # noqa: E402
 from kvstore.core.sizes import format_size, parse_size  # noqa: E402
 
@@ -55,7 +59,8 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
     src, dst = HostBuffer(nbytes), HostBuffer(nbytes)
     src.array[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     samples: dict[str, list[float]] = {k: [] for k in (
-        "store_save", "store_load", "raw_write", "raw_read", "memcpy", "save_control", "load_control")}
+        "store_save", "store_load", "raw_write", "raw_read", "raw_write_xxh3", "raw_read_xxh3", "memcpy",
+        "save_control", "load_control")}
     phases: dict[str, list[dict]] = {"save": [], "load": []}
     with KVStoreClient(url, ns, staging_bytes=block_bytes) as client:
         client.register_buffer(src.array)
@@ -74,12 +79,15 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
                                                                           locations=True).blocks]
             raw_w = raw_nixl(client, "WRITE", src_views, locations)
             raw_r = raw_nixl(client, "READ", dst_views, locations)
+            raw_wc = hashed(client, lambda: raw_nixl(client, "WRITE", src_views, locations), src_views)
+            raw_rc = hashed(client, lambda: raw_nixl(client, "READ", dst_views, locations), dst_views)
             copy_s = timed(lambda: np.copyto(dst.array, src.array))
             client.directory.evict(ns.namespace_id)
             if rep == 0:
                 continue
             for key, seconds in (("store_save", save_s), ("store_load", load_s), ("raw_write", raw_w),
-                                 ("raw_read", raw_r), ("memcpy", copy_s)):
+                                 ("raw_read", raw_r), ("raw_write_xxh3", raw_wc), ("raw_read_xxh3", raw_rc),
+                                 ("memcpy", copy_s)):
                 samples[key].append(nbytes / seconds / 1e9)
             phases["save"].append(save_t)
             phases["load"].append(load_t)
@@ -93,9 +101,21 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
                           for op, runs in phases.items()},
             "ratios": {"save_vs_raw": gbps["store_save"] / gbps["raw_write"],
                        "load_vs_raw": gbps["store_load"] / gbps["raw_read"],
+                       "save_vs_raw_xxh3": gbps["store_save"] / gbps["raw_write_xxh3"],
+                       "load_vs_raw_xxh3": gbps["store_load"] / gbps["raw_read_xxh3"],
                        "save_vs_memcpy": gbps["store_save"] / gbps["memcpy"],
                        "load_vs_memcpy": gbps["store_load"] / gbps["memcpy"]},
             "samples_gbps": samples}
+
+
+def hashed(client: KVStoreClient, transfer, views) -> float:
+    """Seconds for `transfer` with the store's checksum pass over the same bytes running beside it on
+    the client's hashing thread, as a save and a load do: what the checksums cost on this machine."""
+    t0 = time.perf_counter()
+    sums = client._hasher.submit(lambda: [checksum(v) for v in views])  # the bench reaches under the client
+    transfer()
+    sums.result()
+    return time.perf_counter() - t0
 
 
 def _expect(got: int, want: int, what: str) -> None:
@@ -118,11 +138,13 @@ def main() -> None:
             results.append(bench_size(url, size, batch, args.repeats))
     rows = [[format_size(r["block_bytes"]), r["blocks_per_call"], r["gbps"]["store_save"], r["gbps"]["raw_write"],
              r["gbps"]["store_load"], r["gbps"]["raw_read"], r["gbps"]["memcpy"], r["ratios"]["save_vs_raw"],
-             r["ratios"]["load_vs_raw"], r["ratios"]["save_vs_memcpy"], r["ratios"]["load_vs_memcpy"],
+             r["ratios"]["load_vs_raw"], f'{r["ratios"]["save_vs_raw_xxh3"]:.2f}/{r["ratios"]["load_vs_raw_xxh3"]:.2f}',
+             r["ratios"]["save_vs_memcpy"], r["ratios"]["load_vs_memcpy"],
              f'{r["control_share"]["save"]:.0%}/{r["control_share"]["load"]:.0%}'] for r in results]
     print()
     print_table(["block", "blocks/call", "save GB/s", "raw W GB/s", "load GB/s", "raw R GB/s", "memcpy GB/s",
-                 "save/raw", "load/raw", "save/memcpy", "load/memcpy", "directory share save/load"], rows)
+                 "save/raw", "load/raw", "save/load vs raw+xxh3", "save/memcpy", "load/memcpy",
+                 "directory share save/load"], rows)
     write_json(args.json, {"benchmark": "datapath", "machine": machine(), "batch_bytes": batch,
                            "repeats": args.repeats, "results": results})
     os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it

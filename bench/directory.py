@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO, machine, median, print_table, write_json
+from common import REPO, cpu_s, machine, median, print_table, write_json
 
 from kvstore.core import specs
 from kvstore.core.keys import Namespace
@@ -124,12 +124,6 @@ def saver_client(port: int, namespace_id: str, first_chain: int, seconds: float,
         stored += store_chain(http, namespace_id, chain_hashes(chain, 16))[0]
         chain += 1
     out.put(stored)
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def lookups(port: int, pid: int, namespace_id: str, chains: int, clients: int, seconds: float,

@@ -6,10 +6,13 @@ NVMe: the store's demotion (DRAM -> NVMe, `POST /v1/admin/evict`: directory plan
 worker checksum + NIXL POSIX WRITE + manifest) and promotion (NVMe -> DRAM inside
 `prepare_load`) vs raw NIXL POSIX WRITE/READ of the same sizes between a
 registered buffer and a pre-allocated file in the same directory, from this
-process, for both POSIX queues (aio, io_uring).
+process, for both POSIX queues (aio, io_uring), and the aio write followed by an
+fsync of the file (the store syncs slab data before its manifest line).
 S3 (a local moto_server, which is pure Python and the bottleneck): demotion
 NVMe -> S3 and promotion S3 -> DRAM vs raw NIXL OBJ (one request, all objects)
 and boto3 (one object at a time) with the same object sizes.
+The directory's share of each move is the CPU time of its process over the
+move's wall time (it is otherwise idle here).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, local_stack, machine, median, print_table, raw_xfer, timed, write_json  # noqa: E402
+from common import REPO, cpu_s, local_stack, machine, median, print_table, raw_xfer, timed, write_json  # noqa: E402
 
 from kvstore.connector import KVStoreClient  # noqa: E402
 from kvstore.core import specs  # noqa: E402
@@ -48,16 +51,20 @@ def raw_posix(tmp: Path, queue: str, block: int, n: int, repeats: int) -> dict:
     local = np.array([(buf.addr + i * block, block) for i in range(n)], dtype=np.uint64)
     remote = np.array([(i * block, block, fd) for i in range(n)], dtype=np.uint64)
     w = [raw_xfer(agent, "WRITE", local, remote, agent.name, "FILE") for _ in range(repeats)]
+    ws = [raw_xfer(agent, "WRITE", local, remote, agent.name, "FILE") + timed(lambda: os.fsync(fd))
+          for _ in range(repeats)]
     r = [raw_xfer(agent, "READ", local, remote, agent.name, "FILE") for _ in range(repeats)]
     agent.close()
     os.close(fd)
-    return {"write_gbps": block * n / median(w) / 1e9, "read_gbps": block * n / median(r) / 1e9}
+    return {"write_gbps": block * n / median(w) / 1e9, "write_fsync_gbps": block * n / median(ws) / 1e9,
+            "read_gbps": block * n / median(r) / 1e9}
 
 
-def store_moves(url: str, block: int, n: int, repeats: int, lower: str) -> dict:
-    """Save n blocks, demote them (to NVMe, or on to S3), then time promotion back via prepare_load."""
+def store_moves(url: str, block: int, n: int, repeats: int, lower: str, directory_pid: int) -> dict:
+    """Save n blocks, demote them (to NVMe, or on to S3), then time promotion back via prepare_load.
+    The directory's share of a move: the CPU time its process spent over the call's wall time."""
     ns = namespace_for(block)
-    down, up = [], []
+    down, up, share_down, share_up = [], [], [], []
     with KVStoreClient(url, ns, staging_bytes=block) as client:
         src = HostBuffer(block * n)
         src.array[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
@@ -67,20 +74,25 @@ def store_moves(url: str, block: int, n: int, repeats: int, lower: str) -> dict:
             hashes = [os.urandom(16) for _ in range(n)]
             assert client.save_blocks(hashes, views) == n
             ask = dict(namespace_id=ns.namespace_id, limit=n)
-            seconds = timed(lambda: client.directory.evict_tier(specs.EvictRequest(tier="dram", **ask)))
-            if lower == "s3":
-                seconds = timed(lambda: client.directory.evict_tier(specs.EvictRequest(tier="nvme", **ask)))
+            tiers = ("dram",) if lower == "nvme" else ("dram", "nvme")
+            for tier in tiers:  # the last move is the one measured
+                cpu0 = cpu_s(directory_pid)
+                seconds = timed(lambda: client.directory.evict_tier(specs.EvictRequest(tier=tier, **ask)))
+                cpu = cpu_s(directory_pid) - cpu0
             by_tier = client.directory.lookup(ns.namespace_id, [h.hex() for h in hashes]).by_tier
             assert by_tier == {lower: n}, by_tier
             down.append(seconds)
+            share_down.append(cpu / seconds)
             body = specs.PrepareLoad(namespace_id=ns.namespace_id, hashes=[h.hex() for h in hashes])
-            t0 = time.perf_counter()
+            cpu0, t0 = cpu_s(directory_pid), time.perf_counter()
             prepared = client.directory.prepare_load(body)
             up.append(time.perf_counter() - t0)
+            share_up.append((cpu_s(directory_pid) - cpu0) / up[-1])
             assert len(prepared.blocks) == n and prepared.blocks[0].location.tier == "dram"
             client.directory.complete_load(specs.CompleteLoad(token=prepared.token))
             client.directory.evict(ns.namespace_id)
-    return {"demote_gbps": block * n / median(down) / 1e9, "promote_gbps": block * n / median(up) / 1e9}
+    return {"demote_gbps": block * n / median(down) / 1e9, "promote_gbps": block * n / median(up) / 1e9,
+            "directory_share_demote": median(share_down), "directory_share_promote": median(share_up)}
 
 
 def raw_s3(s3: MotoServer, block: int, n: int, repeats: int) -> dict:
@@ -128,36 +140,46 @@ def main() -> None:
         stack_args = ("--nvme-bytes", format_size(4 * batch).replace(" ", ""), "--nvme-dir", str(tmp / "nvme"),
                       "--s3-bucket", "bench", "--s3-endpoint", s3.url, "--bounce-bytes", "64MiB")
         try:
-            with local_stack(dram_bytes=format_size(4 * batch).replace(" ", ""), worker_args=stack_args) as url:
+            pids: dict[str, int] = {}
+            with local_stack(dram_bytes=format_size(4 * batch).replace(" ", ""), worker_args=stack_args,
+                             pids=pids) as url:
                 for size in sizes:
                     print(f"block {format_size(size)} ...", flush=True)
                     n, n3 = max(1, batch // size), max(1, s3_batch // size)
                     row = {"block_bytes": size, "blocks_nvme": n, "blocks_s3": n3,
-                           "nvme_store": store_moves(url, size, n, args.repeats, "nvme"),
+                           "nvme_store": store_moves(url, size, n, args.repeats, "nvme", pids["directory"]),
                            "posix_aio": raw_posix(tmp, "aio", size, n, args.repeats),
                            "posix_uring": raw_posix(tmp, "uring", size, n, args.repeats),
-                           "s3_store": store_moves(url, size, n3, args.repeats, "s3"),
+                           "s3_store": store_moves(url, size, n3, args.repeats, "s3", pids["directory"]),
                            "s3_raw": raw_s3(s3, size, n3, args.repeats)}
                     results.append(row)
         finally:
             s3.stop()
     print()
-    print_table(["block", "demote->NVMe", "raw POSIX W aio/uring", "promote<-NVMe", "raw POSIX R aio/uring",
-                 "demote/raw W", "promote/raw R"],
+    print_table(["block", "demote->NVMe", "raw POSIX W aio/uring", "raw W+fsync", "promote<-NVMe",
+                 "raw POSIX R aio/uring", "demote/raw W", "demote/raw W+fsync", "promote/raw R",
+                 "directory CPU share demote/promote"],
                 [[format_size(r["block_bytes"]), r["nvme_store"]["demote_gbps"],
                   f'{r["posix_aio"]["write_gbps"]:.2f}/{r["posix_uring"]["write_gbps"]:.2f}',
-                  r["nvme_store"]["promote_gbps"],
+                  r["posix_aio"]["write_fsync_gbps"], r["nvme_store"]["promote_gbps"],
                   f'{r["posix_aio"]["read_gbps"]:.2f}/{r["posix_uring"]["read_gbps"]:.2f}',
                   r["nvme_store"]["demote_gbps"] / r["posix_aio"]["write_gbps"],
-                  r["nvme_store"]["promote_gbps"] / r["posix_aio"]["read_gbps"]] for r in results])
+                  r["nvme_store"]["demote_gbps"] / r["posix_aio"]["write_fsync_gbps"],
+                  r["nvme_store"]["promote_gbps"] / r["posix_aio"]["read_gbps"],
+                  f'{r["nvme_store"]["directory_share_demote"]:.0%}/{r["nvme_store"]["directory_share_promote"]:.0%}']
+                 for r in results])
     print()
     print_table(["block", "NVMe->S3", "raw OBJ W", "boto3 W", "S3->DRAM", "raw OBJ R", "boto3 R",
-                 "demote/OBJ W", "promote/OBJ R"],
+                 "demote/OBJ W", "promote/OBJ R", "directory CPU share demote/promote"],
                 [[format_size(r["block_bytes"]), r["s3_store"]["demote_gbps"], r["s3_raw"]["obj_write_gbps"],
                   r["s3_raw"]["boto3_write_gbps"], r["s3_store"]["promote_gbps"], r["s3_raw"]["obj_read_gbps"],
                   r["s3_raw"]["boto3_read_gbps"], r["s3_store"]["demote_gbps"] / r["s3_raw"]["obj_write_gbps"],
-                  r["s3_store"]["promote_gbps"] / r["s3_raw"]["obj_read_gbps"]] for r in results])
-    print("(GB/s, medians; ratios against the aio queue, the worker's default)")
+                  r["s3_store"]["promote_gbps"] / r["s3_raw"]["obj_read_gbps"],
+                  f'{r["s3_store"]["directory_share_demote"]:.0%}/{r["s3_store"]["directory_share_promote"]:.0%}']
+                 for r in results])
+    print("(GB/s, medians; ratios against the aio queue, the worker's default; raw W+fsync: the write and an fsync\n"
+          " of the file, as the store syncs slab data before its manifest line; directory CPU share: the directory\n"
+          " process's CPU time over the move's wall time)")
     write_json(args.json, {"benchmark": "tiers", "machine": machine(), "batch_bytes": batch,
                            "s3_batch_bytes": s3_batch, "repeats": args.repeats, "results": results})
     os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it

@@ -134,7 +134,10 @@ class MooncakeOps:
     def get(self, keys: list[bytes], views: list[np.ndarray]) -> int:
         got = self.store.batch_get_into([k.hex() for k in keys], [v.ctypes.data for v in views],
                                         [v.nbytes for v in views])
-        return sum(g == v.nbytes for g, v in zip(got, views))
+        short = [g for g, v in zip(got, views) if g != v.nbytes]
+        if short:
+            print(f"Mooncake batch_get_into: {len(short)} of {len(views)} short, codes {sorted(set(short))[:5]}")
+        return len(views) - len(short)
 
     def exist(self, keys: list[bytes]) -> int:
         return sum(r == 1 for r in self.store.batch_is_exist([k.hex() for k in keys]))
@@ -153,7 +156,9 @@ def mooncake_side(args) -> dict:
     master = subprocess.Popen([str(bin_dir / "mooncake_master"), "--rpc_port", str(port), "--rpc_address",
                                "127.0.0.1", "--metrics_port", str(free_port()), "--enable_metric_reporting=false",
                                "--default_kv_lease_ttl", "50"], stdout=logs, stderr=subprocess.STDOUT)
-    segment = parse_size(args.batch_bytes) * 4 + args.keys * SMALL * 2 + (256 << 20)
+    # room for everything the run puts, so that no eviction ever takes a key the run reads
+    segment = parse_size(args.batch_bytes) * (args.repeats + 1) * len(args.sizes.split(",")) + args.keys * SMALL * 2 \
+        + (512 << 20)
     holder = subprocess.Popen([sys.executable, __file__, "--side", "mooncake-segment", "--master",
                                f"127.0.0.1:{port}", "--segment-bytes", str(segment), "--tmp", args.tmp], stdout=logs,
                               stderr=subprocess.STDOUT)

@@ -193,9 +193,9 @@ class KVStoreClient:
         verified, reports = 0, []
         for i, hit in enumerate(hits):
             good = done[i] and digests[i] == hit.checksum
-            if done[i] and not good:
+            if done[i] and not good:  # only a bad block is reported: its replica is invalidated
                 log.warning("checksum mismatch on block %s from %s; replica invalidated", hit.hash, hit.location.worker)
-            reports.append(specs.BlockRead(hash=hit.hash, ok=good or not done[i]))
+                reports.append(specs.BlockRead(hash=hit.hash, ok=False))
             if good and verified == i:
                 verified += 1
         body = specs.CompleteLoad(token=prepared.token, blocks=reports)

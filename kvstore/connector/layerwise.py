@@ -189,7 +189,8 @@ class LayerwiseLoad:
         size = self.namespace.block_nbytes
         for i, hit in enumerate(self.hits):
             good = all_done and checksum(self._raw[i * size:(i + 1) * size]) == hit.checksum
-            reports.append(specs.BlockRead(hash=hit.hash, ok=good or not all_done))
+            if all_done and not good:  # only a bad block is reported: its replica is invalidated
+                reports.append(specs.BlockRead(hash=hit.hash, ok=False))
             verified += good and verified == i
         if not self.client.complete_load(specs.CompleteLoad(token=self.token, blocks=reports)):
             return 0  # the lease expired under us: what was read cannot be vouched for

@@ -231,10 +231,11 @@ class PagedKVWorker:
         loaded = load.plan.block_ids[:len(load.hits)]
         errors = set(load.plan.block_ids[len(load.hits):])  # gone from the store since the lookup
         if transfer_failed:  # the bytes say nothing about the stored blocks: recompute all, blame none
-            return [specs.BlockRead(hash=h.hash, ok=True) for h in load.hits], errors | set(loaded)
-        reports, bad = [], False
+            return [], errors | set(loaded)
+        reports, bad = [], False  # only bad blocks are reported: their replicas are invalidated
         for block_id, hit, checksum in zip(loaded, load.hits, self._checksums(loaded)):
-            reports.append(specs.BlockRead(hash=hit.hash, ok=checksum == hit.checksum))
+            if checksum != hit.checksum:
+                reports.append(specs.BlockRead(hash=hit.hash, ok=False))
             bad = bad or checksum != hit.checksum  # vLLM recomputes from the first bad block on
             if bad:
                 errors.add(block_id)

@@ -243,7 +243,8 @@ class BlockRead(_Spec):
 
 class CompleteLoad(_Spec):
     token: str
-    blocks: list[BlockRead] = []
+    blocks: list[BlockRead] = Field([], description="blocks whose bytes did not match their checksum (ok: false), "
+                                     "whose replicas are invalidated; a block not listed was read well")
 
 
 class LoadCompleted(_Spec):

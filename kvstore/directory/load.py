@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
+from kvstore.directory import repo_load
 from kvstore.directory import repository as repo
 from kvstore.directory.index import Hit, Index, tier_runs
 from kvstore.directory.metrics import DirectoryMetrics
@@ -75,7 +76,7 @@ class Loads:
             return {"token": None, "expires_at": None, "chains": [[] for _ in chains]}
         token = secrets.token_hex(16)
         expires_at = self._clock() + self._settings.lease_ttl_s
-        pinned = self._write(lambda tx: repo.pin(tx.session, wanted, token, reader, expires_at))
+        pinned = self._write(lambda tx: repo_load.pin(tx.session, wanted, token, reader, expires_at))
         found = [_pinned_prefix(hits, pinned) for hits in found]
         for asked, hits in zip(chains, found):
             self._metrics.count_lookup(len(asked), len(hits))
@@ -85,6 +86,14 @@ class Loads:
 
     def complete(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
         failed = {b.hash for b in req.blocks if not b.ok}
+
+        def release(tx: Tx) -> tuple[int, int]:  # every block read well: the leases go, nothing else
+            released, deleting = repo_load.release(tx.session, req.token)
+            if not released:
+                raise KVStoreError("conflict", "unknown or expired lease token", token=req.token)
+            if deleting:
+                self._reclaim.collect_deleting(tx)
+            return released, 0
 
         def job(tx: Tx) -> tuple[int, int]:
             pinned = repo.pinned_by_token(tx.session, req.token)
@@ -100,7 +109,7 @@ class Loads:
                 self._reclaim.collect_deleting(tx)
             return len(pinned), invalidated
 
-        released, invalidated = self._write(job)
+        released, invalidated = self._write(job if failed else release)
         self._metrics.checksum_failures.inc(invalidated)
         return specs.LoadCompleted(released=released, invalidated=invalidated)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from kvstore.core.tiers import MEMORY
@@ -144,17 +144,6 @@ def delete_orphan_blocks(session: Session, block_ids: list[int]) -> None:
     has_replica = select(Replica.id).where(Replica.block_id == Block.id).exists()
     for chunk in chunks(block_ids):
         session.execute(delete(Block).where(Block.id.in_(chunk), ~has_replica))
-
-
-def pin(session: Session, replica_ids: list[int], token: str, holder: str, expires_at: float) -> set[int]:
-    """Lease these replicas if they are still readable (READY or MOVING); returns the ids pinned."""
-    readable: set[int] = set()
-    for chunk in chunks(replica_ids):
-        readable.update(session.scalars(select(Replica.id).where(Replica.id.in_(chunk), Replica.state.in_(VISIBLE))))
-    if readable:
-        session.execute(insert(Lease), [dict(replica_id=r, token=token, holder=holder, expires_at=expires_at)
-                                        for r in replica_ids if r in readable])
-    return readable
 
 
 def pinned_by_token(session: Session, token: str) -> list[tuple[Replica, Block]]:

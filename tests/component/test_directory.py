@@ -157,6 +157,11 @@ def test_a_load_pins_under_a_lease_until_complete(stack):
     assert done.released == 3
     stats = stack.client.stats()
     assert (stats.leases_active, stats.pins) == (0, 0)
+    for reports in ([], [specs.BlockRead(hash=hashes[0], ok=False)]):  # a released token is gone
+        with pytest.raises(KVStoreError) as info:
+            stack.client.complete_load(specs.CompleteLoad(token=load.token, blocks=reports))
+        assert info.value.kind == "conflict"
+    assert hits(stack, hashes) == 3
 
 
 def test_a_checksum_failure_invalidates_the_replica(stack):
