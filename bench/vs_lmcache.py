@@ -11,9 +11,12 @@ The model is 16 layers, 8 KV heads, head_dim 128, bf16 (64 KiB of KV per token, 
   a CPU host: the engine process copies chunks of 256 tokens in and out of the server's shared
   memory), driven as vLLM's multiprocess connector drives it (`EngineDrivenTransferContext`)
   from vLLM-style paged KV tensors [2, blocks, 16, heads, head_dim] per layer;
-- kvstore: a directory and one worker (DRAM tier) as processes on loopback, driven through
-  `KVStoreClient.save` / `load` / `lookup` with per-layer (K, V) [heads, tokens, head_dim], blocks
-  of 256 tokens; NIXL over UCX (shared memory here), xxh3 checksums on both paths.
+- kvstore: a directory and one worker (DRAM tier) as processes on loopback, driven two ways:
+  through its tensor API (`KVStoreClient.save` / `load` / `lookup` with per-layer (K, V)
+  [heads, tokens, head_dim], blocks of 256 tokens: a packing copy through a staging buffer), and
+  as its vLLM connector drives it (`PagedKVWorker` on paged KV [blocks, heads, 16, 2 x head_dim]
+  per layer, registered once: NIXL moves each layer's page of every block, no staging copy).
+  NIXL over UCX (shared memory here), xxh3 checksums on every save and load.
 Per repeat a new prompt is stored, looked up (--lookups times: LMCache's lookup is a prefetch
 that also takes and releases read locks; kvstore's hashes the tokens and asks the directory),
 and retrieved into new tensors, which are compared byte for byte with what was stored.
@@ -222,6 +225,9 @@ class KVStoreOps:
         self.got, n = self.client.load(self.ids)
         self.load_phases.append({**self.client.last_timings, "call": time.perf_counter() - t0, "n": n})
 
+    def close(self) -> None:
+        self.client.close()
+
     def same(self) -> bool:
         import torch
 
@@ -230,18 +236,91 @@ class KVStoreOps:
             for a, b in zip(pair, got))
 
 
+class PagedOps:
+    """kvstore as its vLLM connector drives it: `PagedKVWorker` moves each layer's page of every
+    block straight between the engine's registered paged KV ([blocks, heads, 16, 2 x head_dim] per
+    layer, vLLM's CPU layout) and the worker, one NIXL request per layer, with no staging copy."""
+
+    def __init__(self, url: str, args) -> None:
+        import torch
+
+        from kvstore.client import DirectoryClient
+        from kvstore.connector import Namespace
+        from kvstore.connector.vllm_worker import PagedKVWorker
+
+        self.args, self.torch = args, torch
+        self.ns = Namespace(model_id="bench-vs-lmcache-paged", num_layers=args.layers, num_kv_heads=HEADS,
+                            head_dim=HEAD_DIM, dtype="bfloat16", block_tokens=PAGE_TOKENS,
+                            layout="layer_head_token_kvdim")
+        self.directory = DirectoryClient(url)
+        self.namespace_id = self.directory.register_namespace(self.ns)
+        self.blocks = args.tokens // PAGE_TOKENS  # the prompt's pages are 0..n-1; a load goes to n..2n-1
+        pages = torch.zeros((args.layers, 2 * self.blocks, HEADS, PAGE_TOKENS, 2 * HEAD_DIM), dtype=torch.bfloat16)
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
+        self.caches = {name: pages[i] for i, name in enumerate(self.names)}  # one allocation, as vLLM's
+        self.worker = PagedKVWorker(self.directory, self.names, (HEADS, PAGE_TOKENS, 2 * HEAD_DIM), torch.bfloat16)
+        self.worker.register(self.caches)
+        self.ids: list[int] = []
+        self.hashes: list[str] = []
+
+    def prepare(self, rep: int) -> None:
+        from kvstore.core.keys import block_hashes
+
+        self.ids, kv = prompt(rep, self.args.tokens, self.args.layers)
+        self.hashes = [h.hex() for h in block_hashes(self.ns, self.ids)]
+        n = self.blocks
+        for (k, v), name in zip(kv, self.names):
+            page = self.caches[name]
+            page[:n, :, :, :HEAD_DIM] = k.view(n, PAGE_TOKENS, HEADS, HEAD_DIM).permute(0, 2, 1, 3)
+            page[:n, :, :, HEAD_DIM:] = v.view(n, PAGE_TOKENS, HEADS, HEAD_DIM).permute(0, 2, 1, 3)
+            page[n:].zero_()
+
+    def store(self, rep: int) -> None:
+        from kvstore.connector.vllm_worker import BlockPlan
+
+        plans = [BlockPlan(f"store-{rep}", self.hashes, list(range(self.blocks)))]
+        for name in self.names:  # as the forward hands each layer over
+            self.worker.save_layer(self.namespace_id, plans, name)
+        self.worker.finish_step(self.namespace_id, plans)
+        self.worker.flush({plans[0].req_id})  # until the save is committed
+        assert self.lookup(rep) == self.args.tokens, "the paged save did not commit every block"
+
+    def lookup(self, rep: int) -> int:
+        return self.directory.lookup(self.namespace_id, self.hashes).num_hit_blocks * PAGE_TOKENS
+
+    def retrieve(self, rep: int) -> None:
+        from kvstore.connector.vllm_worker import BlockPlan
+
+        plan = BlockPlan(f"load-{rep}", self.hashes, list(range(self.blocks, 2 * self.blocks)))
+        self.worker.start_loads(self.namespace_id, [plan])
+        for name in self.names:  # as the forward waits for each layer
+            self.worker.wait_layer(name)
+        self.worker.finish_step(self.namespace_id, [])  # verifies the checksums and releases the lease
+        assert not self.worker.take_load_errors(), "the paged load reported errors"
+
+    def same(self) -> bool:
+        n = self.blocks
+        return all(self.torch.equal(p[:n].view(self.torch.int16), p[n:].view(self.torch.int16))
+                   for p in self.caches.values())
+
+    def close(self) -> None:
+        self.worker.close()
+
+
 def kvstore_side(args) -> dict:
     from common import local_stack
 
     dram = (args.repeats + 2) * args.tokens * args.layers * 2 * HEADS * HEAD_DIM * 2 + (64 << 20)
-    with local_stack(dram_bytes=str(dram), page_bytes="2MiB") as url:
-        ops = KVStoreOps(url, args)
+    paged = args.side == "kvstore-paged"
+    with local_stack(dram_bytes=str(dram), page_bytes="1MiB" if paged else "2MiB") as url:
+        ops = PagedOps(url, args) if paged else KVStoreOps(url, args)
         try:
             result = measure(ops, args)
         finally:
-            ops.client.close()
-    for name, runs in (("save_phases_ms", ops.save_phases[1:]), ("load_phases_ms", ops.load_phases[1:])):
-        result[name] = {k: statistics.median(r.get(k, 0.0) for r in runs) * 1e3 for k in runs[0] if k != "n"}
+            ops.close()
+    if not paged:
+        for name, runs in (("save_phases_ms", ops.save_phases[1:]), ("load_phases_ms", ops.load_phases[1:])):
+            result[name] = {k: statistics.median(r.get(k, 0.0) for r in runs) * 1e3 for k in runs[0] if k != "n"}
     return result
 
 
@@ -259,7 +338,7 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=50, help="lookups per prompt")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="bench/out/vs_lmcache.json")
-    parser.add_argument("--side", choices=("lmcache", "kvstore"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=("lmcache", "kvstore", "kvstore-paged"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -274,21 +353,26 @@ def main() -> None:
         args.tmp = tmp
         print("LMCache ...", flush=True)
         lm = run_side(lmcache_python, __file__, "lmcache", side_argv(args), tmp, {"LMCACHE_TRACK_USAGE": "false"})
-        print("kvstore ...", flush=True)
+        print("kvstore (tensor API) ...", flush=True)
         kv = run_side(sys.executable, __file__, "kvstore", side_argv(args), tmp)
+        print("kvstore (paged, as its vLLM connector) ...", flush=True)
+        paged = run_side(sys.executable, __file__, "kvstore-paged", side_argv(args), tmp)
     print()
     print_table(["", "store GB/s", "retrieve GB/s", "store ms", "retrieve ms", "lookup ms"],
                 [[name, s["store_gbps"], s["retrieve_gbps"], s["store_ms"], s["retrieve_ms"], s["lookup_ms"]]
-                 for name, s in (("LMCache", lm), ("kvstore", kv))])
-    ratios = {"store": kv["store_gbps"] / lm["store_gbps"], "retrieve": kv["retrieve_gbps"] / lm["retrieve_gbps"],
-              "lookup_speedup": lm["lookup_ms"] / kv["lookup_ms"]}
-    print(f"\nkvstore / LMCache: store {ratios['store']:.2f}x, retrieve {ratios['retrieve']:.2f}x; "
-          f"kvstore lookups {ratios['lookup_speedup']:.2f}x as fast")
+                 for name, s in (("LMCache", lm), ("kvstore tensor API", kv), ("kvstore paged", paged))])
+    ratios = {}
+    for name, side in (("tensor_api", kv), ("paged", paged)):
+        ratios[name] = {"store": side["store_gbps"] / lm["store_gbps"],
+                        "retrieve": side["retrieve_gbps"] / lm["retrieve_gbps"],
+                        "lookup_speedup": lm["lookup_ms"] / side["lookup_ms"]}
+        print(f"kvstore {name} / LMCache: store {ratios[name]['store']:.2f}x, retrieve "
+              f"{ratios[name]['retrieve']:.2f}x; lookups {ratios[name]['lookup_speedup']:.2f}x as fast")
     for op in ("save", "load"):
         print(f"kvstore {op} phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in kv[f"{op}_phases_ms"].items()))
     write_json(args.json, {"benchmark": "vs_lmcache", "machine": machine(), "tokens": args.tokens,
                            "layers": args.layers, "repeats": args.repeats, "lmcache": lm, "kvstore": kv,
-                           "ratios": ratios})
+                           "kvstore_paged": paged, "ratios": ratios})
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ def evict(tier: Annotated[str, typer.Option(help="hbm, dram, nvme or s3")],
           namespace: Annotated[str | None, typer.Option(help="every block of this namespace id")] = None,
           all_: Annotated[bool, typer.Option("--all", help="every block of the tier")] = False,
           dry_run: Annotated[bool, typer.Option(help="only say what would move")] = False,
+          yes: Annotated[bool, typer.Option("--yes", help="delete at the bottom tier without asking")] = False,
           url: Url = "http://127.0.0.1:8700") -> None:
     """Move the least recently used blocks of a tier one tier down (delete them at the bottom)."""
     if tier not in ("hbm", "dram", "nvme", "s3"):
@@ -126,9 +127,17 @@ def evict(tier: Annotated[str, typer.Option(help="hbm, dram, nvme or s3")],
     ask = dict(tier=tier, worker=worker, namespace_id=namespace, bytes=limit_bytes)
     plan = client.evict_tier(specs.EvictRequest(**ask, dry_run=True))
     if dry_run or plan.replicas == 0:
-        print(f"would move {plan.replicas} blocks ({format_size(plan.bytes)}) out of {tier}" if plan.replicas
+        print(f"would move {plan.replicas} blocks ({format_size(plan.bytes)}) out of {tier}"
+              + (f", deleting {plan.dropped} (no tier below)" if plan.dropped else "") if plan.replicas
               else f"nothing to evict from {tier}")
         return
+    if plan.dropped and not yes:
+        question = f"{tier} is the bottom tier: delete {plan.dropped} blocks ({format_size(plan.bytes)}) for good?"
+        if not sys.stdin.isatty():
+            raise KVStoreError("invalid", f"{question} Add --yes to do it without a prompt")
+        if not typer.confirm(question):
+            print("nothing evicted")
+            return
     done = specs.Evicted(replicas=0)
     with Progress(TextColumn("evicting from " + tier), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=Console(stderr=True)) as progress:

@@ -74,9 +74,9 @@ class DirectoryClient(JsonHttp):
 
 
     def evict(self, namespace_id: str | None = None) -> int:
-        """Drop every replica of a namespace (or of all)."""
-        return self.call("POST", "/v1/admin/evict", specs.EvictRequest(namespace_id=namespace_id),
-                         specs.Evicted).replicas
+        """Drop every replica of a namespace (or, with None, of every namespace)."""
+        body = specs.EvictRequest(namespace_id=namespace_id, all=namespace_id is None)
+        return self.call("POST", "/v1/admin/evict", body, specs.Evicted).replicas
 
     def evict_tier(self, body: specs.EvictRequest) -> specs.Evicted:
         return self.call("POST", "/v1/admin/evict", body, specs.Evicted)

@@ -15,6 +15,7 @@ HTTP_STATUS: dict[str, int] = {
     "invalid": 400,  # malformed or inconsistent input
     "unauthorized": 401,
     "not_found": 404,
+    "too_large": 413,  # a request body over the limit
     "conflict": 409,  # stale epoch, unknown/expired/duplicate token
     "no_space": 507,  # no tier has room
     "throttled": 429,

@@ -23,6 +23,9 @@ HASH_SCHEME = "kvstore-xxh3_128-int32le-v1"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # [L][K,V][T][H][D] (KVStoreClient), and vLLM's per-layer pages [L][H][T][K|V] (connector.vllm)
 LAYOUTS = ("layer_kv_token_head_dim", "layer_head_token_kvdim")
+MAX_BLOCK_BYTES = 1 << 30  # one block's payload
+MAX_NAME_CHARS = 256  # model_id, model_revision, tenant
+DIMENSIONS = ("num_layers", "num_kv_heads", "head_dim", "block_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +33,9 @@ class Namespace:
     """What a KV block means. Fields and their valid ranges:
 
     model_id: non-empty string; num_layers, num_kv_heads, head_dim: 1..65536;
-    dtype: one of DTYPE_BYTES; block_tokens: 1..65536; tp/pp rank < size;
-    tenant: cache salt, any string ('' = shared).
+    dtype: one of DTYPE_BYTES; block_tokens: 1..65536, and a block at most 1 GiB;
+    tp/pp rank < size; tenant: cache salt, any string ('' = shared). Strings: at
+    most 256 characters.
     """
 
     model_id: str
@@ -57,12 +61,18 @@ class Namespace:
     def _problems(self):
         if not isinstance(self.model_id, str) or not self.model_id:
             yield "model_id must be a non-empty string"
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size", "pp_size"):
+        for name in (*DIMENSIONS, "tp_size", "pp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65536:
                 yield f"{name} must be an integer in 1..65536, got {value!r}"
+        for name in ("model_id", "model_revision", "tenant", "hash_scheme"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
+                yield f"{name} must be a string of at most {MAX_NAME_CHARS} characters"
         if self.dtype not in DTYPE_BYTES:
             yield f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}"
+        elif all(isinstance(getattr(self, n), int) for n in DIMENSIONS) and self.block_nbytes > MAX_BLOCK_BYTES:
+            yield f"a block of these dimensions holds {self.block_nbytes} bytes; at most {MAX_BLOCK_BYTES}"
         if self.layout not in LAYOUTS:
             yield f"layout must be one of {list(LAYOUTS)}, got {self.layout!r}"
         for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):

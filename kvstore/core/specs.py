@@ -11,9 +11,19 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvstore.core.keys import MAX_BLOCK_BYTES
+
 TierKind = Literal["hbm", "dram", "nvme", "s3"]
 HEX_HASH = r"^[0-9a-f]{2,128}$"
 HexHash = Annotated[str, Field(pattern=HEX_HASH)]
+MAX_BLOCKS = 100_000  # hashes one request may name (in all its lists together), or cause (token ids)
+MAX_TOKEN_IDS = 1 << 20  # token ids of one /v1/lookup/tokens request
+
+
+def _at_most_blocks(lists: list[list[str]], what: str) -> list[list[str]]:
+    if sum(len(x) for x in lists) > MAX_BLOCKS:
+        raise ValueError(f"at most {MAX_BLOCKS} hashes in all {what} together")
+    return lists
 
 
 class _Spec(BaseModel):
@@ -57,8 +67,8 @@ class Survivor(_Spec):
     token: str
     runs: list[PageRun]
     namespace_id: str
-    hash: str
-    nbytes: int
+    hash: str = Field(pattern=HEX_HASH)
+    nbytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
     checksum: str | None = Field(None, description="None: unknown (S3 listings); such blocks are not adopted")
 
 
@@ -108,13 +118,13 @@ class ReplicaLocation(_Spec):
 class BlockToStore(_Spec):
     hash: str = Field(pattern=HEX_HASH)
     parent: str | None = Field(None, pattern=HEX_HASH)
-    nbytes: int = Field(gt=0)
+    nbytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
 
 
 class PrepareStore(_Spec):
     namespace_id: str
-    blocks: list[BlockToStore] = Field(min_length=1, max_length=100_000)
-    writer: str = ""
+    blocks: list[BlockToStore] = Field(min_length=1, max_length=MAX_BLOCKS)
+    writer: str = Field("", max_length=200)
 
 
 StoreStatus = Literal["admitted", "exists", "in_progress", "rejected"]
@@ -146,8 +156,8 @@ class BlockWritten(_Spec):
 
 
 class CompleteStore(_Spec):
-    token: str
-    blocks: list[BlockWritten]
+    token: str = Field(max_length=64)
+    blocks: list[BlockWritten] = Field(max_length=MAX_BLOCKS)
 
 
 class StoreCompleted(_Spec):
@@ -161,13 +171,15 @@ class TokenBody(_Spec):
 
 class LookupRequest(_Spec):
     namespace_id: str
-    hashes: list[HexHash] = Field(max_length=100_000)
+    hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
     locations: bool = Field(False, description="also answer each hit block's replica location and checksum")
 
 
 class LookupBatchRequest(_Spec):
     namespace_id: str
-    prompts: list[list[HexHash]] = Field(max_length=10_000)
+    prompts: list[list[HexHash]] = Field(max_length=4096)
+
+    _bounded = field_validator("prompts")(lambda lists: _at_most_blocks(lists, "prompts"))
 
 
 class BlockHit(_Spec):
@@ -195,7 +207,8 @@ class LookupBatchResult(_Spec):
 
 class TokenLookupRequest(_Spec):
     namespace_id: str
-    token_ids: list[int] = Field(max_length=10_000_000)
+    token_ids: list[int] = Field(max_length=MAX_TOKEN_IDS, description=f"at most {MAX_TOKEN_IDS}, and at most "
+                                 f"{MAX_BLOCKS} blocks of the namespace's block_tokens")
 
 
 class TokenLookupResult(_Spec):
@@ -206,8 +219,8 @@ class TokenLookupResult(_Spec):
 
 class PrepareLoad(_Spec):
     namespace_id: str
-    hashes: list[HexHash] = Field(max_length=100_000)
-    reader: str = ""
+    hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
+    reader: str = Field("", max_length=200)
 
 
 class LoadPrepared(_Spec):
@@ -220,14 +233,9 @@ class PrepareLoads(_Spec):
     """Several prefixes leased at once (an engine step's loads): one token, each block pinned once."""
     namespace_id: str
     chains: list[list[HexHash]] = Field(max_length=4096)
-    reader: str = ""
+    reader: str = Field("", max_length=200)
 
-    @field_validator("chains")
-    @classmethod
-    def _bounded(cls, chains: list[list[str]]) -> list[list[str]]:
-        if sum(len(c) for c in chains) > 100_000:
-            raise ValueError("at most 100000 hashes in all chains together")
-        return chains
+    _bounded = field_validator("chains")(lambda lists: _at_most_blocks(lists, "chains"))
 
 
 class LoadsPrepared(_Spec):
@@ -243,8 +251,9 @@ class BlockRead(_Spec):
 
 class CompleteLoad(_Spec):
     token: str
-    blocks: list[BlockRead] = Field([], description="blocks whose bytes did not match their checksum (ok: false), "
-                                     "whose replicas are invalidated; a block not listed was read well")
+    blocks: list[BlockRead] = Field([], max_length=MAX_BLOCKS, description="blocks whose bytes did not match "
+                                     "their checksum (ok: false), whose replicas are invalidated; a block not "
+                                     "listed was read well")
 
 
 class LoadCompleted(_Spec):
@@ -327,7 +336,9 @@ class EvictRequest(_Spec):
     namespace_id: str | None = Field(None, description="null = every namespace")
     bytes: int | None = Field(None, gt=0, description="null = no byte limit")
     limit: int = Field(256, gt=0, le=100_000, description="at most this many blocks per call")
-    dry_run: bool = False
+    dry_run: bool = Field(False, description="answer what would be evicted; change nothing")
+    all: bool = Field(False, description="without tier and namespace_id: every replica of every namespace, "
+                      "S3 included; refused unless said")
 
 
 class Evicted(_Spec):

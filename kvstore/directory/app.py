@@ -180,7 +180,10 @@ def _routes(service: DirectoryService) -> APIRouter:
     @r.post("/v1/admin/evict")
     def evict(body: specs.EvictRequest) -> specs.Evicted:
         if body.tier is None:
-            return specs.Evicted(replicas=service.evict(body.namespace_id))
+            if body.namespace_id is None and not body.all:
+                raise KVStoreError("invalid", "this drops every replica of every namespace, S3 included: "
+                                   "say \"all\": true, or name a namespace_id or a tier")
+            return service.evict(body.namespace_id, body.dry_run)
         return service.evict_tier(body)
 
     @r.get("/v1/admin/stats")

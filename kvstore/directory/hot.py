@@ -34,7 +34,8 @@ def _body(path: str, model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-MAX_BODY = 32 << 20  # bytes of one request body
+MAX_BODY = 32 << 20  # bytes of one request body (100,000 blocks of a save are about 12 MiB)
+MAX_REGISTRATION_BODY = 1 << 30  # a worker's registration lists what survived on its durable tiers
 
 
 class HotCalls:
@@ -110,32 +111,80 @@ class HotPath:
         self.calls = calls
 
     async def __call__(self, scope, receive, send) -> None:
-        handler = self.calls.by_path.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = MAX_REGISTRATION_BODY if scope["path"] == "/v1/workers" else MAX_BODY
+        try:
+            _check_length(scope, limit)
+        except KVStoreError as exc:  # refused before a byte of the body is read
+            await _answer(send, exc.http_status, wire.encode(exc.to_body()))
+            return
+        handler = self.calls.by_path.get(scope["path"])
         if handler is None or scope["method"] != "POST":
+            if not _has_length(scope):  # chunked: read it here, bounded, and hand it on whole
+                try:
+                    receive = _replay(await _read_body(receive, limit), receive)
+                except KVStoreError as exc:
+                    await _answer(send, exc.http_status, wire.encode(exc.to_body()))
+                    return
             await self.app(scope, receive, send)
             return
         status, payload = 200, b""
         try:
-            payload = wire.encode(await handler(await _read_body(receive)))
+            payload = wire.encode(await handler(await _read_body(receive, limit)))
         except KVStoreError as exc:
             status, payload = exc.http_status, wire.encode(exc.to_body())
         except Exception as exc:  # a bug: the same answer as every other route's
             log.exception("unhandled error in %s", scope["path"])
             status, payload = 500, wire.encode(KVStoreError("internal", type(exc).__name__).to_body())
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+        await _answer(send, status, payload)
 
 
-async def _read_body(receive) -> bytes:
+async def _answer(send, status: int, payload: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _too_large(limit: int) -> KVStoreError:
+    return KVStoreError("too_large", f"request body over {limit} bytes", limit=limit)
+
+
+def _check_length(scope, limit: int) -> None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if not value.isdigit():
+                raise KVStoreError("invalid", "content-length is not a number")
+            if int(value) > limit:
+                raise _too_large(limit)
+
+
+def _has_length(scope) -> bool:
+    return any(name == b"content-length" for name, _ in scope["headers"])
+
+
+def _replay(body: bytes, receive):
+    """`receive` that gives the body read already, then whatever the connection says next."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+async def _read_body(receive, limit: int) -> bytes:
     chunks, size, more = [], 0, True
     while more:
         message = await receive()
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY:
-            raise KVStoreError("invalid", f"request body over {MAX_BODY} bytes")
+        if size > limit:
+            raise _too_large(limit)
         chunks.append(chunk)
         more = message.get("more_body", False)
     return b"".join(chunks)

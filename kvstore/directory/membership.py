@@ -134,7 +134,7 @@ class Membership:
             else:
                 replica.epoch = worker.epoch
         repo.drop_replicas(tx.session, lost)
-        adopted = [s for s in found.values() if s.kind in own and s.checksum
+        adopted = [s for s in found.values() if s.kind in own and s.checksum and _covers(s, own[s.kind])
                    and repo.namespace(tx.session, s.namespace_id)]
         for survivor in adopted:
             self._adopt(tx, worker, own[survivor.kind], survivor, now)
@@ -256,6 +256,11 @@ class Membership:
                 self.drop_volatile(tx, worker)
                 dead += 1
         return dead
+
+
+def _covers(survivor: specs.Survivor, tier: Tier) -> bool:
+    """Its pages hold its bytes (an S3 object is one whole block)."""
+    return survivor.kind == "s3" or sum(r.count for r in survivor.runs) * tier.page_bytes >= survivor.nbytes
 
 
 def _survivor_key(kind: str, token: str, runs, namespace_id: str, block_hash: str) -> tuple:

@@ -87,11 +87,12 @@ class Movement:
         """Operator eviction: up to `limit` blocks (and `max_bytes`) that the tier's eviction policy
         names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
         to_free = max_bytes if max_bytes is not None else 1 << 62
-        if dry_run:
-            chosen = self._write(lambda tx: self._victims(tx, tx.session.get(Tier, tier_id), to_free, set(),
-                                                          namespace_id, limit, dry_run=True))
+        if dry_run:  # at the bottom every victim would be dropped, above it moved down
+            chosen, lower = self._write(lambda tx: (self._victims(
+                tx, tx.session.get(Tier, tier_id), to_free, set(), namespace_id, limit, dry_run=True),
+                _lower(tx, tier_id, worker_id)))
             return {"replicas": len(chosen), "bytes": sum(r.reserved_bytes for r, _ in chosen),
-                    "demoted": 0, "dropped": 0}
+                    "demoted": len(chosen) if lower else 0, "dropped": 0 if lower else len(chosen)}
         return self._demote_tier(tier_id, worker_id, to_free, set(), namespace_id, limit)
 
     def _demote_tier(self, tier_id: int, worker_id: int, to_free: int, protected: set[int],

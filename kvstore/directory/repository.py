@@ -80,6 +80,7 @@ def insert_blocks(session: Session, rows: list[dict]) -> dict[str, int]:
 def insert_replicas(session: Session, rows: list[dict]) -> None:
     if rows:
         session.connection().execute(Replica.__table__.insert(), rows)
+        touched(session, [r["block_id"] for r in rows])
 
 
 class BlockRef(NamedTuple):

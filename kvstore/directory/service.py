@@ -165,6 +165,9 @@ class DirectoryService:
 
     def lookup_tokens(self, namespace_id: str, token_ids: list[int]) -> specs.TokenLookupResult:
         namespace = self.namespace(namespace_id)
+        if len(token_ids) // namespace.block_tokens > specs.MAX_BLOCKS:
+            raise KVStoreError("invalid", f"{len(token_ids)} token ids are more than {specs.MAX_BLOCKS} blocks of "
+                               f"{namespace.block_tokens} tokens; look up a shorter prefix")
         hashes = [h.hex() for h in block_hashes(namespace, token_ids)]
         hit = self.loads.lookup(namespace_id, hashes, locations=False)["num_hit_blocks"]
         return specs.TokenLookupResult(hit_tokens=hit * namespace.block_tokens, num_hit_blocks=hit,
@@ -225,16 +228,18 @@ class DirectoryService:
             total = {k: total[k] + outcome[k] for k in total}
         return specs.Evicted(**total)
 
-    def evict(self, namespace_id: str | None) -> int:
+    def evict(self, namespace_id: str | None, dry_run: bool = False) -> specs.Evicted:
         """Drop every visible replica (of one namespace, or all). Pinned ones go when unpinned."""
-        def job(tx: Tx) -> int:
+        def job(tx: Tx) -> specs.Evicted:
             rows = repo.visible_replica_rows(tx.session, namespace_id)
-            for replica in rows:
-                replica.state = DELETING
-            self._reclaim.collect_deleting(tx)
-            return len(rows)
+            if not dry_run:
+                for replica in rows:
+                    replica.state = DELETING
+                self._reclaim.collect_deleting(tx)
+            return specs.Evicted(replicas=len(rows), bytes=sum(r.reserved_bytes for r in rows), dropped=len(rows))
         evicted = self.writer.run(job)
-        log.info("evicted %d replicas%s", evicted, f" of namespace {namespace_id}" if namespace_id else "")
+        if not dry_run:
+            log.info("evicted %d replicas%s", evicted.replicas, f" of namespace {namespace_id}" if namespace_id else "")
         return evicted
 
     def tiers(self) -> list[specs.TierUsage]:

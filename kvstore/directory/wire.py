@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from kvstore.core.errors import KVStoreError
+from kvstore.core.specs import MAX_BLOCK_BYTES, MAX_BLOCKS
 
 # Hex digits are checked once for all the hashes (and checksums) of a body, by `_digits_only`: a
 # pattern per string costs a 128-block lookup more than the lookup itself.
@@ -22,7 +23,7 @@ HEX_DIGITS = b"0123456789abcdef"
 Token = Annotated[str, Meta(max_length=64)]
 NamespaceId = Annotated[str, Meta(max_length=16)]
 Reader = Annotated[str, Meta(max_length=200)]
-MAX_HASHES = 100_000
+MAX_HASHES = MAX_BLOCKS
 T = TypeVar("T")
 
 
@@ -38,7 +39,7 @@ class Lookup(_Body):
 
 class BlockToStore(_Body):
     hash: Hash
-    nbytes: Annotated[int, Meta(gt=0)]
+    nbytes: Annotated[int, Meta(gt=0, le=MAX_BLOCK_BYTES)]
     parent: Hash | None = None
 
 

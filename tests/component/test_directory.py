@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 
 import pytest
 
@@ -214,6 +215,75 @@ def test_unknown_namespace_and_bad_bodies_get_error_bodies(stack):
     assert answer.status_code == 400 and answer.json()["context"]["expected"] == BLOCK
 
 
+def test_work_and_bodies_are_bounded(stack):
+    def post(path: str, body: dict, status: int = 400, error: str = "invalid") -> dict:
+        answer = stack.http.post(path, json=body)
+        assert answer.status_code == status and answer.json()["error"] == error, (path, answer.text[:300])
+        return answer.json()
+
+    one_token = {**NS.to_dict(), "block_tokens": 1}
+    ns_id = stack.http.post("/v1/namespaces", json={"namespace": one_token}).json()["namespace_id"]
+    detail = post("/v1/lookup/tokens", {"namespace_id": ns_id, "token_ids": list(range(100_001))})["detail"]
+    assert "100000 blocks" in detail  # within the token-id cap, over the blocks it would hash
+    post("/v1/lookup/tokens", {"namespace_id": ns_id, "token_ids": [0] * ((1 << 20) + 1)})
+    assert stack.client.lookup_tokens(ns_id, list(range(100_000))).num_hit_blocks == 0
+    post("/v1/lookup/batch", {"namespace_id": stack.namespace_id, "prompts": [["ab"]] * 4097})
+    post("/v1/lookup/batch", {"namespace_id": stack.namespace_id, "prompts": [["ab"] * 60_000] * 2})
+    for bad in ({"num_layers": 65536, "num_kv_heads": 65536}, {"model_id": "m" * 257}, {"tenant": "t" * 257}):
+        post("/v1/namespaces", {"namespace": {**NS.to_dict(), **bad}})
+    post("/v1/store/prepare", {"namespace_id": stack.namespace_id, "blocks": [{"hash": "ab", "nbytes": 1 << 31}]})
+    for path, body in (("/v1/load/prepare", {"hashes": ["ab"], "reader": "r" * 201}),
+                       ("/v1/load/prepare-batch", {"chains": [["ab"]], "reader": "r" * 201}),
+                       ("/v1/store/prepare", {"blocks": [{"hash": "ab", "nbytes": BLOCK}], "writer": "w" * 201})):
+        post(path, {"namespace_id": stack.namespace_id, **body})
+    for path in ("/v1/lookup", "/v1/lookup/batch", "/v1/namespaces"):
+        assert raw_post(stack.url, path, length=(32 << 20) + 1).startswith(b"HTTP/1.1 413")  # refused unread
+        answer = raw_post(stack.url, path, chunks=33)  # no length: counted as it comes
+        assert answer.startswith(b"HTTP/1.1 413") and b'"too_large"' in answer, (path, answer[:200])
+        assert raw_post(stack.url, path, chunks=1).split(b" ")[1] in (b"400", b"422"), path  # under: parsed
+    assert hits(stack, chain(1)) == 0  # still serving
+
+
+def raw_post(url: str, path: str, length: int | None = None, chunks: int = 0) -> bytes:
+    """A POST over a bare socket: headers announcing `length` bytes (none sent), or `chunks` chunks of
+    1 MiB with chunked transfer encoding; returns what the server answered."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        head += f"content-length: {length}\r\n\r\n" if length is not None else "transfer-encoding: chunked\r\n\r\n"
+        try:
+            sock.sendall(head.encode())
+            for _ in range(chunks):
+                sock.sendall(b"100000\r\n" + b" " * (1 << 20) + b"\r\n")
+            if chunks:
+                sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the server answered and closed before the rest arrived
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+        return answer
+
+
+def test_a_survivor_whose_pages_cannot_hold_it_is_not_adopted(stack):
+    good, short = chain(2)
+
+    def survivor(block_hash: str, pages: int) -> specs.Survivor:
+        return specs.Survivor(kind="nvme", token="t", runs=[specs.PageRun(first=4 * pages, count=pages)],
+                              namespace_id=stack.namespace_id, hash=block_hash, nbytes=BLOCK,
+                              checksum="0123456789abcdef")
+    stack.client.register_worker(specs.WorkerRegistration(
+        name="w1", agent_name="w1-agent", agent_metadata="bWQ=", control_url="", pid=2, backends=["UCX", "POSIX"],
+        tiers=[specs.TierSpec(kind="dram", capacity_bytes=32 * PAGE, page_bytes=PAGE, base_addr=1 << 30),
+               specs.TierSpec(kind="nvme", capacity_bytes=32 * PAGE, page_bytes=PAGE)],
+        inventory=[survivor(good, 2), survivor(short, 1)]))
+    assert hits(stack, [good]) == 1 and hits(stack, [short]) == 0
+    assert stack.client.lookup(stack.namespace_id, [good], locations=True).blocks[0].location.tier == "nvme"
+
+
 def test_batch_lookup(stack):
     complete(stack, prepare(stack, chain(2)))
     answer = stack.http.post("/v1/lookup/batch", json={"namespace_id": stack.namespace_id,
@@ -284,6 +354,19 @@ def test_admin_evict_drops_a_namespace_and_frees_its_pages_after_the_last_pin(st
     assert stack.client.stats().blocks == 0
 
 
+def test_evicting_everything_must_be_said_and_a_dry_run_changes_nothing(stack):
+    complete(stack, prepare(stack, chain(2)))
+    answer = stack.http.post("/v1/admin/evict", json={})
+    assert answer.status_code == 400 and answer.json()["error"] == "invalid"
+    assert hits(stack, chain(2)) == 2
+    for body in ({"all": True, "dry_run": True}, {"namespace_id": stack.namespace_id, "dry_run": True}):
+        dry = stack.http.post("/v1/admin/evict", json=body)
+        assert dry.status_code == 200 and dry.json()["replicas"] == 2, dry.text
+    assert hits(stack, chain(2)) == 2 and stack.free_pages() == 32 - 4
+    assert stack.http.post("/v1/admin/evict", json={"all": True}).json()["replicas"] == 2
+    assert hits(stack, chain(2)) == 0 and stack.free_pages() == 32
+
+
 def test_a_full_bottom_tier_drops_least_recently_used_blocks_deepest_first(stack):
     old, recent = chain(8), chain(8, start=1000)  # 16 blocks fill the 32 pages
     complete(stack, prepare(stack, old))
@@ -299,7 +382,7 @@ def test_operator_eviction_by_bytes_with_a_dry_run(stack):
     complete(stack, prepare(stack, chain(4)))
     ask = dict(tier="dram", bytes=2 * BLOCK)
     dry = stack.client.evict_tier(specs.EvictRequest(**ask, dry_run=True))
-    assert (dry.replicas, dry.bytes, dry.dropped) == (2, 2 * BLOCK, 0)
+    assert (dry.replicas, dry.bytes, dry.dropped, dry.demoted) == (2, 2 * BLOCK, 2, 0)  # says what it would do
     assert hits(stack, chain(4)) == 4  # a dry run changes nothing
     done = stack.client.evict_tier(specs.EvictRequest(**ask))
     assert (done.replicas, done.dropped, done.demoted) == (2, 2, 0)  # no tier below: dropped

@@ -15,7 +15,7 @@ NS = Namespace(model_id="cli-test", num_layers=2, num_kv_heads=2, head_dim=16, d
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(kvstore_cmd(*args), capture_output=True, text=True, timeout=120)
+    return subprocess.run(kvstore_cmd(*args), capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 
 def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
@@ -43,7 +43,11 @@ def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
         assert "10 blocks moved one tier down, 0 dropped" in moved.stdout
         tiers = {t["kind"]: t for t in json.loads(cli("tiers", "--url", url, "--output", "json").stdout)}
         assert (tiers["dram"]["num_blocks"], tiers["nvme"]["num_blocks"]) == (0, 10)
-        dropped = cli("evict", "--tier", "nvme", "--namespace", NS.namespace_id, "--url", url)
+        refused = cli("evict", "--tier", "nvme", "--namespace", NS.namespace_id, "--url", url)
+        assert refused.returncode != 0 and "delete 10 blocks" in refused.stderr and "--yes" in refused.stderr
+        dry = cli("evict", "--tier", "nvme", "--namespace", NS.namespace_id, "--dry-run", "--url", url)
+        assert "would move 10 blocks" in dry.stdout and "deleting 10" in dry.stdout
+        dropped = cli("evict", "--tier", "nvme", "--namespace", NS.namespace_id, "--yes", "--url", url)
         assert "0 blocks moved one tier down, 10 dropped" in dropped.stdout
         with KVStoreClient(url, NS, staging_bytes=1 << 20) as client:
             assert client.lookup(list(range(160))) == 0
