@@ -44,6 +44,7 @@ class Stack:
     namespace_id: str
     settings: DirectorySettings
     service: object = None  # the DirectoryService behind the HTTP API (same process)
+    verdicts: "Verdicts | None" = None  # what the worker endpoint says when asked to verify replicas
 
     def free_pages(self, worker: str = "w0") -> int:
         """Free DRAM pages as the directory accounts them; its page credit must say the same."""
@@ -59,6 +60,19 @@ class Stack:
                                   page_bytes=PAGE, base_addr=1 << 20, high_watermark=1.0, low_watermark=1.0)]))
 
 
+class Verdicts:
+    """The worker endpoint's answer to `POST /v1/verify` in the directory-only stacks (they hold no
+    bytes): every replica intact, or every replica corrupt (the default: a reported mismatch holds)."""
+
+    def __init__(self, intact: bool = False) -> None:
+        self.intact = intact
+        self.asked: list[specs.VerifyItem] = []
+
+    def __call__(self, req: specs.VerifyRequest) -> specs.VerifyResult:
+        self.asked += req.items
+        return specs.VerifyResult(matches=[self.intact] * len(req.items))
+
+
 def make_settings(database_url: str, **overrides) -> DirectorySettings:
     values = dict(database_url=database_url, heartbeat_timeout_s=60, reaper_interval_s=0.1)
     return DirectorySettings(**{**values, **overrides})
@@ -71,14 +85,14 @@ def directory_stack(settings: DirectorySettings, control: ControlServer | None =
     (or `control`, which the caller owns), registered as worker w0 unless `register` is False."""
     own = control is None
     if own:
-        control = ControlServer({"dram": PageAllocator(num_pages=pages, page_bytes=PAGE)})
+        control = ControlServer({"dram": PageAllocator(num_pages=pages, page_bytes=PAGE)}, verifier=Verdicts())
         control.start()
     try:
         app = create_app(settings)
         with ServerThread(app) as server:
             client = DirectoryClient(server.url, timeout_s=300)
             s = Stack(server.url, client, httpx.Client(base_url=server.url), control.allocators.get("dram"),
-                      client.register_namespace(NS), settings, app.state.service)
+                      client.register_namespace(NS), settings, app.state.service, control.verifier)
             try:
                 if register:
                     s.register_worker(control_url=control.url)

@@ -18,3 +18,6 @@ class WorkerControlClient(JsonHttp):
 
     def move(self, body: specs.MoveRequest, timeout_s: float | None = None) -> specs.MoveResult:
         return self.call("POST", "/v1/move", body, specs.MoveResult, timeout_s)
+
+    def verify(self, body: specs.VerifyRequest) -> specs.VerifyResult:
+        return self.call("POST", "/v1/verify", body, specs.VerifyResult)

@@ -362,6 +362,23 @@ class MoveItem(_Spec):
     hash: str
 
 
+class VerifyItem(_Spec):
+    """Directory -> worker: does the replica in these pages still hash to `checksum`?"""
+
+    kind: TierKind
+    runs: list[PageRun]
+    nbytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
+    checksum: str = Field(pattern=r"^[0-9a-f]{16}$")
+
+
+class VerifyRequest(_Spec):
+    items: list[VerifyItem] = Field(min_length=1, max_length=MAX_BLOCKS)
+
+
+class VerifyResult(_Spec):
+    matches: list[bool | None] = Field(description="per item; null: this worker cannot read that tier")
+
+
 class MoveRequest(_Spec):
     items: list[MoveItem] = Field(min_length=1)
     expires_at: float | None = Field(None, description="unix time after which the worker must not start "

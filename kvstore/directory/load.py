@@ -2,7 +2,8 @@
 
     loads.lookup(namespace_id, hashes, locations) -> body   # the index only: no lock, no SQL
     loads.prepare(namespace_id, chains, reader) -> body     # pins under one lease; NVMe/S3 hits staged first
-    loads.complete(req) -> LoadCompleted                    # unpins; a bad block's replica is invalidated
+    loads.complete(req) -> LoadCompleted                    # unpins; a block reported bad is invalidated if
+                                                            # its worker confirms the mismatch
     loads.flush_accesses()                                  # the reaper: access statistics to SQL and policies
 
 Answers are plain dicts and lists, encoded once by the HTTP layer: a hot call
@@ -12,6 +13,7 @@ builds no model per block.
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 from collections.abc import Callable
 
@@ -28,6 +30,7 @@ from kvstore.directory.settings import DirectorySettings
 from kvstore.directory.writer import Tx
 
 
+log = logging.getLogger(__name__)
 PROMOTION_ROUNDS = 3  # stagings of one prepare_load, when blocks move between tiers meanwhile
 STATS_ROWS_PER_FLUSH = 2000  # access statistics written per reaper tick: the writer is never held long
 POLICY_HITS_AT_ONCE = 2000  # blocks whose hits go to the policies under one hold of their lock
@@ -36,7 +39,7 @@ POLICY_HITS_AT_ONCE = 2000  # blocks whose hits go to the policies under one hol
 class Loads:
     def __init__(self, write, index: Index, promote: Callable[[list[Hit]], object], reclaim: Reclaim,
                  policies: TierPolicies, metrics: DirectoryMetrics, settings: DirectorySettings,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], verify: Callable[[str, list[specs.VerifyItem]], list]) -> None:
         self._write = write
         self._index = index
         self._promote = promote  # stage NVMe/S3-only hits into a memory tier (worker I/O, outside jobs)
@@ -45,6 +48,7 @@ class Loads:
         self._metrics = metrics
         self._settings = settings
         self._clock = clock
+        self._verify = verify  # (worker url, items) -> per item: bytes intact? (None: cannot say)
         self._pending_stats: dict[int, tuple[float, int]] = {}  # block id -> (last access, hits), for SQL
 
     def lookup(self, namespace_id: str, hashes: list[str], locations: bool) -> dict:
@@ -86,6 +90,8 @@ class Loads:
 
     def complete(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
         failed = {b.hash for b in req.blocks if not b.ok}
+        if failed:  # a reader's word alone invalidates nothing: the worker checks the bytes first
+            failed = self._confirmed(req.token, failed)
 
         def release(tx: Tx) -> tuple[int, int]:  # every block read well: the leases go, nothing else
             released, deleting = repo_load.release(tx.session, req.token)
@@ -112,6 +118,24 @@ class Loads:
         released, invalidated = self._write(job if failed else release)
         self._metrics.checksum_failures.inc(invalidated)
         return specs.LoadCompleted(released=released, invalidated=invalidated)
+
+    def _confirmed(self, token: str, reported: set[str]) -> set[str]:
+        """The reported blocks whose worker finds their pinned replica's bytes no longer match the
+        checksum. Asked outside every job; the lease still pins the replicas meanwhile."""
+        suspects = self._write(lambda tx: repo.pinned_suspects(tx.session, token, sorted(reported)))
+        by_worker: dict[str, list] = {}
+        for suspect in suspects:
+            if suspect.current and suspect.checksum:
+                by_worker.setdefault(suspect.worker_url, []).append(suspect)
+        confirmed = set()
+        for url, group in by_worker.items():
+            items = [specs.VerifyItem(kind=s.kind, runs=[specs.PageRun(first=f, count=c) for f, c in s.pages],
+                                      nbytes=s.nbytes, checksum=s.checksum) for s in group]
+            confirmed |= {s.hash for s, match in zip(group, self._verify(url, items)) if match is False}
+        if len(confirmed) < len(reported):
+            log.warning("%d of %d blocks a reader reported bad were not confirmed by their workers; kept",
+                        len(reported) - len(confirmed), len(reported))
+        return confirmed
 
     def flush_accesses(self) -> int:
         """What loads read since the last flush, off the request path: the hits go to the tier

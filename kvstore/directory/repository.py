@@ -153,6 +153,26 @@ def pinned_by_token(session: Session, token: str) -> list[tuple[Replica, Block]]
     return list(session.execute(query).tuples())
 
 
+class Suspect(NamedTuple):
+    """A pinned replica whose reader reported its bytes bad, with what its worker needs to check it."""
+    hash: str
+    kind: str
+    pages: list
+    nbytes: int
+    checksum: str | None
+    worker_url: str
+    current: bool  # written in the worker's current epoch (else its memory is gone anyway)
+
+
+def pinned_suspects(session: Session, token: str, hashes: list[str]) -> list[Suspect]:
+    query = (select(Block.hash, Tier.kind, Replica.pages, Block.nbytes, Block.checksum, Worker.control_url,
+                    Replica.epoch == Worker.epoch)
+             .join(Lease, Lease.replica_id == Replica.id).join(Block, Replica.block_id == Block.id)
+             .join(Tier, Replica.tier_id == Tier.id).join(Worker, Tier.worker_id == Worker.id))
+    return [Suspect(*row) for chunk in chunks(hashes)
+            for row in session.execute(query.where(Lease.token == token, Block.hash.in_(chunk)))]
+
+
 def leases_with_token(session: Session, token: str) -> list[Lease]:
     return list(session.scalars(select(Lease).where(Lease.token == token)))
 

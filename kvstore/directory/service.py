@@ -67,7 +67,8 @@ class DirectoryService:
         self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock)
         self.store = Store(self.writer, self.index, self.pools, self.reservations, self.policies, metrics, settings,
                            self.movement.make_room, clock)
-        self.loads = Loads(write, self.index, self.movement.promote, reclaim, self.policies, metrics, settings, clock)
+        self.loads = Loads(write, self.index, self.movement.promote, reclaim, self.policies, metrics, settings, clock,
+                           self.calls.verify)
         self._reclaim = reclaim
         self._namespaces: dict[str, Namespace] = {}
         self._reaping = threading.Lock()

@@ -3,6 +3,7 @@
     calls.grant(url, kind, token, max_pages) -> runs   # page credit for a memory tier
     calls.allocate(url, kind, token, sizes) -> runs | None per size
     calls.move(url, items) -> MoveResult                # a worker that cannot be reached failed them all
+    calls.verify(url, items) -> [bool | None]           # do replicas still hash to their checksums?
     calls.free_later(url, items) -> callable            # for Tx.after_commit: give pages back / delete objects,
                                                         # on a background thread, in order
 """
@@ -19,6 +20,8 @@ from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 
 log = logging.getLogger(__name__)
+FREE_ITEMS_PER_CALL = 10_000  # a worker takes bodies of bounded size
+
 
 class WorkerCalls:
     def __init__(self, timeout_s: float = 10.0, move_timeout_s: float = 300.0) -> None:
@@ -52,17 +55,27 @@ class WorkerCalls:
             return specs.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
                                     codes=["unreachable"] * len(items))
 
+    def verify(self, url: str, items: list[specs.VerifyItem]) -> list[bool | None]:
+        """Per item, whether the worker found the replica's bytes intact; None when it could not say."""
+        try:
+            return self.client(url).verify(specs.VerifyRequest(items=items)).matches
+        except KVStoreError as exc:
+            log.warning("verifying %d replicas on %s failed: %s", len(items), url, exc)
+            return [None] * len(items)
+
     def free_later(self, url: str, items: list[tuple]) -> Callable[[], None]:
         """A call giving (token, page runs[, object name]) back to the worker; runs are PageRuns or
         [first, count]; an object name (s3) means: delete that object."""
         def free() -> None:
-            body = specs.FreeRequest(items=[
-                specs.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]], object=i[2] if len(i) > 2 else None)
-                for i in items])
-            try:
-                self.client(url).free(body)
-            except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages
-                log.warning("giving %d allocations back to %s failed: %s", len(items), url, exc)
+            for start in range(0, len(items), FREE_ITEMS_PER_CALL):
+                chunk = items[start : start + FREE_ITEMS_PER_CALL]
+                body = specs.FreeRequest(items=[specs.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]],
+                                                               object=i[2] if len(i) > 2 else None) for i in chunk])
+                try:
+                    self.client(url).free(body)
+                except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages
+                    log.warning("giving %d allocations back to %s failed: %s", len(chunk), url, exc)
+                    return
         return (lambda: self._frees.submit(free)) if items else (lambda: None)
 
     def settle(self) -> None:

@@ -4,10 +4,14 @@
     POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with the reservation token)
     POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
     POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers)
+    POST /v1/verify VerifyRequest -> VerifyResult  (do replicas still hash to their checksums?)
     GET  /healthz
 
 Plain `http.server`: control traffic is a few small requests per store, and the
-worker stays free of web-framework dependencies.
+worker stays free of web-framework dependencies. Bounded: at most MAX_CONNECTIONS
+connections are served at once (more wait to be accepted), an idle connection is
+closed after IDLE_TIMEOUT_S, a body is at most MAX_BODY bytes, and every request
+gets an answer with an error body, a bug included.
 """
 
 from __future__ import annotations
@@ -24,18 +28,46 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.pages import PageAllocator
 
 log = logging.getLogger(__name__)
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 60.0
+MAX_BODY = 64 << 20
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them: the accept loop waits for a slot."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int = MAX_CONNECTIONS) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class ControlServer:
     def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0,
-                 mover=None, on_free=None, object_tiers: dict | None = None) -> None:
+                 mover=None, on_free=None, object_tiers: dict | None = None, verifier=None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.allocators = allocators
         self.object_tiers = object_tiers or {}  # kind -> callable(name) deleting an object
         self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
+        self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
         handler = type("Handler", (_Handler,), {"control": self})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
+        self._server = _BoundedServer((host, port), handler, max_connections)
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="control", daemon=True)
 
@@ -89,6 +121,11 @@ class ControlServer:
             raise KVStoreError("not_found", "this worker has no tier to move blocks to")
         return self.mover(req)
 
+    def verify(self, req: specs.VerifyRequest) -> specs.VerifyResult:
+        if self.verifier is None:
+            return specs.VerifyResult(matches=[None] * len(req.items))
+        return self.verifier(req)
+
     def _allocator(self, kind: str) -> PageAllocator:
         if kind not in self.allocators:
             raise KVStoreError("not_found", f"this worker has no {kind} tier", tier=kind)
@@ -99,6 +136,7 @@ class _Handler(BaseHTTPRequestHandler):
     control: ControlServer
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body leave as separate writes; Nagle would hold the body ~40 ms
+    timeout = IDLE_TIMEOUT_S  # an idle keep-alive connection gives its slot back
 
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         if self.path == "/healthz":
@@ -110,18 +148,35 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {"/v1/grant": (specs.GrantRequest, lambda b: self.control.grant(b).model_dump()),
                   "/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
                   "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)}),
-                  "/v1/move": (specs.MoveRequest, lambda b: self.control.move(b).model_dump())}
+                  "/v1/move": (specs.MoveRequest, lambda b: self.control.move(b).model_dump()),
+                  "/v1/verify": (specs.VerifyRequest, lambda b: self.control.verify(b).model_dump())}
         if self.path not in routes:
+            self.close_connection = True  # its body was not read
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
             return
         model, action = routes[self.path]
         try:
-            body = model.model_validate_json(self.rfile.read(int(self.headers.get("content-length", 0))))
+            body = model.model_validate_json(self.rfile.read(self._length()))
             self._answer(200, action(body))
         except ValidationError as exc:
-            self._answer(400, KVStoreError("invalid", "bad request body", errors=exc.errors()[:5]).to_body())
+            errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()[:5]]
+            self._answer(400, KVStoreError("invalid", "bad request body", errors=errors).to_body())
         except KVStoreError as exc:
+            if exc.kind in ("invalid", "too_large"):
+                self.close_connection = True  # what is left of the body cannot be trusted to frame a request
             self._answer(exc.http_status, exc.to_body())
+        except Exception as exc:  # a bug: answered, logged, and the connection closed
+            log.exception("control %s failed", self.path)
+            self.close_connection = True
+            self._answer(500, KVStoreError("internal", type(exc).__name__).to_body())
+
+    def _length(self) -> int:
+        value = self.headers.get("content-length", "0").strip()
+        if not value.isdigit():
+            raise KVStoreError("invalid", f"content-length {value[:40]!r} is not a number")
+        if int(value) > MAX_BODY:
+            raise KVStoreError("too_large", f"request body over {MAX_BODY} bytes", limit=MAX_BODY)
+        return int(value)
 
     def _answer(self, status: int, body: dict) -> None:
         data = json.dumps(body, default=str).encode()

@@ -265,6 +265,18 @@ class Mover:
         buffer = buffer or self.arena
         return np.array(specs.page_spans(buffer.addr, self.page_bytes, runs, nbytes), dtype=np.uint64)
 
+    def verify(self, req: specs.VerifyRequest) -> specs.VerifyResult:
+        """Whether each replica's pages still hash to its checksum (a reader reported a mismatch)."""
+        matches: list[bool | None] = []
+        for item in req.items:
+            if item.kind == "dram":
+                matches.append(self.dram_checksum(item.runs, item.nbytes) == item.checksum)
+            elif item.kind == "hbm" and self.hbm is not None:  # GPU path
+                matches.append(self.hbm.checksum(item.runs, item.nbytes) == item.checksum)
+            else:
+                matches.append(None)
+        return specs.VerifyResult(matches=matches)
+
     def dram_checksum(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> str:
         buffer = buffer or self.arena
         hasher = xxhash.xxh3_64()

@@ -67,7 +67,8 @@ class StorageWorker:
         self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes,
                            self.hbm, gds=self.gds)
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
-                                     on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {})
+                                     on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {},
+                                     verifier=self.mover.verify)
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0)
         self.epoch = 0
         self.heartbeat_interval_s = 1.0

@@ -176,6 +176,20 @@ def test_a_checksum_failure_invalidates_the_replica(stack):
     assert "kvstore_checksum_failures_total 1.0" in stack.http.get("/metrics").text
 
 
+def test_a_reported_mismatch_the_worker_does_not_confirm_changes_nothing(stack):
+    hashes = chain(3)
+    complete(stack, prepare(stack, hashes))
+    stack.verdicts.intact = True  # the bytes are fine: the reader is wrong (or lying)
+    load = stack.client.prepare_load(specs.PrepareLoad(namespace_id=stack.namespace_id, hashes=hashes))
+    reports = [specs.BlockRead(hash=h, ok=False) for h in hashes]
+    done = stack.client.complete_load(specs.CompleteLoad(token=load.token, blocks=reports))
+    assert (done.released, done.invalidated) == (3, 0)
+    assert hits(stack, hashes) == 3 and stack.client.stats().pins == 0
+    asked = stack.verdicts.asked
+    assert [(i.kind, i.nbytes, i.checksum) for i in asked] == [("dram", BLOCK, "0123456789abcdef")] * 3
+    assert sorted(i.runs[0].count for i in asked) == [2, 2, 2]  # the pages each replica holds
+
+
 def test_lookup_under_another_namespace_finds_nothing(stack):
     complete(stack, prepare(stack, chain(2)))
     for other in (Namespace(**{**NS.to_dict(), "model_id": "other"}),

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from kvstore.connector import KVStoreClient, Namespace
+from kvstore.core import specs
 from kvstore.core.keys import block_hashes
 
 NS = Namespace(model_id="integrity", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_tokens=8)
@@ -30,6 +31,12 @@ def test_a_corrupted_block_shortens_the_load_to_the_verified_prefix(running_stac
         for (k, v), (lk, lv) in zip(kv, loaded):
             assert torch.equal(lk, k[:, :16]) and torch.equal(lv, v[:, :16])
         assert client.lookup(tokens) == 16  # the bad replica was invalidated
+        # a reader that reports intact blocks bad is not believed: the worker checks their bytes
+        hashes = [h.hex() for h in block_hashes(NS, tokens)[:2]]
+        load = client.directory.prepare_load(specs.PrepareLoad(namespace_id=NS.namespace_id, hashes=hashes))
+        lie = specs.CompleteLoad(token=load.token, blocks=[specs.BlockRead(hash=h, ok=False) for h in hashes])
+        assert client.directory.complete_load(lie).invalidated == 0
+        assert client.lookup(tokens) == 16
         stats = client.directory.stats()
         assert (stats.pins, stats.leases_active) == (0, 0)
     metrics = __import__("httpx").get(running_stack.url + "/metrics").text

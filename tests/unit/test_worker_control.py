@@ -1,0 +1,80 @@
+"""The worker's control endpoint under bad input: every request answered with an error body, bounded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from kvstore.core import specs
+from kvstore.core.pages import PageAllocator
+from kvstore.worker.control import MAX_BODY, ControlServer
+
+
+@pytest.fixture
+def control():
+    def broken_mover(_req):
+        raise RuntimeError("a bug")
+    server = ControlServer({"dram": PageAllocator(8, 128)}, mover=broken_mover, max_connections=4)
+    server.start()
+    yield server
+    server.stop()
+
+
+def request(server: ControlServer, head: str, body: bytes = b"", timeout_s: float = 10) -> tuple[int, dict]:
+    with socket.create_connection((server.host, server.port), timeout=timeout_s) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1])
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def post(path: str, length: str) -> str:
+    return f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n"
+
+
+def test_bad_lengths_and_bodies_get_error_bodies(control):
+    assert request(control, post("/v1/alloc", "abc"))[1]["error"] == "invalid"
+    assert request(control, post("/v1/alloc", "-5"))[1]["error"] == "invalid"
+    status, body = request(control, post("/v1/alloc", str(MAX_BODY + 1)))
+    assert (status, body["error"]) == (413, "too_large")
+    status, body = request(control, post("/v1/alloc", "7"), b"{nope}}")
+    assert (status, body["error"]) == (400, "invalid")
+    status, body = request(control, post("/v1/nowhere", "2"), b"{}")
+    assert (status, body["error"]) == (404, "not_found")
+
+
+def test_a_bug_is_answered_not_a_dropped_connection(control):
+    body = specs.MoveRequest(items=[specs.MoveItem(
+        src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="nvme", dst_runs=[], dst_token="t",
+        nbytes=128, checksum="0123456789abcdef", namespace_id="0" * 16, hash="ab")]).model_dump_json().encode()
+    status, answer = request(control, post("/v1/move", str(len(body))), body)
+    assert (status, answer["error"], answer["detail"]) == (500, "internal", "RuntimeError")
+    status, answer = request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n")
+    assert (status, answer) == (200, {"status": "ok"})  # still serving
+
+
+def test_connections_beyond_the_limit_wait_for_a_slot(control):
+    idle = [socket.create_connection((control.host, control.port)) for _ in range(4)]
+    time.sleep(0.2)  # all four accepted: every slot taken by an idle connection
+    with pytest.raises(TimeoutError):
+        request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n", timeout_s=1)
+    idle.pop().close()
+    assert request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n")[0] == 200
+    for sock in idle:
+        sock.close()
