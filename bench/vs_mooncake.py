@@ -36,19 +36,13 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # kvstore.core.sizes imports only the standard library: both venvs
 from peers import finish_side, free_port, peer_python, run_side  # noqa: E402
+
+from kvstore.core.sizes import parse_size  # noqa: E402
 SMALL = 4096  # bytes of one ingest/lookup object
 BATCH = 128  # keys per ingest call and per lookup
 TOKEN_BYTES = 2 * 8 * 128 * 2  # kvstore namespace: K and V of 8 heads x 128 dims in bf16
-
-
-def parse_size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
 
 
 def key(i: int, tag: str) -> bytes:

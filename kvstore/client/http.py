@@ -25,16 +25,18 @@ JSON = {"content-type": "application/json"}
 MAX_IDLE = 16  # connections kept open per client
 
 
-class _Connection(http.client.HTTPConnection):
+class _NoDelay:
     def connect(self) -> None:
         super().connect()
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers and body are two writes
 
 
-class _HttpsConnection(http.client.HTTPSConnection):
-    def connect(self) -> None:
-        super().connect()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+class _Connection(_NoDelay, http.client.HTTPConnection):
+    pass
+
+
+class _HttpsConnection(_NoDelay, http.client.HTTPSConnection):
+    pass
 
 
 def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:

@@ -1,4 +1,4 @@
-"""Human byte sizes: parse `512MiB`, `1.5GB`, `4096`; print `1.5 GiB`."""
+"""Human byte sizes: parse `512MiB`, `1.5GB`, `4096`; print `1.5 GiB`; check a request's length."""
 
 from __future__ import annotations
 
@@ -41,3 +41,20 @@ def format_size(num_bytes: int | None) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def too_large(limit: int) -> KVStoreError:
+    return KVStoreError("too_large", f"request body over {limit} bytes", limit=limit)
+
+
+def body_length(value: str | bytes | None, limit: int) -> int | None:
+    """A request's content-length header, checked: None without one; `invalid` when it is not a
+    number, `too_large` when it is over `limit`."""
+    if value is None:
+        return None
+    text = (value.decode("latin-1") if isinstance(value, bytes) else value).strip()
+    if not text.isdigit():
+        raise KVStoreError("invalid", f"content-length {text[:40]!r} is not a number")
+    if int(text) > limit:
+        raise too_large(limit)
+    return int(text)

@@ -16,6 +16,8 @@ from kvstore.core.keys import MAX_BLOCK_BYTES
 TierKind = Literal["hbm", "dram", "nvme", "s3"]
 HEX_HASH = r"^[0-9a-f]{2,128}$"
 HexHash = Annotated[str, Field(pattern=HEX_HASH)]
+Checksum = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]  # xxh3_64 of a block, 16 lowercase hex digits
+BlockBytes = Annotated[int, Field(gt=0, le=MAX_BLOCK_BYTES)]
 MAX_BLOCKS = 100_000  # hashes one request may name (in all its lists together), or cause (token ids)
 MAX_TOKEN_IDS = 1 << 20  # token ids of one /v1/lookup/tokens request
 
@@ -68,7 +70,7 @@ class Survivor(_Spec):
     runs: list[PageRun]
     namespace_id: str
     hash: str = Field(pattern=HEX_HASH)
-    nbytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
+    nbytes: BlockBytes
     checksum: str | None = Field(None, description="None: unknown (S3 listings); such blocks are not adopted")
 
 
@@ -118,7 +120,7 @@ class ReplicaLocation(_Spec):
 class BlockToStore(_Spec):
     hash: str = Field(pattern=HEX_HASH)
     parent: str | None = Field(None, pattern=HEX_HASH)
-    nbytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
+    nbytes: BlockBytes
 
 
 class PrepareStore(_Spec):
@@ -147,12 +149,7 @@ class StorePrepared(_Spec):
 class BlockWritten(_Spec):
     hash: str = Field(pattern=HEX_HASH)
     ok: bool
-    checksum: str | None = Field(None, pattern=r"^[0-9a-f]{16}$")
-
-    @field_validator("checksum")
-    @classmethod
-    def _lower(cls, value: str | None) -> str | None:
-        return value.lower() if value else value
+    checksum: Checksum | None = None
 
 
 class CompleteStore(_Spec):
@@ -357,26 +354,9 @@ class MoveItem(_Spec):
     dst_runs: list[PageRun]
     dst_token: str
     nbytes: int = Field(gt=0)
-    checksum: str = Field(pattern=r"^[0-9a-f]{16}$", description="what the bytes must hash to")
+    checksum: Checksum = Field(description="what the bytes must hash to")
     namespace_id: str
     hash: str
-
-
-class VerifyItem(_Spec):
-    """Directory -> worker: does the replica in these pages still hash to `checksum`?"""
-
-    kind: TierKind
-    runs: list[PageRun]
-    nbytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
-    checksum: str = Field(pattern=r"^[0-9a-f]{16}$")
-
-
-class VerifyRequest(_Spec):
-    items: list[VerifyItem] = Field(min_length=1, max_length=MAX_BLOCKS)
-
-
-class VerifyResult(_Spec):
-    matches: list[bool | None] = Field(description="per item; null: this worker cannot read that tier")
 
 
 class MoveRequest(_Spec):
@@ -393,6 +373,23 @@ class MoveResult(_Spec):
     errors: list[str | None]
     codes: list[MoveCode] = Field([], description="per item; source_corrupt: the source failed its checksum "
                                   "before the copy (that replica is bad), failed: anything else")
+
+
+class VerifyItem(_Spec):
+    """Directory -> worker: does the replica in these pages still hash to `checksum`?"""
+
+    kind: TierKind
+    runs: list[PageRun]
+    nbytes: BlockBytes
+    checksum: Checksum
+
+
+class VerifyRequest(_Spec):
+    items: list[VerifyItem] = Field(min_length=1, max_length=MAX_BLOCKS)
+
+
+class VerifyResult(_Spec):
+    matches: list[bool | None] = Field(description="per item; null: this worker cannot read that tier")
 
 
 class NamespacePolicy(_Spec):

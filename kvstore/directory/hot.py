@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
+from kvstore.core.sizes import body_length, too_large
 from kvstore.directory import wire
 from kvstore.directory.service import DirectoryService
 
@@ -116,13 +117,13 @@ class HotPath:
             return
         limit = MAX_REGISTRATION_BODY if scope["path"] == "/v1/workers" else MAX_BODY
         try:
-            _check_length(scope, limit)
+            length = body_length(next((v for n, v in scope["headers"] if n == b"content-length"), None), limit)
         except KVStoreError as exc:  # refused before a byte of the body is read
             await _answer(send, exc.http_status, wire.encode(exc.to_body()))
             return
         handler = self.calls.by_path.get(scope["path"])
         if handler is None or scope["method"] != "POST":
-            if not _has_length(scope):  # chunked: read it here, bounded, and hand it on whole
+            if length is None:  # chunked: read it here, bounded, and hand it on whole
                 try:
                     receive = _replay(await _read_body(receive, limit), receive)
                 except KVStoreError as exc:
@@ -147,23 +148,6 @@ async def _answer(send, status: int, payload: bytes) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-def _too_large(limit: int) -> KVStoreError:
-    return KVStoreError("too_large", f"request body over {limit} bytes", limit=limit)
-
-
-def _check_length(scope, limit: int) -> None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            if not value.isdigit():
-                raise KVStoreError("invalid", "content-length is not a number")
-            if int(value) > limit:
-                raise _too_large(limit)
-
-
-def _has_length(scope) -> bool:
-    return any(name == b"content-length" for name, _ in scope["headers"])
-
-
 def _replay(body: bytes, receive):
     """`receive` that gives the body read already, then whatever the connection says next."""
     sent = False
@@ -184,7 +168,7 @@ async def _read_body(receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
         chunks.append(chunk)
         more = message.get("more_body", False)
     return b"".join(chunks)

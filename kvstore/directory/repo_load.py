@@ -10,18 +10,17 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from kvstore.directory.models.replica import DELETING, VISIBLE
-from kvstore.directory.repo_store import rows
-from kvstore.directory.repository import CHUNK, driver_many
+from kvstore.directory.repo_store import marks, rows
+from kvstore.directory.repository import chunks, driver_many
 
 
 def pin(session: Session, replica_ids: list[int], token: str, holder: str, expires_at: float) -> set[int]:
     """Lease these replicas if they are still readable (READY or MOVING); returns the ids pinned."""
     readable: set[int] = set()
     states = ", ".join(f"'{s}'" for s in VISIBLE)
-    for start in range(0, len(replica_ids), CHUNK):
-        chunk = replica_ids[start : start + CHUNK]
+    for chunk in chunks(replica_ids):
         readable.update(r for (r,) in rows(session, f"SELECT id FROM replicas WHERE state IN ({states}) AND id IN "
-                                           f"({', '.join('?' * len(chunk))})", tuple(chunk)))
+                                           f"({marks(len(chunk))})", tuple(chunk)))
     driver_many(session, "INSERT INTO leases (replica_id, token, holder, expires_at) VALUES (?, ?, ?, ?)",
                 [(r, token, holder, expires_at) for r in replica_ids if r in readable])
     return readable

@@ -14,7 +14,7 @@ import json
 from sqlalchemy.orm import Session
 
 from kvstore.directory.models.replica import READY
-from kvstore.directory.repository import CHUNK, driver, driver_many
+from kvstore.directory.repository import chunks, driver, driver_many
 
 ROWS_PER_INSERT = 500  # rows of one multi-row INSERT: 8 or 9 columns stay under every driver's parameter limit
 
@@ -24,17 +24,16 @@ def rows(session: Session, sql: str, params: tuple = ()) -> list[tuple]:
     return list(connection.exec_driver_sql(sql, params))
 
 
-def _marks(n: int) -> str:
+def marks(n: int) -> str:
     return ", ".join("?" * n)
 
 
 def depths(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, int]:
     """hash -> depth of the blocks the directory has."""
     found: dict[str, int] = {}
-    for start in range(0, len(hashes), CHUNK):
-        chunk = hashes[start : start + CHUNK]
+    for chunk in chunks(hashes):
         found.update(rows(session, f"SELECT hash, depth FROM blocks WHERE namespace_id = ? AND hash IN "
-                          f"({_marks(len(chunk))})", (namespace_id, *chunk)))
+                          f"({marks(len(chunk))})", (namespace_id, *chunk)))
     return found
 
 
@@ -52,10 +51,9 @@ def insert_blocks(session: Session, namespace_id: str, blocks: list[tuple], now:
             params))
     there = [b for b in blocks if b[0] not in ids]
     if there:
-        for start in range(0, len(there), CHUNK):
-            chunk = [b[0] for b in there[start : start + CHUNK]]
+        for chunk in chunks([b[0] for b in there]):
             ids.update((h, i) for h, i in rows(
-                session, f"SELECT hash, id FROM blocks WHERE namespace_id = ? AND hash IN ({_marks(len(chunk))})",
+                session, f"SELECT hash, id FROM blocks WHERE namespace_id = ? AND hash IN ({marks(len(chunk))})",
                 (namespace_id, *chunk)))
         driver_many(session, "UPDATE blocks SET checksum = ? WHERE id = ?", [(b[4], ids[b[0]]) for b in there])
     return ids

@@ -23,7 +23,6 @@ HEX_DIGITS = b"0123456789abcdef"
 Token = Annotated[str, Meta(max_length=64)]
 NamespaceId = Annotated[str, Meta(max_length=16)]
 Reader = Annotated[str, Meta(max_length=200)]
-MAX_HASHES = MAX_BLOCKS
 T = TypeVar("T")
 
 
@@ -33,7 +32,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class Lookup(_Body):
     namespace_id: NamespaceId
-    hashes: Annotated[list[Hash], Meta(max_length=MAX_HASHES)]
+    hashes: Annotated[list[Hash], Meta(max_length=MAX_BLOCKS)]
     locations: bool = False
 
 
@@ -45,7 +44,7 @@ class BlockToStore(_Body):
 
 class PrepareStore(_Body):
     namespace_id: NamespaceId
-    blocks: Annotated[list[BlockToStore], Meta(min_length=1, max_length=MAX_HASHES)]
+    blocks: Annotated[list[BlockToStore], Meta(min_length=1, max_length=MAX_BLOCKS)]
     writer: Reader = ""
 
 
@@ -57,12 +56,12 @@ class BlockWritten(_Body):
 
 class CompleteStore(_Body):
     token: Token
-    blocks: Annotated[list[BlockWritten], Meta(max_length=MAX_HASHES)]
+    blocks: Annotated[list[BlockWritten], Meta(max_length=MAX_BLOCKS)]
 
 
 class PrepareLoad(_Body):
     namespace_id: NamespaceId
-    hashes: Annotated[list[Hash], Meta(max_length=MAX_HASHES)]
+    hashes: Annotated[list[Hash], Meta(max_length=MAX_BLOCKS)]
     reader: Reader = ""
 
 
@@ -79,7 +78,7 @@ class BlockRead(_Body):
 
 class CompleteLoad(_Body):
     token: Token
-    blocks: Annotated[list[BlockRead], Meta(max_length=MAX_HASHES)] = []
+    blocks: Annotated[list[BlockRead], Meta(max_length=MAX_BLOCKS)] = []
 
 
 _decoders: dict[type, msgspec.json.Decoder] = {}
@@ -96,8 +95,8 @@ def decode(body: bytes, kind: type[T]) -> T:
     except msgspec.DecodeError as exc:
         raise KVStoreError("invalid", "request body is not valid JSON", errors=[str(exc)]) from None
     if isinstance(value, PrepareLoads):
-        if sum(len(c) for c in value.chains) > MAX_HASHES:
-            raise KVStoreError("invalid", f"at most {MAX_HASHES} hashes in all chains together")
+        if sum(len(c) for c in value.chains) > MAX_BLOCKS:
+            raise KVStoreError("invalid", f"at most {MAX_BLOCKS} hashes in all chains together")
         _digits_only("hash", [h for c in value.chains for h in c])
     elif isinstance(value, (Lookup, PrepareLoad)):
         _digits_only("hash", value.hashes)

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.pages import PageAllocator
+from kvstore.core.sizes import body_length
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 64
@@ -156,7 +157,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         model, action = routes[self.path]
         try:
-            body = model.model_validate_json(self.rfile.read(self._length()))
+            length = body_length(self.headers.get("content-length"), MAX_BODY) or 0
+            body = model.model_validate_json(self.rfile.read(length))
             self._answer(200, action(body))
         except ValidationError as exc:
             errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()[:5]]
@@ -170,13 +172,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._answer(500, KVStoreError("internal", type(exc).__name__).to_body())
 
-    def _length(self) -> int:
-        value = self.headers.get("content-length", "0").strip()
-        if not value.isdigit():
-            raise KVStoreError("invalid", f"content-length {value[:40]!r} is not a number")
-        if int(value) > MAX_BODY:
-            raise KVStoreError("too_large", f"request body over {MAX_BODY} bytes", limit=MAX_BODY)
-        return int(value)
 
     def _answer(self, status: int, body: dict) -> None:
         data = json.dumps(body, default=str).encode()
