@@ -24,7 +24,7 @@ from tests.helpers import free_port, kvstore_cmd, stop, wait_http, wait_until  #
 
 @contextmanager
 def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[str, ...] = (),
-                pids: dict[str, int] | None = None):
+                pids: dict[str, int] | None = None, directory_args: tuple[str, ...] = ()):
     """Directory (SQLite in a temp dir) and one worker, as separate processes on loopback; their
     process ids go into `pids` ("directory", "worker") when it is given."""
     from kvstore.client import DirectoryClient
@@ -33,7 +33,8 @@ def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[s
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         logs = open(Path(tmp) / "stack.log", "wb")
-        directory = subprocess.Popen(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", tmp),
+        directory = subprocess.Popen(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port),
+                                                 "--data-dir", tmp, *directory_args),
                                      stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)
         worker = None
         try:

@@ -9,8 +9,9 @@ checksums, one NIXL request to the worker, directory complete. "raw NIXL" is
 the same bytes, same descriptors, same two processes, as one NIXL request with
 nothing else; "raw+xxh3" is that request with the store's checksum pass over the same bytes
 running beside it (what the checksums cost on this machine). "memcpy" is one thread's np.copyto
-of the batch. Each figure is
-the median over --repeats batches; ratios are of medians from the same run.
+of the batch. "verified save" is the same save against a second stack whose directory runs with
+--verify-writes (the worker checksums every block before it is committed). Each figure is the
+median over --repeats batches; ratios are of medians from the same run.
 """
 
 from __future__ import annotations
@@ -108,6 +109,25 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
             "samples_gbps": samples}
 
 
+def bench_verified_save(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> float:
+    """Median GB/s of saves into a directory that has the worker checksum every block before commit."""
+    ns = namespace_for(block_bytes)
+    n = max(1, batch_bytes // block_bytes)
+    src = HostBuffer(n * block_bytes)
+    src.array[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
+    samples = []
+    with KVStoreClient(url, ns, staging_bytes=block_bytes) as client:
+        client.register_buffer(src.array)
+        views = [src.view(i * block_bytes, block_bytes) for i in range(n)]
+        for rep in range(repeats + 1):
+            hashes = [os.urandom(16) for _ in range(n)]
+            seconds = timed(lambda: _expect(client.save_blocks(hashes, views), n, "verified save"))
+            client.directory.evict(ns.namespace_id)
+            if rep:
+                samples.append(src.nbytes / seconds / 1e9)
+    return median(samples)
+
+
 def hashed(client: KVStoreClient, transfer, views) -> float:
     """Seconds for `transfer` with the store's checksum pass over the same bytes running beside it on
     the client's hashing thread, as a save and a load do: what the checksums cost on this machine."""
@@ -132,19 +152,26 @@ def main() -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batch = parse_size(args.batch_bytes)
     results = []
-    with local_stack(dram_bytes=format_size(2 * max(batch, max(sizes)) + (64 << 20)).replace(" ", "")) as url:
+    dram = format_size(2 * max(batch, max(sizes)) + (64 << 20)).replace(" ", "")
+    with local_stack(dram_bytes=dram) as url:
         for size in sizes:
             print(f"block {format_size(size)} ...", flush=True)
             results.append(bench_size(url, size, batch, args.repeats))
+    with local_stack(dram_bytes=dram, directory_args=("--verify-writes",)) as url:
+        for r in results:
+            print(f"block {format_size(r['block_bytes'])}, writes verified ...", flush=True)
+            r["gbps"]["store_save_verified"] = bench_verified_save(url, r["block_bytes"], batch, args.repeats)
+            r["ratios"]["verified_save_vs_save"] = r["gbps"]["store_save_verified"] / r["gbps"]["store_save"]
     rows = [[format_size(r["block_bytes"]), r["blocks_per_call"], r["gbps"]["store_save"], r["gbps"]["raw_write"],
              r["gbps"]["store_load"], r["gbps"]["raw_read"], r["gbps"]["memcpy"], r["ratios"]["save_vs_raw"],
              r["ratios"]["load_vs_raw"], f'{r["ratios"]["save_vs_raw_xxh3"]:.2f}/{r["ratios"]["load_vs_raw_xxh3"]:.2f}',
              r["ratios"]["save_vs_memcpy"], r["ratios"]["load_vs_memcpy"],
-             f'{r["control_share"]["save"]:.0%}/{r["control_share"]["load"]:.0%}'] for r in results]
+             f'{r["control_share"]["save"]:.0%}/{r["control_share"]["load"]:.0%}',
+             r["gbps"]["store_save_verified"], r["ratios"]["verified_save_vs_save"]] for r in results]
     print()
     print_table(["block", "blocks/call", "save GB/s", "raw W GB/s", "load GB/s", "raw R GB/s", "memcpy GB/s",
                  "save/raw", "load/raw", "save/load vs raw+xxh3", "save/memcpy", "load/memcpy",
-                 "directory share save/load"], rows)
+                 "directory share save/load", "verified save GB/s", "verified/save"], rows)
     write_json(args.json, {"benchmark": "datapath", "machine": machine(), "batch_bytes": batch,
                            "repeats": args.repeats, "results": results})
     os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it

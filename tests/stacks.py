@@ -22,6 +22,7 @@ import httpx
 
 from kvstore.client import DirectoryClient
 from kvstore.core import specs
+from kvstore.core.credentials import TokenCreate
 from kvstore.core.keys import Namespace
 from kvstore.core.pages import PageAllocator
 from kvstore.directory.app import create_app
@@ -45,6 +46,16 @@ class Stack:
     settings: DirectorySettings
     service: object = None  # the DirectoryService behind the HTTP API (same process)
     verdicts: "Verdicts | None" = None  # what the worker endpoint says when asked to verify replicas
+    app: object = None
+
+    def token(self, *scopes: str, tenants: tuple[str, ...] = ()) -> str:
+        """A new token of `scopes` (engine ones bound to `tenants`), made in the directory's process."""
+        body = TokenCreate(name="+".join(scopes), scopes=list(scopes), tenants=list(tenants))
+        return self.app.state.tokens.create(body).token
+
+    def as_(self, token: str | None) -> DirectoryClient:
+        """A client that calls with `token` (None: none at all)."""
+        return DirectoryClient(self.url, timeout_s=60, token=token)
 
     def free_pages(self, worker: str = "w0") -> int:
         """Free DRAM pages as the directory accounts them; its page credit must say the same."""
@@ -74,7 +85,7 @@ class Verdicts:
 
 
 def make_settings(database_url: str, **overrides) -> DirectorySettings:
-    values = dict(database_url=database_url, heartbeat_timeout_s=60, reaper_interval_s=0.1)
+    values = dict(database_url=database_url, heartbeat_timeout_s=60, reaper_interval_s=0.1, require_auth=False)
     return DirectorySettings(**{**values, **overrides})
 
 
@@ -89,10 +100,12 @@ def directory_stack(settings: DirectorySettings, control: ControlServer | None =
         control.start()
     try:
         app = create_app(settings)
+        admin = app.state.tokens.create(TokenCreate(name="test admin", scopes=["admin"])).token \
+            if settings.require_auth else None
         with ServerThread(app) as server:
-            client = DirectoryClient(server.url, timeout_s=300)
+            client = DirectoryClient(server.url, timeout_s=300, token=admin)
             s = Stack(server.url, client, httpx.Client(base_url=server.url), control.allocators.get("dram"),
-                      client.register_namespace(NS), settings, app.state.service, control.verifier)
+                      client.register_namespace(NS), settings, app.state.service, control.verifier, app)
             try:
                 if register:
                     s.register_worker(control_url=control.url)
@@ -144,7 +157,7 @@ class ProcessStack:
         if self.ttl_s is not None:
             args += ["--lease-ttl", str(self.ttl_s), "--heartbeat-timeout", str(self.ttl_s)]
             env = {"KVSTORE_RESERVATION_TTL_S": str(self.ttl_s), **env}
-        self.directory = spawn(kvstore_cmd("directory", "serve", *args), self.tmp / "directory.log", env=env)
+        self.directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", *args), self.tmp / "directory.log", env=env)
         wait_http(self.url + "/readyz", proc=self.directory)
 
     def start_worker(self) -> int:

@@ -21,7 +21,7 @@ class Stack:
         self.procs: list[subprocess.Popen] = []
 
     def start(self) -> None:
-        self.procs.append(spawn(kvstore_cmd("directory", "serve", "--port", str(self.port), "--data-dir",
+        self.procs.append(spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(self.port), "--data-dir",
                                             str(self.tmp / "var")), self.tmp / "directory.log"))
         wait_http(self.url + "/healthz", proc=self.procs[0])
         self.procs.append(spawn(kvstore_cmd("worker", "serve", "--directory-url", self.url, "--name", "w0",

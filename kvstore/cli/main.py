@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
@@ -15,8 +14,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, console, directory, one_line_errors
 from kvstore.cli.run import directory_app, up, worker_app
-from kvstore.client import DirectoryClient
+from kvstore.cli.tokens import tokens_app
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import format_size, parse_size
@@ -27,29 +27,15 @@ db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 app.add_typer(directory_app, name="directory")
 app.add_typer(worker_app, name="worker")
 app.add_typer(db_app, name="db")
+app.add_typer(tokens_app, name="tokens")
 app.command()(up)
-
-Url = Annotated[str, typer.Option(envvar="KVSTORE_URL", help="directory URL")]
-Output = Annotated[str, typer.Option(help="table or json")]
-console = Console()
-
-
-def one_line_errors(command):
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except KVStoreError as exc:
-            Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {exc}", highlight=False)
-            raise typer.Exit(1) from None
-    return wrapper
 
 
 @app.command()
 @one_line_errors
-def tiers(url: Url = "http://127.0.0.1:8700", output: Output = "table") -> None:
+def tiers(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, output: Output = "table") -> None:
     """Capacity and usage of every tier of every worker."""
-    rows = DirectoryClient(url).tiers()
+    rows = directory(url, token, ca_file).tiers()
     if output == "json":
         print(json.dumps([r.model_dump() for r in rows], indent=2))
         return
@@ -66,11 +52,12 @@ app.add_typer(workers_app, name="workers")
 
 @workers_app.callback(invoke_without_command=True)
 @one_line_errors
-def workers(ctx: typer.Context, url: Url = "http://127.0.0.1:8700", output: Output = "table") -> None:
+def workers(ctx: typer.Context, url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None,
+            output: Output = "table") -> None:
     """Registered storage workers."""
     if ctx.invoked_subcommand is not None:
         return
-    rows = DirectoryClient(url).workers()
+    rows = directory(url, token, ca_file).workers()
     if output == "json":
         print(json.dumps([r.model_dump(exclude={"agent_metadata"}) for r in rows], indent=2))
         return
@@ -83,11 +70,12 @@ def workers(ctx: typer.Context, url: Url = "http://127.0.0.1:8700", output: Outp
 
 @workers_app.command()
 @one_line_errors
-def drain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = "http://127.0.0.1:8700",
+def drain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = DEFAULT_URL, token: Token = None,
+          ca_file: CaFile = None,
           wait: Annotated[float, typer.Option(help="seconds to wait for the drain to finish; 0 = do not wait")] = 0.0
           ) -> None:
     """Stop new placements on a worker and move its memory tiers down; it ends `drained`."""
-    client = DirectoryClient(url)
+    client = directory(url, token, ca_file)
     info = client.drain(name)
     deadline = time.monotonic() + wait
     with console.status(f"draining {name} …", spinner="dots") if wait > 0 else nullcontext():
@@ -102,9 +90,10 @@ def drain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = "
 
 @workers_app.command()
 @one_line_errors
-def undrain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = "http://127.0.0.1:8700") -> None:
+def undrain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = DEFAULT_URL, token: Token = None,
+            ca_file: CaFile = None) -> None:
     """Reverse a drain that has not finished: the worker takes placements again."""
-    console.print(f"worker {name}: {DirectoryClient(url).undrain(name).state}")
+    console.print(f"worker {name}: {directory(url, token, ca_file).undrain(name).state}")
 
 
 @app.command()
@@ -116,14 +105,14 @@ def evict(tier: Annotated[str, typer.Option(help="hbm, dram, nvme or s3")],
           all_: Annotated[bool, typer.Option("--all", help="every block of the tier")] = False,
           dry_run: Annotated[bool, typer.Option(help="only say what would move")] = False,
           yes: Annotated[bool, typer.Option("--yes", help="delete at the bottom tier without asking")] = False,
-          url: Url = "http://127.0.0.1:8700") -> None:
+          url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
     """Move the least recently used blocks of a tier one tier down (delete them at the bottom)."""
     if tier not in ("hbm", "dram", "nvme", "s3"):
         raise KVStoreError("invalid", f"--tier must be hbm, dram, nvme or s3, not {tier!r}")
     if sum(x is not None and x is not False for x in (bytes_, namespace, all_ or None)) != 1:
         raise KVStoreError("invalid", "say what to evict with exactly one of --bytes, --namespace or --all")
     limit_bytes = parse_size(bytes_) if bytes_ else None
-    client = DirectoryClient(url, timeout_s=600)
+    client = directory(url, token, ca_file, timeout_s=600)
     ask = dict(tier=tier, worker=worker, namespace_id=namespace, bytes=limit_bytes)
     plan = client.evict_tier(specs.EvictRequest(**ask, dry_run=True))
     if dry_run or plan.replicas == 0:
@@ -158,30 +147,30 @@ def evict(tier: Annotated[str, typer.Option(help="hbm, dram, nvme or s3")],
 @app.command("write-through")
 @one_line_errors
 def write_through(namespace_id: str, off: Annotated[bool, typer.Option("--off", help="stop copying")] = False,
-                  url: Url = "http://127.0.0.1:8700") -> None:
+                  url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
     """Keep a copy of every block of a namespace in S3 (needs workers with an S3 tier)."""
-    policy = DirectoryClient(url).set_policy(namespace_id, specs.NamespacePolicy(write_through=not off))
+    policy = directory(url, token, ca_file).set_policy(namespace_id, specs.NamespacePolicy(write_through=not off))
     print(f"{namespace_id}: write-through {'on' if policy.write_through else 'off'}")
 
 
 @app.command()
 @one_line_errors
 def lookup(namespace_id: str, token_ids: Annotated[str, typer.Argument(help="comma-separated token ids")],
-           url: Url = "http://127.0.0.1:8700") -> None:
+           url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
     """How many leading tokens of a prompt the store holds."""
     try:
         tokens = [int(t) for t in token_ids.split(",") if t.strip()]
     except ValueError:
         raise KVStoreError("invalid", "token ids must be comma-separated integers") from None
-    result = DirectoryClient(url).lookup_tokens(namespace_id, tokens)
+    result = directory(url, token, ca_file).lookup_tokens(namespace_id, tokens)
     print(json.dumps(result.model_dump()))
 
 
 @app.command()
 @one_line_errors
-def stats(url: Url = "http://127.0.0.1:8700") -> None:
+def stats(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
     """Blocks, reservations, leases and pins."""
-    print(json.dumps(DirectoryClient(url).stats().model_dump(), indent=2))
+    print(json.dumps(directory(url, token, ca_file).stats().model_dump(), indent=2))
 
 
 @db_app.command("upgrade")

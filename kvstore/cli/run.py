@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -27,8 +28,27 @@ Host = Annotated[str, typer.Option(help="address to bind")]
 Size = Annotated[str, typer.Option(help="bytes, e.g. 512MiB")]
 Eviction = Annotated[str, typer.Option(envvar="KVSTORE_EVICTION", help="eviction policy of every tier: "
                                        "lru, arc, s3fifo, prefix-lru")]
+TlsCert = Annotated[Path | None, typer.Option(help="certificate (PEM) to serve HTTPS; needs --tls-key")]
+TlsKey = Annotated[Path | None, typer.Option(help="private key (PEM) of --tls-cert")]
+CaFile = Annotated[str | None, typer.Option(envvar="KVSTORE_CA_FILE", help="CA bundle that peers' HTTPS "
+                                            "certificates are checked against")]
 Admission = Annotated[str, typer.Option(envvar="KVSTORE_ADMISSION", help="admission of every tier: adaptive, "
                                         "always, doorkeeper, tinylfu, backpressure, size:MIN-MAX; chain with commas")]
+
+
+def _tls_pair(cert: Path | None, key: Path | None) -> None:
+    if bool(cert) != bool(key):
+        raise typer.BadParameter("give both --tls-cert and --tls-key, or neither")
+    for path, flag in ((cert, "--tls-cert"), (key, "--tls-key")):
+        if path is not None and not path.is_file():
+            raise typer.BadParameter(f"no such file: {path}", param_hint=flag)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _size(text: str, flag: str) -> int:
@@ -46,8 +66,21 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
                     lease_ttl: float = 30.0,
                     heartbeat_timeout: Annotated[float, typer.Option(help="seconds of silence before a worker "
                                                                      "is dead")] = 10.0,
-                    eviction: Eviction = DEFAULT_EVICTION, admission: Admission = DEFAULT_ADMISSION) -> None:
-    """Run the directory (FastAPI) on HOST:PORT."""
+                    eviction: Eviction = DEFAULT_EVICTION, admission: Admission = DEFAULT_ADMISSION,
+                    insecure_no_auth: Annotated[bool, typer.Option(help="serve every route without credentials "
+                                                                   "(anyone who can connect is admin)")] = False,
+                    admin_token_file: Annotated[Path | None, typer.Option(help="write a new admin token here "
+                                                                          "unless it holds a valid one")] = None,
+                    worker_token_file: Annotated[Path | None, typer.Option(help="the same, for a worker "
+                                                                           "token")] = None,
+                    open_metrics: Annotated[bool, typer.Option(help="/metrics without a token")] = False,
+                    engine_rate: Annotated[float, typer.Option(help="requests/s per engine token; 0 = no "
+                                                               "limit")] = 10_000.0,
+                    verify_writes: Annotated[bool, typer.Option(help="a worker checksums every block before "
+                                                                "it is committed")] = False,
+                    tls_cert: TlsCert = None, tls_key: TlsKey = None, ca_file: CaFile = None) -> None:
+    """Run the directory (FastAPI) on HOST:PORT. Every route but /healthz and /readyz needs a token
+    unless --insecure-no-auth; bootstrap the first admin token with --admin-token-file."""
     import uvicorn
     from pydantic import ValidationError
 
@@ -55,18 +88,48 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
     from kvstore.directory.settings import DirectorySettings
 
     _logging()
+    _tls_pair(tls_cert, tls_key)
     data_dir.mkdir(parents=True, exist_ok=True)
     url = database_url or f"sqlite:///{(data_dir / 'directory.db').resolve()}"
     try:
         settings = DirectorySettings(database_url=url, lease_ttl_s=lease_ttl, heartbeat_timeout_s=heartbeat_timeout,
-                                     eviction=eviction, admission=admission)
+                                     eviction=eviction, admission=admission, require_auth=not insecure_no_auth,
+                                     open_metrics=open_metrics, engine_rate=engine_rate, verify_writes=verify_writes,
+                                     ca_file=ca_file)
     except ValidationError as exc:
         raise typer.BadParameter(_problems(exc)) from None
-    log.info("directory on http://%s:%d, database %s, eviction %s, admission %s", host, port, _redact(url),
-             eviction, admission)
+    app = create_app(settings)
+    for path, scope in ((admin_token_file, "admin"), (worker_token_file, "worker")):
+        if path is not None and bootstrap_token(app.state.tokens, path, scope):
+            log.info("wrote a new %s token to %s", scope, path)
+    scheme = "https" if tls_cert else "http"
+    log.info("directory on %s://%s:%d, database %s, eviction %s, admission %s, credentials %s%s", scheme, host,
+             port, _redact(url), eviction, admission, "OFF" if insecure_no_auth else "required",
+             ", writes verified" if verify_writes else "")
+    if insecure_no_auth and not is_loopback(host):
+        log.warning("credentials are off and %s is not a loopback address: anyone who can reach it can evict, "
+                    "drain and read every namespace", host)
     # no access log and no proxy-header rewriting: each costs the hot calls more than a lookup does
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", access_log=False,
-                proxy_headers=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, proxy_headers=False,
+                ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
+
+
+def bootstrap_token(tokens, path: Path, scope: str) -> bool:
+    """Keep the token in `path` if the directory knows it; else create one of `scope` and write it
+    there, readable by its owner only. True if a token was written."""
+    from kvstore.core.credentials import TokenCreate
+
+    if path.exists():
+        held = tokens.authenticate(path.read_text().strip())
+        if held is not None and scope in held.scopes:
+            return False
+    created = tokens.create(TokenCreate(name=f"bootstrap {scope}", scopes=[scope]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(created.token + "\n")
+    os.chmod(path, 0o600)
+    return True
 
 
 @worker_app.command("serve")
@@ -84,7 +147,10 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                  s3_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL; none = AWS")] = None,
                  s3_prefix: Annotated[str, typer.Option(help="object key prefix")] = "kvstore",
                  s3_region: Annotated[str, typer.Option(help="S3 region")] = "us-east-1",
-                 bounce_bytes: Annotated[str, typer.Option(help="DRAM buffer for copies to S3")] = "64MiB") -> None:
+                 bounce_bytes: Annotated[str, typer.Option(help="DRAM buffer for copies to S3")] = "64MiB",
+                 token: Annotated[str | None, typer.Option(envvar="KVSTORE_TOKEN", help="worker token for the "
+                                                           "directory")] = None,
+                 ca_file: CaFile = None, tls_cert: TlsCert = None, tls_key: TlsKey = None) -> None:
     """Run a storage worker: allocate and register its tiers once, then serve."""
     from pydantic import ValidationError
 
@@ -92,6 +158,7 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
     from kvstore.worker.settings import WorkerSettings
 
     _logging()
+    _tls_pair(tls_cert, tls_key)
     try:
         settings = WorkerSettings(directory_url=directory_url, name=name, host=host, port=port,
                                   dram_bytes=_size(dram_bytes, "--dram-bytes"),
@@ -100,7 +167,8 @@ def worker_serve(directory_url: Annotated[str, typer.Option(help="directory URL"
                                   nvme_bytes=_size(nvme_bytes, "--nvme-bytes"), nvme_dir=nvme_dir,
                                   posix_queue=posix_queue, gds=gds, s3_bucket=s3_bucket, s3_endpoint=s3_endpoint,
                                   s3_prefix=s3_prefix, s3_region=s3_region,
-                                  bounce_bytes=_size(bounce_bytes, "--bounce-bytes"))
+                                  bounce_bytes=_size(bounce_bytes, "--bounce-bytes"), token=token, ca_file=ca_file,
+                                  tls_cert=tls_cert, tls_key=tls_key)
     except ValidationError as exc:
         raise typer.BadParameter(_problems(exc)) from None
     stop = threading.Event()
@@ -129,18 +197,26 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
        s3_region: Annotated[str, typer.Option(help="S3 region")] = "us-east-1",
        lease_ttl: Annotated[float, typer.Option(help="seconds before an unreleased pin expires")] = 30.0,
        heartbeat_timeout: Annotated[float, typer.Option(help="seconds of silence before a worker is dead")] = 10.0,
-       eviction: Eviction = DEFAULT_EVICTION, admission: Admission = DEFAULT_ADMISSION) -> None:
-    """Run the embedded stack: the directory on SQLite and one storage worker (restarted if it dies)."""
+       eviction: Eviction = DEFAULT_EVICTION, admission: Admission = DEFAULT_ADMISSION,
+       require_auth: Annotated[bool, typer.Option(help="credentials even on loopback; the admin token is "
+                                                  "written to DATA_DIR/admin.token")] = False) -> None:
+    """Run the embedded stack: the directory on SQLite and one storage worker (restarted if it dies).
+    Bound to a loopback address it runs without credentials unless --require-auth; bound to any
+    other address it always requires them."""
     _logging()
     _size(dram_bytes, "--dram-bytes"), _size(page_bytes, "--page-bytes"), _size(nvme_bytes, "--nvme-bytes")
     _policies(eviction, admission)
     nvme_dir = nvme_dir or data_dir / "nvme"
     url = f"http://{host}:{port}"
     exe = [sys.executable, "-m", "kvstore.cli.main"]
+    auth = require_auth or not is_loopback(host)
+    admin_file, worker_file = data_dir / "admin.token", data_dir / "worker.token"
+    credentials = ["--admin-token-file", str(admin_file), "--worker-token-file", str(worker_file)] if auth \
+        else ["--insecure-no-auth"]
     children = [subprocess.Popen(exe + ["directory", "serve", "--host", host, "--port", str(port),
                                         "--data-dir", str(data_dir), "--lease-ttl", str(lease_ttl),
                                         "--heartbeat-timeout", str(heartbeat_timeout),
-                                        "--eviction", eviction, "--admission", admission])]
+                                        "--eviction", eviction, "--admission", admission, *credentials])]
     worker_cmd = exe + ["worker", "serve", "--directory-url", url, "--name", "worker-0", "--host", host,
                         "--dram-bytes", dram_bytes, "--page-bytes", page_bytes, "--nvme-bytes", nvme_bytes,
                         "--nvme-dir", str(nvme_dir), "--s3-prefix", s3_prefix, "--s3-region", s3_region] \
@@ -148,11 +224,20 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    worker_env = None
     try:
         if not _wait_healthy(url, children[0], stop):
             raise typer.Exit(1)
-        children.append(subprocess.Popen(worker_cmd))
+        if auth:  # the directory wrote both before it began to answer
+            worker_env = {**os.environ, "KVSTORE_TOKEN": worker_file.read_text().strip()}
+        children.append(subprocess.Popen(worker_cmd, env=worker_env))
         log.info("kvstore up: directory %s, data dir %s; Ctrl-C stops", url, data_dir.resolve())
+        if auth:
+            log.info("credentials required: the admin token is in %s (export KVSTORE_TOKEN=$(cat %s)); "
+                     "kvstore tokens create makes engine tokens", admin_file, admin_file)
+        else:
+            log.warning("credentials are off: %s is a loopback address, so only this host can connect "
+                        "(--require-auth turns them on)", host)
         restarts = Restarts()
         while not stop.wait(0.5):
             if children[0].poll() is not None:
@@ -163,7 +248,7 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
                 log.error("the worker exited (code %s); restarting it in %.0fs", children[1].returncode, delay)
                 if stop.wait(delay):
                     break
-                children[1] = subprocess.Popen(worker_cmd)
+                children[1] = subprocess.Popen(worker_cmd, env=worker_env)
     finally:
         _stop_all(children)
 

@@ -2,39 +2,49 @@
 
 from __future__ import annotations
 
+import os
+from urllib.parse import quote
+
 from kvstore.client.http import JsonHttp
-from kvstore.core import specs
+from kvstore.core import credentials, specs
 from kvstore.core.keys import Namespace
 
 
 class DirectoryClient(JsonHttp):
+    """`token` defaults to $KVSTORE_TOKEN, `ca_file` to $KVSTORE_CA_FILE."""
+
+    def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None,
+                 ca_file: str | None = None) -> None:
+        super().__init__(base_url, timeout_s, token or os.environ.get("KVSTORE_TOKEN") or None,
+                         ca_file or os.environ.get("KVSTORE_CA_FILE") or None)
+
     def register_namespace(self, namespace: Namespace) -> str:
         body = {"namespace": namespace.to_dict()}
         return self.call_raw("POST", "/v1/namespaces", body)["namespace_id"]
 
     def set_policy(self, namespace_id: str, policy: specs.NamespacePolicy) -> specs.NamespacePolicy:
-        return self.call("PUT", f"/v1/namespaces/{namespace_id}/policy", policy, specs.NamespacePolicy)
+        return self.call("PUT", f"/v1/namespaces/{quote(namespace_id, safe='')}/policy", policy, specs.NamespacePolicy)
 
     def register_worker(self, body: specs.WorkerRegistration) -> specs.Registered:
         return self.call("POST", "/v1/workers", body, specs.Registered)
 
     def heartbeat(self, worker: str, epoch: int) -> None:
-        self.call_raw("POST", f"/v1/workers/{worker}/heartbeat", specs.Heartbeat(epoch=epoch))
+        self.call_raw("POST", f"/v1/workers/{quote(worker, safe='')}/heartbeat", specs.Heartbeat(epoch=epoch))
 
     def deregister(self, worker: str, epoch: int) -> None:
-        self.call_raw("POST", f"/v1/workers/{worker}/deregister", specs.Heartbeat(epoch=epoch))
+        self.call_raw("POST", f"/v1/workers/{quote(worker, safe='')}/deregister", specs.Heartbeat(epoch=epoch))
 
     def worker(self, name: str) -> specs.WorkerInfo:
-        return specs.WorkerInfo.model_validate(self.call_raw("GET", f"/v1/workers/{name}"))
+        return specs.WorkerInfo.model_validate(self.call_raw("GET", f"/v1/workers/{quote(name, safe='')}"))
 
     def workers(self) -> list[specs.WorkerInfo]:
         return [specs.WorkerInfo.model_validate(w) for w in self.call_raw("GET", "/v1/workers")]
 
     def drain(self, name: str) -> specs.WorkerInfo:
-        return specs.WorkerInfo.model_validate(self.call_raw("POST", f"/v1/workers/{name}/drain", {}))
+        return specs.WorkerInfo.model_validate(self.call_raw("POST", f"/v1/workers/{quote(name, safe='')}/drain", {}))
 
     def undrain(self, name: str) -> specs.WorkerInfo:
-        return specs.WorkerInfo.model_validate(self.call_raw("POST", f"/v1/workers/{name}/undrain", {}))
+        return specs.WorkerInfo.model_validate(self.call_raw("POST", f"/v1/workers/{quote(name, safe='')}/undrain", {}))
 
     def renew(self, token: str) -> specs.Renewed:
         return self.call("POST", "/v1/leases/renew", specs.TokenBody(token=token), specs.Renewed)
@@ -72,6 +82,15 @@ class DirectoryClient(JsonHttp):
     def stats(self) -> specs.Stats:
         return specs.Stats.model_validate(self.call_raw("GET", "/v1/admin/stats"))
 
+    def create_token(self, body: credentials.TokenCreate) -> credentials.TokenCreated:
+        return self.call("POST", "/v1/admin/tokens", body, credentials.TokenCreated)
+
+    def tokens(self) -> list[credentials.TokenInfo]:
+        return [credentials.TokenInfo.model_validate(t) for t in self.call_raw("GET", "/v1/admin/tokens")]
+
+    def revoke_token(self, token_id: str) -> credentials.TokenInfo:
+        path = f"/v1/admin/tokens/{quote(token_id, safe='')}/revoke"
+        return credentials.TokenInfo.model_validate(self.call_raw("POST", path, {}))
 
     def evict(self, namespace_id: str | None = None) -> int:
         """Drop every replica of a namespace (or, with None, of every namespace)."""

@@ -43,14 +43,17 @@ READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this siz
 
 class KVStoreClient:
     def __init__(self, url: str, namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True) -> None:
+                 name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True,
+                 token: str | None = None, ca_file: str | None = None) -> None:
+        """`token`: an engine token of the namespace's tenant (default: $KVSTORE_TOKEN); `ca_file`:
+        the CA bundle of an https directory (default: $KVSTORE_CA_FILE)."""
         if namespace.layout != LAYOUTS[0]:
             raise KVStoreError("invalid", f"KVStoreClient packs blocks as {LAYOUTS[0]}; namespace layout "
                                f"{namespace.layout!r} is written by another connector (kvstore.connector.vllm)")
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.renew_leases = renew_leases  # keep leases and reservations alive during long transfers
-        self.directory = DirectoryClient(url, timeout_s=timeout_s)
+        self.directory = DirectoryClient(url, timeout_s=timeout_s, token=token, ca_file=ca_file)
         self.namespace_id = self.directory.register_namespace(namespace)
         assert self.namespace_id == namespace.namespace_id, "directory computed another namespace id"
         self.agent = Agent(name or f"kvstore-client-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})

@@ -124,7 +124,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
         self.extra = extra
         self.timeout_s = float(extra.get("timeout_s", 30))
-        self.directory = DirectoryClient(extra["directory_url"], timeout_s=self.timeout_s)
+        # an engine token and a CA bundle: from the config, else $KVSTORE_TOKEN and $KVSTORE_CA_FILE
+        self.directory = DirectoryClient(extra["directory_url"], timeout_s=self.timeout_s, token=extra.get("token"),
+                                         ca_file=extra.get("ca_file"))
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._namespace_id: str | None = None
         self._ns: Namespace | None = None
@@ -176,6 +178,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         spec = self._spec
         return Namespace(
             model_id=str(model), model_revision=str(self.extra.get("model_revision", "")),
+            tenant=str(self.extra.get("tenant", "")),
             num_layers=len(self._layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
             dtype=DTYPES[spec.dtype], block_tokens=self.block_size, layout="layer_head_token_kvdim",
             tp_rank=0, tp_size=self._vllm_config.parallel_config.tensor_parallel_size,

@@ -13,7 +13,8 @@ from typing import Any
 # kind -> HTTP status. Closed set: adding a kind is a deliberate change.
 HTTP_STATUS: dict[str, int] = {
     "invalid": 400,  # malformed or inconsistent input
-    "unauthorized": 401,
+    "unauthorized": 401,  # no credential, or one the directory does not know
+    "forbidden": 403,  # a credential without the scope the call needs
     "not_found": 404,
     "too_large": 413,  # a request body over the limit
     "conflict": 409,  # stale epoch, unknown/expired/duplicate token

@@ -36,9 +36,9 @@ class TierSpec(_Spec):
     """A tier as a worker announces it at registration."""
 
     kind: TierKind
-    capacity_bytes: int | None = Field(ge=0, description="null = unbounded")
-    page_bytes: int = Field(gt=0)
-    base_addr: int = Field(0, ge=0, description="address of page 0 in the worker's address space")
+    capacity_bytes: int | None = Field(ge=0, lt=1 << 62, description="null = unbounded")
+    page_bytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
+    base_addr: int = Field(0, ge=0, lt=1 << 63, description="address of page 0 in the worker's address space")
     high_watermark: float = Field(0.95, gt=0, le=1)
     low_watermark: float = Field(0.85, gt=0, le=1)
 
@@ -46,8 +46,8 @@ class TierSpec(_Spec):
 class PageRun(_Spec):
     """`count` pages starting at page `first`."""
 
-    first: int = Field(ge=0)
-    count: int = Field(gt=0)
+    first: int = Field(ge=0, lt=1 << 40)
+    count: int = Field(gt=0, lt=1 << 40)
 
 
 def page_spans(base: int, page_bytes: int, runs, nbytes: int) -> list[tuple[int, int]]:
@@ -66,23 +66,24 @@ class Survivor(_Spec):
     """A replica found on a durable tier when a worker starts (restart recovery)."""
 
     kind: TierKind
-    token: str
-    runs: list[PageRun]
-    namespace_id: str
+    token: str = Field(max_length=64)
+    runs: list[PageRun] = Field(max_length=1 << 16)
+    namespace_id: str = Field(max_length=64)
     hash: str = Field(pattern=HEX_HASH)
     nbytes: BlockBytes
     checksum: str | None = Field(None, description="None: unknown (S3 listings); such blocks are not adopted")
 
 
 class WorkerRegistration(_Spec):
-    name: str = Field(min_length=1, max_length=200)
-    agent_name: str = Field(min_length=1, max_length=200)
-    agent_metadata: str = Field(description="base64 of the NIXL agent metadata")
-    control_url: str
-    pid: int = 0
-    backends: list[str] = []
-    tiers: list[TierSpec] = Field(min_length=1)
-    inventory: list[Survivor] = Field([], description="what survived on durable tiers")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$", description="letters, digits, . _ -")
+    agent_name: str = Field(pattern=r"^[!-~]{1,200}$")
+    agent_metadata: str = Field(max_length=16 << 20, description="base64 of the NIXL agent metadata")
+    control_url: str = Field(pattern=r"^(https?://[^\s/?#@]+/?)?$", max_length=500)
+    pid: int = Field(0, ge=0, lt=1 << 31)
+    backends: list[Annotated[str, Field(max_length=32)]] = Field([], max_length=16)
+    tiers: list[TierSpec] = Field(min_length=1, max_length=4)
+    inventory: list[Survivor] = Field([], max_length=1 << 24, description="what survived on durable tiers")
+    control_secret: str | None = Field(None, min_length=32, max_length=128, description="the directory's calls carry it")
 
 
 class Registered(_Spec):
@@ -315,9 +316,9 @@ class GrantResult(_Spec):
 
 
 class FreeItem(_Spec):
-    token: str
-    runs: list[PageRun]
-    object: str | None = Field(None, description="s3 replicas: '<namespace_id>/<hash>' to delete")
+    token: str = Field(max_length=64)
+    runs: list[PageRun] = Field(max_length=1 << 16)
+    object: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}/[0-9a-f]{2,128}$", description="s3: '<namespace_id>/<hash>'")
 
 
 class FreeRequest(_Spec):

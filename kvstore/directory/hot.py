@@ -12,6 +12,7 @@ The OpenAPI document describes these routes with the pydantic specs of
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -23,6 +24,7 @@ from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import body_length, too_large
 from kvstore.directory import wire
+from kvstore.directory.auth import PRINCIPAL, Guard, Principal
 from kvstore.directory.service import DirectoryService
 
 log = logging.getLogger(__name__)
@@ -55,27 +57,29 @@ class HotCalls:
             raise KVStoreError("unavailable", "the directory is building its lookup index")
         return wire.decode(body, kind)
 
-    async def lookup(self, body: bytes):
+    async def lookup(self, body: bytes, who: Principal):
         req = self._decode(body, wire.Lookup)
-        return self.service.lookup(req.namespace_id, req.hashes, req.locations)
+        return self.service.lookup(req.namespace_id, req.hashes, req.locations, who.tenants)
 
-    async def prepare_store(self, body: bytes):
-        return await self.service.prepare_store_async(self._decode(body, wire.PrepareStore))
+    async def prepare_store(self, body: bytes, who: Principal):
+        return await self.service.prepare_store_async(self._decode(body, wire.PrepareStore), who.tenants)
 
-    async def complete_store(self, body: bytes):
-        done = await self.service.store.complete_async(self._decode(body, wire.CompleteStore))
+    async def complete_store(self, body: bytes, _who: Principal):
+        done = await self.service.complete_store_async(self._decode(body, wire.CompleteStore))
         return {"committed": done.committed, "rolled_back": done.rolled_back}
 
-    async def prepare_load(self, body: bytes):
+    async def prepare_load(self, body: bytes, who: Principal):
         req = self._decode(body, wire.PrepareLoad)
-        batch = await run_in_threadpool(self.service.prepare_loads, req.namespace_id, [req.hashes], req.reader)
+        batch = await run_in_threadpool(self.service.prepare_loads, req.namespace_id, [req.hashes], req.reader,
+                                        who.tenants)
         return {"token": batch["token"], "expires_at": batch["expires_at"], "blocks": batch["chains"][0]}
 
-    async def prepare_loads(self, body: bytes):
+    async def prepare_loads(self, body: bytes, who: Principal):
         req = self._decode(body, wire.PrepareLoads)
-        return await run_in_threadpool(self.service.prepare_loads, req.namespace_id, req.chains, req.reader)
+        return await run_in_threadpool(self.service.prepare_loads, req.namespace_id, req.chains, req.reader,
+                                       who.tenants)
 
-    async def complete_load(self, body: bytes):
+    async def complete_load(self, body: bytes, _who: Principal):
         done = await run_in_threadpool(self.service.loads.complete, self._decode(body, wire.CompleteLoad))
         return {"released": done.released, "invalidated": done.invalidated}
 
@@ -99,7 +103,8 @@ def hot_routes(calls: HotCalls) -> APIRouter:
 
 def _route(handler):
     async def route(request: Request) -> Response:
-        return Response(wire.encode(await handler(await request.body())), media_type="application/json")
+        who = request.scope[PRINCIPAL]
+        return Response(wire.encode(await handler(await request.body(), who)), media_type="application/json")
     return route
 
 
@@ -107,19 +112,22 @@ class HotPath:
     """ASGI in front of the app: the hot calls answered without the framework's routing, middleware,
     request and response objects (they cost more than a lookup itself)."""
 
-    def __init__(self, app, calls: HotCalls) -> None:
+    def __init__(self, app, calls: HotCalls, guard: Guard) -> None:
         self.app = app
         self.calls = calls
+        self.guard = guard
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         limit = MAX_REGISTRATION_BODY if scope["path"] == "/v1/workers" else MAX_BODY
-        try:
-            length = body_length(next((v for n, v in scope["headers"] if n == b"content-length"), None), limit)
-        except KVStoreError as exc:  # refused before a byte of the body is read
-            await _answer(send, exc.http_status, wire.encode(exc.to_body()))
+        headers = dict(scope["headers"])
+        try:  # refused before a byte of the body is read
+            who = scope[PRINCIPAL] = self.guard.check(scope["method"], scope["path"], headers.get(b"authorization"))
+            length = body_length(headers.get(b"content-length"), limit)
+        except KVStoreError as exc:
+            await _answer(send, exc.http_status, wire.encode(exc.to_body()), _error_headers(exc))
             return
         handler = self.calls.by_path.get(scope["path"])
         if handler is None or scope["method"] != "POST":
@@ -133,7 +141,7 @@ class HotPath:
             return
         status, payload = 200, b""
         try:
-            payload = wire.encode(await handler(await _read_body(receive, limit)))
+            payload = wire.encode(await handler(await _read_body(receive, limit), who))
         except KVStoreError as exc:
             status, payload = exc.http_status, wire.encode(exc.to_body())
         except Exception as exc:  # a bug: the same answer as every other route's
@@ -142,10 +150,19 @@ class HotPath:
         await _answer(send, status, payload)
 
 
-async def _answer(send, status: int, payload: bytes) -> None:
+async def _answer(send, status: int, payload: bytes, headers: list | None = None) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            *(headers or ())]})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _error_headers(exc: KVStoreError) -> list[tuple[bytes, bytes]]:
+    if exc.kind == "unauthorized":
+        return [(b"www-authenticate", b"Bearer")]
+    if exc.kind == "throttled":
+        return [(b"retry-after", str(max(1, math.ceil(exc.context.get("retry_after_s", 1)))).encode())]
+    return []
 
 
 def _replay(body: bytes, receive):
@@ -184,6 +201,11 @@ def document_bodies(app: FastAPI) -> None:
                 model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(model_schema.pop("$defs", {}))
                 components[model.__name__] = model_schema
+            for operations in schema.get("paths", {}).values():  # bad input is a 400 here, never a 422
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                components.pop(unused, None)
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi

@@ -51,6 +51,7 @@ class WorkerView(NamedTuple):
     agent_name: str
     epoch: int
     state: str
+    control_url: str = ""
 
 
 class ReplicaView(NamedTuple):
@@ -225,9 +226,9 @@ class Index:
                            [tier_id], [])
 
     def reload_topology(self, session: Session) -> None:
-        workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state)
+        workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state, w.control_url)
                    for w in session.execute(select(Worker.id, Worker.name, Worker.agent_name, Worker.epoch,
-                                                   Worker.state))}
+                                                   Worker.state, Worker.control_url))}
         self.set_topology(workers, {t.id: TierView(*t) for t in session.execute(
             select(Tier.id, Tier.worker_id, Tier.kind, Tier.page_bytes, Tier.base_addr, Tier.capacity_bytes))})
 

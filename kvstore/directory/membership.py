@@ -1,11 +1,12 @@
 """Who the workers are: registration (with restart reconciliation), heartbeats, death, leaving.
 
-    register_worker(reg) -> epoch     # a new epoch; memory tiers start empty; durable tiers reconciled;
-                                      # the worker's memory tiers are granted to this directory (page credit)
+    register_worker(reg, owner) -> epoch   # a new epoch; memory tiers start empty; durable tiers reconciled;
+                                      # the worker's memory tiers are granted to this directory (page credit);
+                                      # a live worker's name is refused to another owner (token)
     grant(worker_id)                  # ask a worker for page credit (registration, and the reaper's retries)
-    heartbeat(name, epoch)            # a stale epoch is a conflict: register again
+    heartbeat(name, epoch, owner)     # a stale epoch is a conflict: register again
     declare_dead(tx, now)             # the reaper: silence beyond heartbeat_timeout_s
-    deregister(name, epoch)           # a clean stop
+    deregister(name, epoch, owner)    # a clean stop
 """
 
 from __future__ import annotations
@@ -39,21 +40,31 @@ class Membership:
         self._settings = settings
         self._clock = clock
 
-    def register_worker(self, reg: specs.WorkerRegistration) -> specs.Registered:
+    def register_worker(self, reg: specs.WorkerRegistration, owner: str = "") -> specs.Registered:
         try:
             metadata = base64.b64decode(reg.agent_metadata, validate=True)
         except ValueError:
             raise KVStoreError("invalid", "agent_metadata is not base64", worker=reg.name) from None
-        worker_id, epoch = self._write(lambda tx: self._register(tx, reg, metadata, self._clock()))
+        kinds = [t.kind for t in reg.tiers]
+        if len(set(kinds)) != len(kinds):
+            raise KVStoreError("invalid", f"a worker has at most one tier of each kind, not {kinds}", worker=reg.name)
+        worker_id, epoch = self._write(lambda tx: self._register(tx, reg, metadata, owner, self._clock()))
+        self._calls.authorize(reg.control_url, reg.control_secret)
         log.info("worker %s registered with epoch %d", reg.name, epoch)
         self.grant(worker_id)
         return specs.Registered(worker=reg.name, epoch=epoch, heartbeat_interval_s=self._settings.heartbeat_interval_s)
 
-    def _register(self, tx: Tx, reg: specs.WorkerRegistration, metadata: bytes, now: float) -> tuple[int, int]:
+    def _register(self, tx: Tx, reg: specs.WorkerRegistration, metadata: bytes, owner: str,
+                  now: float) -> tuple[int, int]:
         worker = repo.worker_by_name(tx.session, reg.name)
         if worker is None:
             worker = Worker(name=reg.name, epoch=0, registered_at=now)
             tx.session.add(worker)
+        elif worker.owner != owner and worker.state != "dead" \
+                and now - worker.heartbeat_at <= self._settings.heartbeat_timeout_s:
+            raise KVStoreError("conflict", f"worker name {reg.name!r} is held by a live worker registered with "
+                               "another token", worker=reg.name)
+        worker.owner, worker.control_secret = owner, reg.control_secret
         worker.epoch += 1
         worker.agent_name, worker.pid = reg.agent_name, reg.pid
         worker.agent_metadata = metadata
@@ -176,19 +187,19 @@ class Membership:
         repo.drop_grants(tx.session, memory)
         tx.after_commit.append(lambda: [self._pools.forget(t) for t in memory])
 
-    def heartbeat(self, name: str, epoch: int) -> None:
+    def heartbeat(self, name: str, epoch: int, owner: str = "") -> None:
         def job(tx: Tx) -> None:
-            worker = repo.worker_by_name(tx.session, name)
+            worker = _owned(repo.worker_by_name(tx.session, name), owner)
             if worker is None or worker.epoch != epoch or worker.state == "dead":
                 raise KVStoreError("conflict", "unknown worker or stale epoch; register again",
                                    worker=name, epoch=epoch)  # a draining or drained worker keeps beating
             worker.heartbeat_at = self._clock()
         self._write(job)
 
-    def deregister(self, name: str, epoch: int) -> None:
+    def deregister(self, name: str, epoch: int, owner: str = "") -> None:
         """A worker leaving cleanly: its memory tiers go with it, at once."""
         def job(tx: Tx) -> None:
-            worker = repo.worker_by_name(tx.session, name)
+            worker = _owned(repo.worker_by_name(tx.session, name), owner)
             if worker is None or worker.epoch != epoch:
                 raise KVStoreError("conflict", "unknown worker or stale epoch", worker=name, epoch=epoch)
             worker.state = "dead"
@@ -256,6 +267,12 @@ class Membership:
                 self.drop_volatile(tx, worker)
                 dead += 1
         return dead
+
+
+def _owned(worker: Worker | None, owner: str) -> Worker | None:
+    if worker is not None and worker.owner != owner:
+        raise KVStoreError("forbidden", f"worker {worker.name!r} was registered with another token", worker=worker.name)
+    return worker
 
 
 def _covers(survivor: specs.Survivor, tier: Tier) -> bool:

@@ -15,6 +15,7 @@ worker calls are made outside jobs.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
 from kvstore.core.tiers import MEMORY
 from kvstore.directory import repository as repo
+from kvstore.directory import wire
 from kvstore.directory.index import Index
 from kvstore.directory.load import Loads
 from kvstore.directory.membership import Membership
@@ -59,7 +61,7 @@ class DirectoryService:
         self.pools = PagePools()
         self.writer = Writer(sessions, self._follow_commit)
         write = self.writer.run
-        self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s)
+        self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s, ca_file=settings.ca_file)
         reclaim = Reclaim(self.calls, self.pools)
         self.reservations = Reservations()
         self.movement = Movement(write, Moves(write, self.calls, reclaim, self.pools, metrics, clock), reclaim,
@@ -95,6 +97,8 @@ class DirectoryService:
         def build(tx: Tx) -> None:  # a job: nothing commits while the index is read from SQL
             self._namespaces.update({row.id: Namespace.from_dict(row.spec)
                                      for row in tx.session.query(NamespaceRow)})
+            for worker in repo.workers(tx.session):
+                self.calls.authorize(worker.control_url, worker.control_secret)
             self.index.rebuild(tx.session)
             self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
         self.writer.run(build)
@@ -124,8 +128,12 @@ class DirectoryService:
 
     # ---- namespaces -----------------------------------------------------------------------------
 
-    def register_namespace(self, data: dict) -> str:
+    def register_namespace(self, data: dict, tenants: frozenset[str] | None = None) -> str:
+        """`tenants`: those of the caller (None: any); a namespace of another tenant is refused."""
         namespace = Namespace.from_dict(data)
+        if tenants is not None and namespace.tenant not in tenants:
+            raise KVStoreError("forbidden", f"this token may register namespaces of tenants {sorted(tenants)} "
+                               f"only, not {namespace.tenant!r}", tenant=namespace.tenant)
         if namespace.namespace_id not in self._namespaces:
             def job(tx: Tx) -> None:
                 if repo.namespace(tx.session, namespace.namespace_id) is None:
@@ -135,9 +143,11 @@ class DirectoryService:
             self._namespaces[namespace.namespace_id] = namespace
         return namespace.namespace_id
 
-    def namespace(self, namespace_id: str) -> Namespace:
+    def namespace(self, namespace_id: str, tenants: frozenset[str] | None = None) -> Namespace:
+        """The namespace, if it exists and belongs to one of `tenants` (None: any). Another tenant's
+        namespace gets the same answer as one that does not exist."""
         namespace = self._namespaces.get(namespace_id)
-        if namespace is None:
+        if namespace is None or (tenants is not None and namespace.tenant not in tenants):
             raise KVStoreError("not_found", "unknown namespace; register it first (POST /v1/namespaces)",
                                namespace_id=namespace_id)
         return namespace
@@ -156,16 +166,44 @@ class DirectoryService:
         check_blocks(self.namespace(req.namespace_id), req.blocks)
         return self.store.prepare(req)
 
-    async def prepare_store_async(self, req) -> dict:
-        check_blocks(self.namespace(req.namespace_id), req.blocks)
+    async def prepare_store_async(self, req, tenants: frozenset[str] | None = None) -> dict:
+        check_blocks(self.namespace(req.namespace_id, tenants), req.blocks)
         return await self.store.prepare_async(req)
 
-    def lookup(self, namespace_id: str, hashes: list[str], locations: bool = False) -> dict:
-        self.namespace(namespace_id)
+    async def complete_store_async(self, req):
+        if self.settings.verify_writes:
+            req = await asyncio.to_thread(self._verified, req)
+        return await self.store.complete_async(req)
+
+    def _verified(self, req):
+        """The writer's report, with every block its worker does not find matching the reported
+        checksum marked failed (so it is not committed). Asked before the commit, outside every job."""
+        r = self.store.reservations.get(req.token)
+        worker = self.index.workers.get(r.worker_id) if r else None
+        tier = self.index.tiers.get(r.tier_id) if r else None
+        claimed = {b.hash: b.checksum for b in req.blocks if b.ok and b.checksum}
+        written = [b for b in r.blocks if b.hash in claimed] if worker and tier else []
+        if not written:
+            return req  # nothing to check; completing says what is wrong with the token
+        items = [specs.VerifyItem(kind=tier.kind, runs=[specs.PageRun(first=f, count=c) for f, c in b.runs],
+                                  nbytes=b.nbytes, checksum=claimed[b.hash]) for b in written]
+        bad = {b.hash for b, match in zip(written, self.calls.verify(worker.control_url, items)) if match is not True}
+        if not bad:
+            return req
+        log.warning("%d of %d blocks written under %s do not match their writer's checksum; not committed",
+                    len(bad), len(written), req.token[:8])
+        self.metrics.checksum_failures.inc(len(bad))
+        return wire.CompleteStore(token=req.token, blocks=[
+            wire.BlockWritten(hash=b.hash, ok=b.ok and b.hash not in bad, checksum=b.checksum) for b in req.blocks])
+
+    def lookup(self, namespace_id: str, hashes: list[str], locations: bool = False,
+               tenants: frozenset[str] | None = None) -> dict:
+        self.namespace(namespace_id, tenants)
         return self.loads.lookup(namespace_id, hashes, locations)
 
-    def lookup_tokens(self, namespace_id: str, token_ids: list[int]) -> specs.TokenLookupResult:
-        namespace = self.namespace(namespace_id)
+    def lookup_tokens(self, namespace_id: str, token_ids: list[int],
+                      tenants: frozenset[str] | None = None) -> specs.TokenLookupResult:
+        namespace = self.namespace(namespace_id, tenants)
         if len(token_ids) // namespace.block_tokens > specs.MAX_BLOCKS:
             raise KVStoreError("invalid", f"{len(token_ids)} token ids are more than {specs.MAX_BLOCKS} blocks of "
                                f"{namespace.block_tokens} tokens; look up a shorter prefix")
@@ -174,8 +212,9 @@ class DirectoryService:
         return specs.TokenLookupResult(hit_tokens=hit * namespace.block_tokens, num_hit_blocks=hit,
                                        block_tokens=namespace.block_tokens)
 
-    def prepare_loads(self, namespace_id: str, chains: list[list[str]], reader: str) -> dict:
-        self.namespace(namespace_id)
+    def prepare_loads(self, namespace_id: str, chains: list[list[str]], reader: str,
+                      tenants: frozenset[str] | None = None) -> dict:
+        self.namespace(namespace_id, tenants)
         return self.loads.prepare(namespace_id, chains, reader)
 
     # ---- background -----------------------------------------------------------------------

@@ -24,6 +24,13 @@ class DirectorySettings(BaseSettings):
     reaper_interval_s: float = Field(0.5, gt=0, le=60)
     move_timeout_s: float = Field(300.0, gt=0, le=3600, description="a worker must finish a batch of tier "
                                   "moves within this; its destinations stay reserved that long (and no longer)")
+    require_auth: bool = Field(True, description="every route but /healthz and /readyz needs a bearer token")
+    open_metrics: bool = Field(False, description="serve /metrics without a token")
+    engine_rate: float = Field(10_000.0, ge=0, description="requests/s of one engine token; 0 = no limit")
+    engine_burst: float = Field(20_000.0, ge=1, description="requests an engine token may send at once")
+    verify_writes: bool = Field(False, description="a worker checksums every block at commit; a block whose bytes "
+                                "do not match its writer's checksum is not committed")
+    ca_file: str | None = Field(None, description="CA bundle that workers' HTTPS certificates are checked against")
     migrate_on_start: bool = Field(True, description="run alembic upgrade head at start-up")
     eviction: str = Field(DEFAULT_EVICTION, description="eviction policy of every tier (kvstore/policies)")
     admission: str = Field(DEFAULT_ADMISSION, description="admission of the memory tiers (and of NVMe/S3 where "

@@ -24,8 +24,10 @@ FREE_ITEMS_PER_CALL = 10_000  # a worker takes bodies of bounded size
 
 
 class WorkerCalls:
-    def __init__(self, timeout_s: float = 10.0, move_timeout_s: float = 300.0) -> None:
+    def __init__(self, timeout_s: float = 10.0, move_timeout_s: float = 300.0, ca_file: str | None = None) -> None:
         self._timeout_s = timeout_s
+        self._ca_file = ca_file  # workers' HTTPS certificates are checked against it
+        self._secrets: dict[str, str | None] = {}  # control URL -> the secret its worker registered with
         self.move_timeout_s = move_timeout_s  # a batch of NVMe or S3 copies; its destinations expire after it
         self._clients: dict[str, WorkerControlClient] = {}
         self._lock = threading.Lock()
@@ -33,10 +35,21 @@ class WorkerCalls:
         # endpoint is down can take seconds per deleted object
         self._frees = ThreadPoolExecutor(1, thread_name_prefix="worker-frees")
 
+    def authorize(self, url: str, secret: str | None) -> None:
+        """Calls to `url` carry `secret` from now on (a worker registered, or the directory started)."""
+        with self._lock:
+            if url in self._secrets and self._secrets[url] == secret:
+                return
+            self._secrets[url] = secret
+            old = self._clients.pop(url, None)
+        if old is not None:
+            old.close()
+
     def client(self, url: str) -> WorkerControlClient:
         with self._lock:
             if url not in self._clients:
-                self._clients[url] = WorkerControlClient(url, timeout_s=self._timeout_s)
+                self._clients[url] = WorkerControlClient(url, timeout_s=self._timeout_s, token=self._secrets.get(url),
+                                                         ca_file=self._ca_file)
             return self._clients[url]
 
     def grant(self, url: str, kind: str, token: str, max_pages: int) -> list[specs.PageRun]:

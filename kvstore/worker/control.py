@@ -1,5 +1,9 @@
 """The worker's control endpoint: the directory asks it to allocate and free pages.
 
+Only the directory may call it: every request but /healthz carries the secret this worker
+registered with (`Authorization: Bearer <secret>`); anything else is a 401. With a certificate
+and key it serves HTTPS.
+
     POST /v1/grant  GrantRequest -> GrantResult   (page credit: many free pages of a memory tier at once)
     POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with the reservation token)
     POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
@@ -16,8 +20,10 @@ gets an answer with an error body, a bug included.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -61,20 +67,32 @@ class _BoundedServer(ThreadingHTTPServer):
 class ControlServer:
     def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0,
                  mover=None, on_free=None, object_tiers: dict | None = None, verifier=None,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, secret: str | None = None,
+                 tls: tuple[str, str] | None = None) -> None:
+        """`secret`: what every call must carry (None: no check, for tests in one process);
+        `tls`: (certificate file, key file) to serve HTTPS."""
         self.allocators = allocators
+        self.secret = secret
         self.object_tiers = object_tiers or {}  # kind -> callable(name) deleting an object
         self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
         self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
         handler = type("Handler", (_Handler,), {"control": self})
         self._server = _BoundedServer((host, port), handler, max_connections)
+        self.scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            # the handshake runs on the connection's own thread, not in the accept loop
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                      do_handshake_on_connect=False)
+            self.scheme = "https"
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="control", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self) -> None:
         self._thread.start()
@@ -82,6 +100,12 @@ class ControlServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+    def authorized(self, header: str | None) -> bool:
+        if self.secret is None:
+            return True
+        expected = f"Bearer {self.secret}".encode()
+        return header is not None and hmac.compare_digest(header.encode("latin-1", "replace"), expected)
 
     def allocate(self, req: specs.AllocRequest) -> specs.AllocResult:
         if req.kind in self.object_tiers:  # objects need no pages: one per block, unbounded
@@ -156,6 +180,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
             return
         model, action = routes[self.path]
+        if not self.control.authorized(self.headers.get("authorization")):
+            self.close_connection = True
+            self._answer(401, KVStoreError("unauthorized", "only the directory this worker registered with may "
+                                           "call it").to_body())
+            return
         try:
             length = body_length(self.headers.get("content-length"), MAX_BODY) or 0
             body = model.model_validate_json(self.rfile.read(length))
@@ -167,11 +196,27 @@ class _Handler(BaseHTTPRequestHandler):
             if exc.kind in ("invalid", "too_large"):
                 self.close_connection = True  # what is left of the body cannot be trusted to frame a request
             self._answer(exc.http_status, exc.to_body())
+        except (BrokenPipeError, ConnectionResetError):  # the caller left before its answer
+            self.close_connection = True
         except Exception as exc:  # a bug: answered, logged, and the connection closed
             log.exception("control %s failed", self.path)
             self.close_connection = True
             self._answer(500, KVStoreError("internal", type(exc).__name__).to_body())
 
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a bad request line, headers, an unknown method) in kvstore's body."""
+        self.close_connection = True
+        code = 405 if code == 501 else code  # no handler for the method
+        kind = {404: "not_found", 413: "too_large", 414: "too_large", 431: "too_large"}.get(code, "invalid")
+        body = json.dumps(KVStoreError(kind, message or self.responses.get(code, ("",))[0]).to_body()).encode()
+        self.send_response(code, message)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.send_header("connection", "close")
+        self.end_headers()
+        if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+            self.wfile.write(body)
 
     def _answer(self, status: int, body: dict) -> None:
         data = json.dumps(body, default=str).encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -66,10 +67,13 @@ class StorageWorker:
             allocators["nvme"] = self.nvme.allocator
         self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes,
                            self.hbm, gds=self.gds)
+        self.secret = secrets.token_urlsafe(32)  # the directory's calls must carry it; new at every start
+        tls = (str(settings.tls_cert), str(settings.tls_key)) if settings.tls_cert and settings.tls_key else None
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
                                      on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {},
-                                     verifier=self.mover.verify)
-        self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0)
+                                     verifier=self.mover.verify, secret=self.secret, tls=tls)
+        self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0, token=settings.token,
+                                         ca_file=settings.ca_file)
         self.epoch = 0
         self.heartbeat_interval_s = 1.0
 
@@ -124,7 +128,7 @@ class StorageWorker:
             name=self.settings.name, agent_name=self.agent.name,
             agent_metadata=base64.b64encode(self.agent.metadata()).decode(),
             control_url=self.control.url, pid=os.getpid(), backends=self.agent.backends, tiers=self.tier_specs(),
-            inventory=self.inventory()))
+            inventory=self.inventory(), control_secret=self.secret))
         self.epoch, self.heartbeat_interval_s = answer.epoch, answer.heartbeat_interval_s
         log.info("registered with the directory as %s, epoch %d", self.settings.name, self.epoch)
 

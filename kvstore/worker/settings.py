@@ -31,4 +31,8 @@ class WorkerSettings(BaseSettings):
     s3_prefix: str = Field("kvstore", description="objects live at <prefix>/<namespace_id>/<hash>")
     s3_region: str = "us-east-1"
     s3_virtual_addressing: bool = False
+    token: str | None = Field(None, description="worker-scope token for the directory (KVSTORE_TOKEN also works)")
+    ca_file: str | None = Field(None, description="CA bundle the directory's HTTPS certificate is checked against")
+    tls_cert: Path | None = Field(None, description="certificate of the control endpoint (HTTPS); needs tls_key")
+    tls_key: Path | None = Field(None, description="private key of the control endpoint's certificate")
     bounce_bytes: int = Field(64 << 20, ge=1 << 20, description="DRAM buffer for copies to S3 (>= one block)")

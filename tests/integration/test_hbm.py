@@ -24,7 +24,7 @@ def gpu_stack(tmp_path, *worker_args: str):
     """A directory and a worker with a 64 MiB HBM tier (and `worker_args`); yields (url, client)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
+    directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var")),
                       tmp_path / "directory.log")
     worker = None
     try:

@@ -32,7 +32,7 @@ def s3(tmp_path, monkeypatch):
 
 def start(tmp_path, s3: MotoServer, port: int, run: int):
     url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
+    directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var")),
                       tmp_path / f"directory-{run}.log")
     wait_http(url + "/readyz", proc=directory)
     worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
@@ -123,7 +123,7 @@ def test_write_through_keeps_a_namespace_durable_without_pressure(tmp_path, s3):
     url = f"http://127.0.0.1:{port}"
 
     def start_plain(run: int):
-        directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir",
+        directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir",
                                       str(tmp_path / "var")), tmp_path / f"wt-directory-{run}.log")
         wait_http(url + "/readyz", proc=directory)
         worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--dram-bytes",
@@ -165,7 +165,7 @@ def test_a_dram_tier_the_size_of_one_prompt_stores_and_loads_every_prompt_whole(
     S3 loads whole. Before, saves after the first stored about 70 % and said nothing."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var"),
+    directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var"),
                                   "--admission", "always"), tmp_path / "directory.log")
     procs = [directory]
     try:

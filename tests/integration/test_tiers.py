@@ -19,7 +19,7 @@ FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS  # 1040 tokens = 65 blocks o
 
 def start(tmp_path, port: int, run: int):
     url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir", str(tmp_path / "var")),
+    directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var")),
                       tmp_path / f"directory-{run}.log")
     wait_http(url + "/readyz", proc=directory)
     worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",

@@ -78,3 +78,31 @@ def test_connections_beyond_the_limit_wait_for_a_slot(control):
     assert request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n")[0] == 200
     for sock in idle:
         sock.close()
+
+
+def test_only_the_holder_of_the_workers_secret_is_served():
+    from kvstore.client.worker import WorkerControlClient
+    from kvstore.core.errors import KVStoreError
+
+    secret = "s" * 43
+    server = ControlServer({"dram": PageAllocator(8, 128)}, secret=secret)
+    server.start()
+    try:
+        body = specs.AllocRequest(token="t", kind="dram", sizes=[128])
+        for forged in (None, "s" * 42, secret + "x", "Basic " + secret):
+            client = WorkerControlClient(server.url, timeout_s=5, token=forged)
+            with pytest.raises(KVStoreError) as refused:
+                client.allocate(body)
+            assert refused.value.kind == "unauthorized"
+            client.close()
+        assert server.allocators["dram"].free_pages == 8  # nothing was allocated by a forged call
+        status, answer = request(server, "POST /v1/free HTTP/1.1\r\nauthorization: Bearer nope\r\n"
+                                 "content-length: 2\r\n", b"{}")
+        assert status == 401 and answer["error"] == "unauthorized"
+        real = WorkerControlClient(server.url, timeout_s=5, token=secret)
+        assert len(real.allocate(body).runs) == 1
+        real.close()
+        status, _ = request(server, "GET /healthz HTTP/1.1\r\n")
+        assert status == 200
+    finally:
+        server.stop()

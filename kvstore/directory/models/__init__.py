@@ -7,6 +7,7 @@ from kvstore.directory.models.lease import Lease
 from kvstore.directory.models.namespace import NamespaceRow
 from kvstore.directory.models.replica import Replica
 from kvstore.directory.models.tier import Tier
+from kvstore.directory.models.token import TokenRow
 from kvstore.directory.models.worker import Worker
 
-__all__ = ["Base", "Block", "Grant", "Lease", "NamespaceRow", "Replica", "Tier", "Worker"]
+__all__ = ["Base", "Block", "Grant", "Lease", "NamespaceRow", "Replica", "Tier", "TokenRow", "Worker"]

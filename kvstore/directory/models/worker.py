@@ -18,3 +18,5 @@ class Worker(Base):
     backends: Mapped[list] = mapped_column(JSON)
     heartbeat_at: Mapped[float] = mapped_column(Float)
     registered_at: Mapped[float] = mapped_column(Float)
+    owner: Mapped[str] = mapped_column(String(64), default="")  # id of the token that registered it ('' = none)
+    control_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)  # the directory's calls carry it

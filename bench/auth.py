@@ -1,0 +1,92 @@
+"""What credentials cost a lookup: one directory with them and one without, side by side.
+
+    python bench/auth.py [--calls 5000] [--rounds 5] [--json bench/out/auth.json]
+
+Both directories run as processes on loopback (SQLite in temp dirs); one is started with
+--insecure-no-auth, the other with an engine token made through its API. A client process asks
+each in turn for rounds of `--calls` lookups of a 128-hash prefix over one keep-alive
+connection; the table shows median latency per round and the ratio with/without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, machine, median, print_table, write_json
+
+from kvstore.client import DirectoryClient  # noqa: E402
+from kvstore.core.credentials import TokenCreate  # noqa: E402
+from kvstore.core.keys import Namespace  # noqa: E402
+from tests.helpers import free_port, kvstore_cmd, stop, wait_http  # noqa: E402
+
+NS = Namespace(model_id="bench-auth", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_tokens=4)
+
+
+def lookups(port: int, token: str | None, body: bytes, calls: int) -> float:
+    """Median seconds of `calls` lookups over one connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    conn.connect()
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/lookup", body, headers)
+        response = conn.getresponse()
+        response.read()
+        times.append(time.perf_counter() - t0)
+        assert response.status == 200, response.status
+    conn.close()
+    return median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default="bench/out/auth.json")
+    args = parser.parse_args()
+    procs, stacks = [], {}
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-auth-") as tmp:
+        try:
+            for mode in ("open", "tokens"):
+                port, data = free_port(), Path(tmp) / mode
+                flags = ["--insecure-no-auth"] if mode == "open" else ["--admin-token-file", str(data / "admin")]
+                procs.append(subprocess.Popen(kvstore_cmd("directory", "serve", "--port", str(port), "--data-dir",
+                                                          str(data), *flags), cwd=REPO,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+                wait_http(f"http://127.0.0.1:{port}/readyz", proc=procs[-1])
+                admin = DirectoryClient(f"http://127.0.0.1:{port}", token=(data / "admin").read_text().strip()
+                                        if mode == "tokens" else None)
+                token = admin.create_token(TokenCreate(name="bench", scopes=["engine"], tenants=[""])).token \
+                    if mode == "tokens" else None
+                namespace_id = DirectoryClient(admin.base_url, token=token).register_namespace(NS)
+                body = json.dumps({"namespace_id": namespace_id, "hashes": [f"{i:032x}" for i in range(128)]})
+                stacks[mode] = (port, token, body.encode())
+            rounds = {mode: [] for mode in stacks}
+            for _ in range(args.rounds):
+                for mode, (port, token, body) in stacks.items():
+                    rounds[mode].append(lookups(port, token, body, args.calls))
+        finally:
+            for proc in procs:
+                stop(proc)
+    p50 = {mode: median(v) * 1e6 for mode, v in rounds.items()}
+    print_table(["lookup p50 without credentials (µs)", "with an engine token (µs)", "with/without"],
+                [[p50["open"], p50["tokens"], p50["tokens"] / p50["open"]]])
+    write_json(args.json, {"benchmark": "auth", "machine": machine(), "calls": args.calls, "rounds": args.rounds,
+                           "p50_us": p50, "ratio": p50["tokens"] / p50["open"],
+                           "rounds_us": {k: [x * 1e6 for x in v] for k, v in rounds.items()}})
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Credentials, scopes, tenants and worker identity, over HTTP against the directory in this process.
+
+The route matrix is read from the app's own route table: a route added without an entry in
+kvstore.directory.auth.ROUTES stops the app from starting, and every protected route is called
+here without a token, with an unknown one, and with a token of each scope.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import stat
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from kvstore.cli.run import bootstrap_token
+from kvstore.core import specs
+from kvstore.core.credentials import SCOPES
+from kvstore.core.errors import KVStoreError
+from kvstore.directory.auth import PUBLIC, ROUTES, flat_routes
+from tests.component.test_directory import chain, complete, hits, prepare
+from tests.stacks import NS, PAGE, directory_stack, make_settings
+
+PARAMS = {"{name}": "w0", "{namespace_id}": "0" * 16, "{token_id}": "0" * 16}
+
+
+@pytest.fixture
+def secure(database_url):
+    with directory_stack(make_settings(database_url, require_auth=True)) as s:
+        yield s
+
+
+def _routes(stack) -> list[tuple[str, str]]:
+    return sorted((m, r.path) for r in flat_routes(stack.app.fastapi.routes) for m in r.methods if m != "HEAD")
+
+
+def _call(stack, method: str, template: str, token: str | None = None) -> httpx.Response:
+    path = template
+    for name, value in PARAMS.items():
+        path = path.replace(name, value)
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    body = {} if method in ("POST", "PUT") else None
+    return stack.http.request(method, path, headers=headers, json=body)
+
+
+def test_the_scope_table_names_exactly_the_app_routes(secure):
+    assert set(_routes(secure)) == set(ROUTES)
+
+
+def test_every_protected_route_is_a_401_without_a_token_or_with_an_unknown_one(secure):
+    protected = [(m, p) for m, p in _routes(secure) if ROUTES[(m, p)] != PUBLIC]
+    assert len(protected) >= 25
+    for method, path in protected:
+        for token in (None, "kvs_not-a-token", "Basic abc"):
+            answer = _call(secure, method, path, token)
+            assert answer.status_code == 401, (method, path, token, answer.text)
+            assert answer.json()["error"] == "unauthorized"
+            assert answer.headers["www-authenticate"] == "Bearer"
+    for method, path in [(m, p) for m, p in _routes(secure) if ROUTES[(m, p)] == PUBLIC]:
+        assert _call(secure, method, path).status_code == 200, path
+
+
+def test_each_scope_reaches_its_routes_and_gets_403_elsewhere(secure):
+    tokens = {scope: secure.token(scope, tenants=("acme",) if scope == "engine" else ()) for scope in SCOPES}
+    matrix = {}
+    for method, path in _routes(secure):
+        needed = ROUTES[(method, path)]
+        if not needed:
+            continue
+        for scope, token in tokens.items():
+            answer = _call(secure, method, path, token)
+            allowed = scope == "admin" or scope in needed
+            matrix[(method, path, scope)] = answer.status_code
+            if allowed:
+                assert answer.status_code not in (401, 403), (method, path, scope, answer.text)
+            else:
+                assert answer.status_code == 403, (method, path, scope, answer.text)
+                assert answer.json()["error"] == "forbidden"
+    assert sum(code == 403 for code in matrix.values()) >= 50
+
+
+def test_metrics_open_only_when_the_operator_says_so(database_url):
+    with directory_stack(make_settings(database_url, require_auth=True, open_metrics=True)) as s:
+        assert s.http.get("/metrics").status_code == 200
+        assert s.http.get("/v1/tiers").status_code == 401
+
+
+def test_an_engine_sees_only_its_own_tenants_namespaces(secure):
+    acme = secure.as_(secure.token("engine", tenants=("acme",)))
+    globex = secure.as_(secure.token("engine", tenants=("globex",)))
+    ns_acme, ns_globex = dataclasses.replace(NS, tenant="acme"), dataclasses.replace(NS, tenant="globex")
+    acme_id, globex_id = acme.register_namespace(ns_acme), globex.register_namespace(ns_globex)
+    with pytest.raises(KVStoreError) as refused:
+        globex.register_namespace(ns_acme)
+    assert refused.value.kind == "forbidden"
+
+    hashes = chain(3)
+    engine = SimpleNamespace(client=acme, namespace_id=acme_id)
+    assert complete(engine, prepare(engine, hashes)).committed == 3
+    assert hits(engine, hashes) == 3
+
+    def answer(call):
+        try:
+            call()
+        except KVStoreError as exc:
+            return exc.kind, exc.message
+        return "answered"
+
+    for ns_id, other in ((acme_id, "f" * 16), (globex_id, "e" * 16)):
+        client = globex if ns_id == acme_id else acme
+        calls = [lambda c, n: c.lookup(n, hashes),
+                 lambda c, n: c.lookup_tokens(n, list(range(8))),
+                 lambda c, n: c.call_raw("POST", "/v1/lookup/batch", {"namespace_id": n, "prompts": [hashes]}),
+                 lambda c, n: c.prepare_load(specs.PrepareLoad(namespace_id=n, hashes=hashes)),
+                 lambda c, n: c.prepare_store(specs.PrepareStore(namespace_id=n, blocks=[
+                     specs.BlockToStore(hash=hashes[0], nbytes=NS.block_nbytes)]))]
+        for call in calls:  # another tenant's namespace answers as one that does not exist
+            foreign, missing = answer(lambda: call(client, ns_id)), answer(lambda: call(client, other))
+            assert foreign == missing and foreign[0] == "not_found", (foreign, missing)
+    with pytest.raises(KVStoreError) as refused:  # evicting is for admins
+        globex.evict_tier(specs.EvictRequest(tier="dram", namespace_id=acme_id))
+    assert refused.value.kind == "forbidden"
+    assert hits(engine, hashes) == 3  # nothing the other tenant did touched them
+
+
+def _registration(name: str, secret: str | None = None) -> specs.WorkerRegistration:
+    return specs.WorkerRegistration(
+        name=name, agent_name=f"{name}-agent", agent_metadata=base64.b64encode(b"md").decode(), control_url="",
+        pid=1, backends=["UCX"], control_secret=secret,
+        tiers=[specs.TierSpec(kind="dram", capacity_bytes=4 * PAGE, page_bytes=PAGE, base_addr=1 << 20)])
+
+
+def test_a_forged_registration_cannot_take_a_live_workers_name(secure):
+    owner, intruder = secure.as_(secure.token("worker")), secure.as_(secure.token("worker"))
+    epoch = owner.register_worker(_registration("wx", "s" * 32)).epoch
+    for call in (lambda: intruder.register_worker(_registration("wx", "t" * 32)),
+                 lambda: intruder.heartbeat("wx", epoch), lambda: intruder.deregister("wx", epoch)):
+        with pytest.raises(KVStoreError) as refused:
+            call()
+        assert refused.value.kind in ("conflict", "forbidden")
+    assert secure.client.worker("wx").epoch == epoch  # untouched
+    with secure.service._sessions() as session:
+        from kvstore.directory import repository as repo
+        assert repo.worker_by_name(session, "wx").control_secret == "s" * 32
+    owner.heartbeat("wx", epoch)
+    owner.deregister("wx", epoch)  # gone: the name is free again
+    assert intruder.register_worker(_registration("wx", "t" * 32)).epoch == epoch + 1
+
+
+def test_a_revoked_token_is_refused_at_once(secure):
+    token = secure.token("read")
+    reader = secure.as_(token)
+    assert reader.stats().blocks >= 0
+    token_id = next(t.id for t in secure.client.tokens() if t.name == "read" and t.revoked_at is None)
+    secure.client.revoke_token(token_id)
+    with pytest.raises(KVStoreError) as refused:
+        reader.stats()
+    assert refused.value.kind == "unauthorized"
+    secure.app.state.tokens.load()  # what another directory reading the table would find
+    assert secure.app.state.tokens.authenticate(token) is None
+    assert all(t.revoked_at for t in secure.client.tokens() if t.id == token_id)
+
+
+def test_token_creation_checks_its_input(secure):
+    for body in ({"name": "x", "scopes": ["engine"]}, {"name": "x", "scopes": ["root"]},
+                 {"name": "x", "scopes": ["read"], "tenants": ["acme"]}, {"name": "", "scopes": ["read"]}):
+        answer = secure.http.post("/v1/admin/tokens", json=body,
+                                  headers={"authorization": f"Bearer {secure.token('admin')}"})
+        assert answer.status_code == 400, (body, answer.text)
+    assert "kvs_" not in secure.http.get("/v1/admin/tokens", headers={
+        "authorization": f"Bearer {secure.token('admin')}"}).text  # secrets are never listed
+
+
+def test_an_engine_token_over_its_rate_gets_429_with_retry_after(database_url):
+    with directory_stack(make_settings(database_url, require_auth=True, engine_rate=1, engine_burst=3)) as s:
+        headers = {"authorization": f"Bearer {s.token('engine', tenants=('',))}"}
+        body = {"namespace_id": s.namespace_id, "hashes": chain(1)}
+        codes = [s.http.post("/v1/lookup", json=body, headers=headers) for _ in range(5)]
+        assert [a.status_code for a in codes[:3]] == [200, 200, 200]
+        assert codes[4].status_code == 429 and codes[4].json()["error"] == "throttled"
+        assert int(codes[4].headers["retry-after"]) >= 1
+        admin = {"authorization": f"Bearer {s.token('admin')}"}
+        assert all(s.http.post("/v1/lookup", json=body, headers=admin).status_code == 200 for _ in range(5))
+
+
+def test_evicting_everything_needs_all_true(secure):
+    admin = {"authorization": f"Bearer {secure.token('admin')}"}
+    answer = secure.http.post("/v1/admin/evict", json={}, headers=admin)
+    assert answer.status_code == 400 and "all" in answer.json()["detail"]
+    plan = secure.http.post("/v1/admin/evict", json={"all": True, "dry_run": True}, headers=admin)
+    assert plan.status_code == 200
+
+
+def test_verify_writes_commits_only_blocks_the_worker_confirms(database_url):
+    with directory_stack(make_settings(database_url, verify_writes=True)) as s:
+        s.verdicts.intact = False  # the bytes do not hash to what the writer claims
+        hashes = chain(2)
+        assert complete(s, prepare(s, hashes)).committed == 0
+        assert hits(s, hashes) == 0 and len(s.verdicts.asked) == 2
+        s.verdicts.intact = True
+        assert complete(s, prepare(s, hashes)).committed == 2
+        assert hits(s, hashes) == 2
+
+
+def test_the_bootstrap_token_file_is_private_and_kept_while_valid(secure, tmp_path):
+    path = tmp_path / "admin.token"
+    tokens = secure.app.state.tokens
+    assert bootstrap_token(tokens, path, "admin")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    first = path.read_text().strip()
+    assert tokens.authenticate(first).scopes == {"admin"}
+    assert not bootstrap_token(tokens, path, "admin")  # valid: kept
+    tokens.revoke(tokens.authenticate(first).id)
+    assert bootstrap_token(tokens, path, "admin") and path.read_text().strip() != first
