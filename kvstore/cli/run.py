@@ -89,7 +89,7 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
 
     _logging()
     _tls_pair(tls_cert, tls_key)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database holds the workers' secrets
     url = database_url or f"sqlite:///{(data_dir / 'directory.db').resolve()}"
     try:
         settings = DirectorySettings(database_url=url, lease_ttl_s=lease_ttl, heartbeat_timeout_s=heartbeat_timeout,
@@ -99,6 +99,8 @@ def directory_serve(host: Host = "127.0.0.1", port: int = 8700,
     except ValidationError as exc:
         raise typer.BadParameter(_problems(exc)) from None
     app = create_app(settings)
+    if database_url is None:
+        os.chmod(data_dir / "directory.db", 0o600)
     for path, scope in ((admin_token_file, "admin"), (worker_token_file, "worker")):
         if path is not None and bootstrap_token(app.state.tokens, path, scope):
             log.info("wrote a new %s token to %s", scope, path)
@@ -124,11 +126,12 @@ def bootstrap_token(tokens, path: Path, scope: str) -> bool:
         if held is not None and scope in held.scopes:
             return False
     created = tokens.create(TokenCreate(name=f"bootstrap {scope}", scopes=[scope]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fresh = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)  # private from its first byte
     with os.fdopen(fd, "w") as f:
         f.write(created.token + "\n")
-    os.chmod(path, 0o600)
+    os.replace(fresh, path)  # a link at `path` is replaced, never followed
     return True
 
 

@@ -44,6 +44,6 @@ class Renewal:
                 self.directory.renew(self.token)
                 self.renewals += 1
             except KVStoreError as exc:
-                self.lost = str(exc)
-                log.warning("could not renew %s: %s", self.token, exc)
+                self.lost = f"{exc.kind}: {exc.message}"  # the token is a capability: never logged whole
+                log.warning("could not renew %s…: %s", self.token[:8], self.lost)
                 return

@@ -107,11 +107,14 @@ def _start_then_reap(service: DirectoryService, tokens: Tokens, stop: threading.
     while not stop.wait(service.settings.reaper_interval_s):
         try:
             service.reap()
-            if time.monotonic() - loaded > TOKENS_RELOAD_S:
-                tokens.load()
-                loaded = time.monotonic()
         except Exception:  # the loop must survive a bad tick (e.g. database briefly away)
             log.exception("reaper tick failed")
+        if time.monotonic() - loaded > TOKENS_RELOAD_S:
+            try:
+                tokens.load()
+                loaded = time.monotonic()
+            except Exception:
+                log.exception("reading the tokens again failed")
 
 
 def caller(request: Request) -> Principal:

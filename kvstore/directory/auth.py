@@ -106,11 +106,18 @@ class Tokens:
         self._write = write
         self._clock = clock
         self._by_digest: dict[str, Principal] = {}
+        self._lock = threading.Lock()
+        self._changes = 0  # creations and revocations made here; a reload that began before one is dropped
 
     def load(self) -> None:
+        with self._lock:
+            changes = self._changes
         with self._sessions() as session:
             rows = session.query(TokenRow).filter(TokenRow.revoked_at.is_(None)).all()
-            self._by_digest = {row.digest: _principal(row) for row in rows}
+            fresh = {row.digest: _principal(row) for row in rows}
+        with self._lock:
+            if changes == self._changes:
+                self._by_digest = fresh
 
     def authenticate(self, secret: str) -> Principal | None:
         return self._by_digest.get(digest(secret))
@@ -124,7 +131,9 @@ class Tokens:
         row = TokenRow(id=secrets.token_hex(8), name=req.name, digest=digest(secret), scopes=sorted(set(req.scopes)),
                        tenants=sorted(set(req.tenants)), created_at=self._clock(), revoked_at=None)
         self._write(lambda tx: tx.session.add(row))
-        self._by_digest[row.digest] = _principal(row)
+        with self._lock:
+            self._changes += 1
+            self._by_digest = {**self._by_digest, row.digest: _principal(row)}
         return specs.TokenCreated(token=secret, info=_info(row))
 
     def revoke(self, token_id: str) -> specs.TokenInfo:
@@ -135,7 +144,9 @@ class Tokens:
             row.revoked_at = row.revoked_at or self._clock()
             return _info(row)
         info = self._write(job)
-        self._by_digest = {d: p for d, p in self._by_digest.items() if p.id != token_id}
+        with self._lock:
+            self._changes += 1
+            self._by_digest = {d: p for d, p in self._by_digest.items() if p.id != token_id}
         return info
 
     def list(self) -> list[specs.TokenInfo]:
@@ -212,14 +223,16 @@ class Guard:
         if needed is not None:
             return needed
         for m, regex, scopes in self._patterns:
-            if m == method and regex.match(path):
+            if m == method and regex.fullmatch(path):
                 return scopes
         return None
 
     def check(self, method: str, path: str, authorization: bytes | None) -> Principal:
+        """The caller, or a refusal; a request no route answers is refused here too (404), so that
+        nothing the guard did not classify ever reaches the app."""
         needed = self.needed(method, path)
         if needed is None:
-            return NOBODY
+            raise KVStoreError("not_found", f"no route {method} {path[:200]}")
         if not self.require_auth:
             return ANONYMOUS
         if not needed:

@@ -39,6 +39,7 @@ def _body(path: str, model: type[BaseModel]) -> dict:
 
 MAX_BODY = 32 << 20  # bytes of one request body (100,000 blocks of a save are about 12 MiB)
 MAX_REGISTRATION_BODY = 1 << 30  # a worker's registration lists what survived on its durable tiers
+MAX_BODYLESS = 64 << 10  # a GET carries no body worth reading
 
 
 class HotCalls:
@@ -121,10 +122,10 @@ class HotPath:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = MAX_REGISTRATION_BODY if scope["path"] == "/v1/workers" else MAX_BODY
         headers = dict(scope["headers"])
         try:  # refused before a byte of the body is read
             who = scope[PRINCIPAL] = self.guard.check(scope["method"], scope["path"], headers.get(b"authorization"))
+            limit = _body_limit(scope["method"], scope["path"])
             length = body_length(headers.get(b"content-length"), limit)
         except KVStoreError as exc:
             await _answer(send, exc.http_status, wire.encode(exc.to_body()), _error_headers(exc))
@@ -148,6 +149,12 @@ class HotPath:
             log.exception("unhandled error in %s", scope["path"])
             status, payload = 500, wire.encode(KVStoreError("internal", type(exc).__name__).to_body())
         await _answer(send, status, payload)
+
+
+def _body_limit(method: str, path: str) -> int:
+    if method == "POST":
+        return MAX_REGISTRATION_BODY if path == "/v1/workers" else MAX_BODY
+    return MAX_BODY if method == "PUT" else MAX_BODYLESS
 
 
 async def _answer(send, status: int, payload: bytes, headers: list | None = None) -> None:

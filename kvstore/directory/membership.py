@@ -56,12 +56,15 @@ class Membership:
 
     def _register(self, tx: Tx, reg: specs.WorkerRegistration, metadata: bytes, owner: str,
                   now: float) -> tuple[int, int]:
+        if reg.control_url and any(w.owner != owner and w.name != reg.name and self._alive(w, now)
+                                   for w in tx.session.query(Worker).filter(Worker.control_url == reg.control_url)):
+            raise KVStoreError("conflict", f"{reg.control_url} is the endpoint of a live worker registered with "
+                               "another token", worker=reg.name)
         worker = repo.worker_by_name(tx.session, reg.name)
         if worker is None:
             worker = Worker(name=reg.name, epoch=0, registered_at=now)
             tx.session.add(worker)
-        elif worker.owner != owner and worker.state != "dead" \
-                and now - worker.heartbeat_at <= self._settings.heartbeat_timeout_s:
+        elif worker.owner != owner and self._alive(worker, now):
             raise KVStoreError("conflict", f"worker name {reg.name!r} is held by a live worker registered with "
                                "another token", worker=reg.name)
         worker.owner, worker.control_secret = owner, reg.control_secret
@@ -76,6 +79,9 @@ class Membership:
         tx.session.flush()
         self._reconcile(tx, worker, reg.inventory, now)
         return worker.id, worker.epoch
+
+    def _alive(self, worker: Worker, now: float) -> bool:
+        return worker.state != "dead" and now - worker.heartbeat_at <= self._settings.heartbeat_timeout_s
 
     def grant(self, worker_id: int) -> None:
         """Ask the worker for every free page of its memory tiers it has not granted us in this epoch,
@@ -270,9 +276,9 @@ class Membership:
 
 
 def _owned(worker: Worker | None, owner: str) -> Worker | None:
-    if worker is not None and worker.owner != owner:
-        raise KVStoreError("forbidden", f"worker {worker.name!r} was registered with another token", worker=worker.name)
-    return worker
+    """The worker if `owner` registered it; else None, so that a caller learns no more about another
+    token's worker than about a name nobody holds."""
+    return worker if worker is not None and worker.owner == owner else None
 
 
 def _covers(survivor: specs.Survivor, tier: Tier) -> bool:

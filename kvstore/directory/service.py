@@ -98,7 +98,8 @@ class DirectoryService:
             self._namespaces.update({row.id: Namespace.from_dict(row.spec)
                                      for row in tx.session.query(NamespaceRow)})
             for worker in repo.workers(tx.session):
-                self.calls.authorize(worker.control_url, worker.control_secret)
+                if worker.state != "dead":  # a dead row may name the endpoint a live worker has now
+                    self.calls.authorize(worker.control_url, worker.control_secret)
             self.index.rebuild(tx.session)
             self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
         self.writer.run(build)

@@ -82,6 +82,19 @@ def test_each_scope_reaches_its_routes_and_gets_403_elsewhere(secure):
     assert sum(code == 403 for code in matrix.values()) >= 50
 
 
+def test_a_path_the_guard_does_not_know_never_reaches_the_app(secure):
+    """Starlette's route patterns end in `$`, which also matches before a trailing newline; a path
+    no guard entry matches exactly is refused by the guard itself, never forwarded."""
+    body = {"name": "sneaky", "scopes": ["admin"], "all": True}
+    for method, path in (("POST", "/v1/admin/tokens%0A"), ("POST", "/v1/admin/evict%0a"), ("GET", "/v1/workers%0A"),
+                         ("POST", "/v1/workers/w0/drain%0A"), ("GET", "/v1/tiers/"), ("POST", "/v1/nowhere"),
+                         ("DELETE", "/v1/admin/tokens")):
+        answer = secure.http.request(method, path, json=body)
+        assert answer.status_code == 404 and answer.json()["error"] == "not_found", (method, path, answer.text)
+    assert "sneaky" not in {t.name for t in secure.client.tokens()}
+    assert secure.client.worker("w0").state == "active"
+
+
 def test_metrics_open_only_when_the_operator_says_so(database_url):
     with directory_stack(make_settings(database_url, require_auth=True, open_metrics=True)) as s:
         assert s.http.get("/metrics").status_code == 200
@@ -126,17 +139,18 @@ def test_an_engine_sees_only_its_own_tenants_namespaces(secure):
     assert hits(engine, hashes) == 3  # nothing the other tenant did touched them
 
 
-def _registration(name: str, secret: str | None = None) -> specs.WorkerRegistration:
+def _registration(name: str, secret: str | None = None, url: str = "") -> specs.WorkerRegistration:
     return specs.WorkerRegistration(
-        name=name, agent_name=f"{name}-agent", agent_metadata=base64.b64encode(b"md").decode(), control_url="",
+        name=name, agent_name=f"{name}-agent", agent_metadata=base64.b64encode(b"md").decode(), control_url=url,
         pid=1, backends=["UCX"], control_secret=secret,
         tiers=[specs.TierSpec(kind="dram", capacity_bytes=4 * PAGE, page_bytes=PAGE, base_addr=1 << 20)])
 
 
 def test_a_forged_registration_cannot_take_a_live_workers_name(secure):
     owner, intruder = secure.as_(secure.token("worker")), secure.as_(secure.token("worker"))
-    epoch = owner.register_worker(_registration("wx", "s" * 32)).epoch
+    epoch = owner.register_worker(_registration("wx", "s" * 32, "http://127.0.0.1:9")).epoch
     for call in (lambda: intruder.register_worker(_registration("wx", "t" * 32)),
+                 lambda: intruder.register_worker(_registration("wy", "t" * 32, "http://127.0.0.1:9")),
                  lambda: intruder.heartbeat("wx", epoch), lambda: intruder.deregister("wx", epoch)):
         with pytest.raises(KVStoreError) as refused:
             call()
@@ -206,9 +220,12 @@ def test_verify_writes_commits_only_blocks_the_worker_confirms(database_url):
 
 
 def test_the_bootstrap_token_file_is_private_and_kept_while_valid(secure, tmp_path):
-    path = tmp_path / "admin.token"
+    path, elsewhere = tmp_path / "admin.token", tmp_path / "elsewhere"
+    elsewhere.write_text("someone else's file\n")
+    path.symlink_to(elsewhere)  # replaced, never followed
     tokens = secure.app.state.tokens
     assert bootstrap_token(tokens, path, "admin")
+    assert not path.is_symlink() and elsewhere.read_text() == "someone else's file\n"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     first = path.read_text().strip()
     assert tokens.authenticate(first).scopes == {"admin"}
