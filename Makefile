@@ -40,7 +40,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	# (config, connector, kv_cache_utils, and the v1 Scheduler with a model config's architecture check)
 	$(VLLM_PY) -m pip install --quiet --no-deps vllm==0.33.0
 	$(VLLM_PY) -m pip install --quiet $(VLLM_IMPORTS)
-	$(VLLM_PY) -m pip install --quiet -e . pytest pytest-timeout
+	$(VLLM_PY) -m pip install --quiet -e '.[directory,worker,connector]' pytest pytest-timeout httpx
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -c "from vllm.config import VllmConfig; \
 		from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory; \
 		from vllm.v1.core.sched.scheduler import Scheduler"

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvstore import __version__
 from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, console, directory, one_line_errors
 from kvstore.cli.run import directory_app, up, worker_app
 from kvstore.cli.tokens import tokens_app
@@ -29,6 +30,18 @@ app.add_typer(worker_app, name="worker")
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
 app.command()(up)
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        print(f"kvstore {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="print the version and exit")] = False) -> None:
+    """kvstore: a tiered KV-cache store for LLM inference."""
 
 
 @app.command()

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import httpx
 import typer
 
 from kvstore.core.errors import KVStoreError
@@ -286,15 +285,18 @@ def _problems(exc) -> str:
 
 
 def _wait_healthy(url: str, child: subprocess.Popen, stop: threading.Event, timeout_s: float = 60) -> bool:
+    from kvstore.client.http import JsonHttp
+
+    probe = JsonHttp(url, timeout_s=1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stop.is_set():
         if child.poll() is not None:
             log.error("the directory exited with code %s", child.returncode)
             return False
         try:
-            if httpx.get(url + "/readyz", timeout=1).is_success:
-                return True
-        except httpx.HTTPError:
+            probe.call_raw("GET", "/readyz")
+            return True
+        except KVStoreError:
             pass
         time.sleep(0.2)
     return False
@@ -315,7 +317,7 @@ def _stop_all(children: list[subprocess.Popen]) -> None:
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(logging.INFO)  # main() configured WARNING for operator commands
-    for noisy in ("httpx", "alembic.runtime.plugins"):
+    for noisy in ("alembic.runtime.plugins",):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -1,4 +1,4 @@
-"""One table per module. Schema changes only through alembic migrations in migrations/."""
+"""One table per module. Schema changes only through alembic migrations in kvstore/directory/migrations/."""
 
 from kvstore.directory.models.base import Base
 from kvstore.directory.models.block import Block

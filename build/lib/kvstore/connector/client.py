@@ -1,0 +1,322 @@
+"""The engine-side store client.
+
+Calls, in the order an engine makes them:
+    client = KVStoreClient(url, namespace)      # registers namespace, NIXL agent, staging buffer once
+    client.lookup(token_ids) -> hit tokens      # pure read
+    client.load(token_ids) -> (kv, n)           # prepare_load -> NIXL READ -> verify -> complete_load
+    client.save(token_ids, kv) -> tokens held   # prepare_store -> NIXL WRITE -> complete_store
+    client.close()
+
+`save_blocks` / `load_blocks` are the same protocol for engines that keep KV in
+the store's block layout in memory they registered with `register_buffer`
+(zero copy); `save` / `load` pack and unpack through the staging buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvstore.client import DirectoryClient
+from kvstore.connector import layout
+from kvstore.connector.layerwise import LayerwiseLoad
+from kvstore.connector.layout import LayerKV
+from kvstore.connector.peers import Peers
+from kvstore.connector.renewal import Renewal
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.keys import LAYOUTS, Namespace, block_hashes, checksum
+from kvstore.core.memory import HostBuffer
+from kvstore.transfer import Agent, Transfer
+
+log = logging.getLogger(__name__)
+DEFAULT_STAGING_BYTES = 128 << 20
+READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this size, overlapped
+
+
+class KVStoreClient:
+    def __init__(self, url: str, namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True,
+                 token: str | None = None, ca_file: str | None = None) -> None:
+        """`token`: an engine token of the namespace's tenant (default: $KVSTORE_TOKEN); `ca_file`:
+        the CA bundle of an https directory (default: $KVSTORE_CA_FILE)."""
+        if namespace.layout != LAYOUTS[0]:
+            raise KVStoreError("invalid", f"KVStoreClient packs blocks as {LAYOUTS[0]}; namespace layout "
+                               f"{namespace.layout!r} is written by another connector (kvstore.connector.vllm)")
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.renew_leases = renew_leases  # keep leases and reservations alive during long transfers
+        self.directory = DirectoryClient(url, timeout_s=timeout_s, token=token, ca_file=ca_file)
+        self.namespace_id = self.directory.register_namespace(namespace)
+        assert self.namespace_id == namespace.namespace_id, "directory computed another namespace id"
+        self.agent = Agent(name or f"kvstore-client-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
+        self.peers = Peers(self.agent, self.directory)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
+        self.slots = max(1, staging_bytes // namespace.block_nbytes)
+        self.staging = HostBuffer(self.slots * namespace.block_nbytes)
+        self.register_buffer(self.staging.array)
+        self.last_timings: dict[str, float] = {}  # seconds per phase of the last *_blocks call
+
+    # ---- tensors ----------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of `token_ids` the store can serve (a multiple of block_tokens)."""
+        hashes = [h.hex() for h in block_hashes(self.namespace, token_ids)]
+        if not hashes:
+            return 0
+        with _miss_if_unreachable("lookup"):
+            return self.directory.lookup(self.namespace_id, hashes).num_hit_blocks * self.namespace.block_tokens
+        return 0
+
+    def save(self, token_ids: Sequence[int], kv: LayerKV) -> int:
+        """Store every full block of `token_ids` not yet stored; returns the leading tokens now held."""
+        tokens = np.asarray(token_ids)
+        layout.check_kv(self.namespace, kv, tokens.size)
+        hashes = block_hashes(self.namespace, tokens)
+        held = 0
+        for first in range(0, len(hashes), self.slots):
+            chunk = hashes[first : first + self.slots]
+            views = self._staging_views(len(chunk))
+            layout.pack(self.namespace, kv, first, layout.block_view(self.namespace, self.staging.view(
+                0, len(chunk) * self.namespace.block_nbytes)))
+            parent = hashes[first - 1] if first else None
+            stored = self.save_blocks(chunk, views, parent=parent)
+            held += stored
+            if stored < len(chunk):
+                break
+        return held * self.namespace.block_tokens
+
+    def load(self, token_ids: Sequence[int]) -> tuple[LayerKV, int]:
+        """Per-layer (K, V) [num_kv_heads, n, head_dim] of the longest verified cached prefix, and n.
+
+        Each staged chunk is unpacked straight into tensors sized for the whole prompt; a shorter
+        hit returns views of their first n tokens."""
+        hashes = block_hashes(self.namespace, token_ids)
+        kv = layout.empty_kv(self.namespace, len(hashes) * self.namespace.block_tokens)
+        num_blocks = 0
+        for first in range(0, len(hashes), self.slots):
+            chunk = hashes[first : first + self.slots]
+            n = self.load_blocks(chunk, self._staging_views(len(chunk)))
+            if n:
+                raw = self.staging.view(0, n * self.namespace.block_nbytes)
+                layout.unpack(self.namespace, layout.block_view(self.namespace, raw), first, kv)
+                num_blocks += n
+            if n < len(chunk):
+                break
+        tokens = num_blocks * self.namespace.block_tokens
+        return [(k[:, :tokens], v[:, :tokens]) for k, v in kv], tokens
+
+    def start_load_layers(self, token_ids: Sequence[int]) -> LayerwiseLoad:
+        """Post the reads of every layer of the cached prefix of `token_ids` (up to the staging
+        buffer's blocks) and return at once; see `kvstore.connector.layerwise`."""
+        return LayerwiseLoad(self, block_hashes(self.namespace, token_ids), time.perf_counter())
+
+    def complete_load(self, body: specs.CompleteLoad) -> bool:
+        """Release a lease; False when the directory refused it as stale (the reads are then a miss)."""
+        return _accepted(self.directory.complete_load, body)
+
+    def _staging_views(self, n: int) -> list[np.ndarray]:
+        size = self.namespace.block_nbytes
+        return [self.staging.view(i * size, size) for i in range(n)]
+
+    # ---- blocks ----------------------------------------------------------------------
+
+    def register_buffer(self, array: np.ndarray | torch.Tensor) -> None:
+        """Register engine memory with NIXL once; blocks passed to *_blocks must lie inside it."""
+        if isinstance(array, torch.Tensor):
+            assert array.device.type == "cpu", "only host memory on this path (HBM is a GPU path)"
+            addr, nbytes = array.data_ptr(), array.numel() * array.element_size()
+        else:
+            addr, nbytes = int(array.ctypes.data), array.nbytes
+        self.agent.register_dram(addr, nbytes)
+
+    def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None) -> int:
+        """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held.
+        A directory that cannot be reached stores nothing (0), it does not raise."""
+        assert len(hashes) == len(blocks), "one buffer per hash"
+        if not hashes:
+            return 0
+        with _miss_if_unreachable("save"):
+            return self._save_blocks(hashes, blocks, parent)
+        return 0
+
+    def _save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None) -> int:
+        clock = _PhaseClock()
+        parents = [parent] + hashes[:-1]
+        prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore(
+            namespace_id=self.namespace_id, writer=self.agent.name, blocks=[
+                specs.BlockToStore(hash=h.hex(), parent=p.hex() if p else None, nbytes=b.nbytes)
+                for h, p, b in zip(hashes, parents, blocks)]))
+        admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
+        ok: dict[int, bool] = {}
+        if admitted:
+            # hash on the helper thread while NIXL (which releases the GIL) writes the same bytes
+            hashing = self._hasher.submit(lambda: {i: checksum(blocks[i]) for i, _ in admitted})
+            with self._renewal(prepared.token, prepared.expires_at):
+                done = clock.timed("transfer", self._move, "WRITE", [(blocks[i], d.location) for i, d in admitted])
+                sums = clock.timed("checksum", hashing.result)  # only the wait beyond the transfer
+            ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
+            reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[i]) for i, d in admitted]
+            body = specs.CompleteStore(token=prepared.token, blocks=reports)
+            if not clock.timed("complete", _accepted, self.directory.complete_store, body):
+                ok = {}  # the reservation was gone: nothing of this call is stored
+        self.last_timings = clock.finish()
+        held = 0
+        for i, decision in enumerate(prepared.blocks):
+            if not (decision.status == "exists" or ok.get(i)):
+                break
+            held += 1
+        return held
+
+    def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
+        """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified.
+        A directory that cannot be reached is a miss (0), it does not raise."""
+        assert len(hashes) == len(blocks), "one buffer per hash"
+        with _miss_if_unreachable("load"):
+            return self._load_blocks(hashes, blocks)
+        return 0
+
+    def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
+        clock = _PhaseClock()
+        prepared = clock.timed("prepare", self.directory.prepare_load, specs.PrepareLoad(
+            namespace_id=self.namespace_id, hashes=[h.hex() for h in hashes], reader=self.agent.name))
+        hits = prepared.blocks
+        if not hits:
+            self.last_timings = clock.finish()
+            return 0
+        with self._renewal(prepared.token, prepared.expires_at):
+            done, digests = self._read_and_hash(hits, blocks, clock)
+        verified, reports = 0, []
+        for i, hit in enumerate(hits):
+            good = done[i] and digests[i] == hit.checksum
+            if done[i] and not good:  # only a bad block is reported: its replica is invalidated
+                log.warning("checksum mismatch on block %s from %s; replica invalidated", hit.hash, hit.location.worker)
+                reports.append(specs.BlockRead(hash=hit.hash, ok=False))
+            if good and verified == i:
+                verified += 1
+        body = specs.CompleteLoad(token=prepared.token, blocks=reports)
+        if not clock.timed("complete", self.complete_load, body):
+            verified = 0  # the lease expired under us: the pages may have been reused, so a miss
+        self.last_timings = clock.finish()
+        return verified
+
+    def _renewal(self, token: str | None, expires_at: float | None) -> Renewal:
+        ttl_s = (expires_at - time.time()) if expires_at is not None else 0.0
+        return Renewal(self.directory, token if self.renew_leases and ttl_s > 0 else None, ttl_s)
+
+    def _read_and_hash(self, hits: list[specs.BlockHit], blocks: list[np.ndarray], clock: "_PhaseClock"):
+        """Read in groups of about READ_GROUP_BYTES; group k is hashed on the helper thread
+        while group k+1 is read. Returns per block (read ok, xxh3_64 of what arrived)."""
+        done: list[bool] = []
+        hashing = []
+        for group in _groups([b.nbytes for b in blocks[: len(hits)]], READ_GROUP_BYTES):
+            done += clock.timed("transfer", self._move, "READ", [(blocks[i], hits[i].location) for i in group])
+            hashing.append(self._hasher.submit(lambda g=group: [checksum(blocks[i]) for i in g]))
+        digests = [d for future in hashing for d in clock.timed("checksum", future.result)]
+        return done, digests
+
+    def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
+        """One NIXL request per worker and tier; returns per item whether its request completed."""
+        by_worker: dict[tuple[str, int, str], list[int]] = {}
+        for k, (_, location) in enumerate(items):
+            by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
+        transfers: list[tuple[Transfer | None, list[int]]] = []
+        for (worker, epoch, tier), ks in by_worker.items():
+            peer = self.peers.agent_for(worker, epoch)
+            local, remote = _rows([items[k] for k in ks])
+            remote_mem = "VRAM" if tier == "hbm" else "DRAM"  # hbm: a GPU path (UCX on VRAM)
+            transfers.append((self.agent.submit(op, local, remote, peer, "DRAM", remote_mem) if peer else None, ks))
+        done = [False] * len(items)
+        for transfer, ks in transfers:
+            state = transfer.wait(self.timeout_s) if transfer else "failed"
+            if state != "done":
+                log.warning("NIXL %s of %d blocks failed: %s", op, len(ks), transfer.error if transfer else
+                            "worker unreachable")
+            for k in ks:
+                done[k] = state == "done"
+        return done
+
+    def close(self) -> None:
+        self._hasher.shutdown(wait=True)
+        self.peers.close()
+        self.agent.close()
+        self.directory.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextmanager
+def _miss_if_unreachable(what: str):
+    """The cache is optional: with the directory unreachable an engine computes instead."""
+    try:
+        yield
+    except KVStoreError as exc:
+        if exc.kind != "unavailable":
+            raise
+        log.warning("%s skipped, the directory is unreachable: %s", what, exc)
+
+
+def _accepted(complete, body) -> bool:
+    """Run a complete_* call; False when the directory refused it as stale (409), e.g. an expired token."""
+    try:
+        complete(body)
+        return True
+    except KVStoreError as exc:
+        if exc.kind != "conflict":
+            raise
+        log.warning("%s refused: %s", type(body).__name__, exc)
+        return False
+
+
+def _groups(sizes: list[int], group_bytes: int) -> list[range]:
+    """Consecutive index ranges of about `group_bytes` each (at least one item per range)."""
+    groups, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total >= group_bytes:
+            groups.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes):
+        groups.append(range(start, len(sizes)))
+    return groups
+
+
+class _PhaseClock:
+    """Seconds spent per phase of one call, plus its wall time."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def timed(self, phase: str, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.laps[phase] = self.laps.get(phase, 0.0) + time.perf_counter() - t0
+
+    def finish(self) -> dict[str, float]:
+        return {**self.laps, "wall": time.perf_counter() - self._start}
+
+
+def _rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndarray, np.ndarray]:
+    local, remote = [], []
+    for buffer, location in items:
+        addr = int(buffer.ctypes.data)
+        for run_addr, run_len in location.runs:
+            local.append((addr, run_len))
+            remote.append((run_addr, run_len))
+            addr += run_len
+        assert addr == int(buffer.ctypes.data) + buffer.nbytes, "replica runs do not match the block size"
+    return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)

@@ -1,0 +1,200 @@
+"""Layer-wise loads: every layer's read is posted at once, and each layer is waited for on its
+own, so attention over layer l can start while layers l+1.. are still on the wire.
+
+    load = client.start_load_layers(token_ids)   # prepare_load (a lease) + one NIXL READ per layer
+    k, v = load.wait_layer(l)                     # [H, n, D] of layer l once its read completed
+    n = load.finish()                             # whole-block checksums + complete_load: verified blocks
+
+The store's block layout is layer-major ([L][K,V][T][H][D]), so layer l of a block is one
+contiguous slice at l x layer_bytes; a layer's read is one request with a descriptor per block
+(split where the block's pages are). A poller thread stamps each layer's completion, which gives:
+
+    T_post        prepare_load + posting layer 0's read (the poller posts layers 1..)
+    T_xfer[l]     post -> completion of layer l
+    T_visible[l]  how long wait_layer(l) kept the caller waiting
+
+exported as Prometheus histograms (`kvstore_connector_*_seconds`) and in `timings()`. Bytes
+are used before `finish()` verifies them: an engine that sees finish() return fewer blocks than
+it consumed must recompute (the same contract as vLLM's load-error reporting).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from prometheus_client import Histogram
+
+from kvstore.connector import layout
+from kvstore.core import specs
+from kvstore.core.keys import checksum
+
+BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
+T_POST = Histogram("kvstore_connector_load_post_seconds", "prepare_load + posting layer 0's read",
+                   buckets=BUCKETS)
+T_XFER = Histogram("kvstore_connector_layer_xfer_seconds", "post -> completion of one layer's read",
+                   buckets=BUCKETS)
+T_VISIBLE = Histogram("kvstore_connector_layer_visible_seconds", "time a caller waited for one layer",
+                      buckets=BUCKETS)
+POLL_S = 200e-6  # the poller shares the cores with the model: not a busy loop
+
+
+def slice_rows(blocks: list[tuple[int, list[tuple[int, int]]]], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) descriptors moving bytes [start, end) of stored blocks: for each block, the
+    local address that byte `start` goes to, and the (addr, len) runs the block lives in remotely
+    (split where the runs are)."""
+    local, remote = [], []
+    for dest, runs in blocks:
+        offset = 0  # position within the block of the current run
+        for run_addr, run_len in runs:
+            lo, hi = max(start, offset), min(end, offset + run_len)
+            if lo < hi:
+                local.append((dest + lo - start, hi - lo))
+                remote.append((run_addr + lo - offset, hi - lo))
+            offset += run_len
+    return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+
+
+def layer_rows(namespace, hits: list[tuple[int, specs.BlockHit]], staging: np.ndarray,
+               layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer `layer` of the hit blocks; block i lands in staging slot i."""
+    layer_bytes = namespace.block_nbytes // namespace.num_layers
+    start = layer * layer_bytes
+    base = int(staging.ctypes.data)
+    return slice_rows([(base + i * namespace.block_nbytes + start, hit.location.runs) for i, hit in hits],
+                      start, start + layer_bytes)
+
+
+class LayerClock:
+    """Posts the reads of layers 0..n-1 (layer 0 at once, the rest from a helper thread, so the
+    caller can start computing) and stamps each layer's completion for T_xfer and T_visible.
+
+        clock = LayerClock(n, post, t0)   # post(layer) -> one transfer per worker (None = failed)
+        clock.wait(l)                      # "done" | "failed" once layer l ended
+        clock.finish()                     # every layer ended: True if all of them are "done"
+
+    A layer still pending after `timeout_s` counts as failed."""
+
+    def __init__(self, num_layers: int, post: Callable[[int], list], t0: float, timeout_s: float = 60.0) -> None:
+        self._post_fn, self.timeout_s = post, timeout_s
+        self.transfers: list[list] = [[] for _ in range(num_layers)]
+        self.posted_at: list[float] = [0.0] * num_layers
+        self.done_at: list[float | None] = [None] * num_layers
+        self.states: list[str] = ["pending"] * num_layers
+        self.t_visible: list[float] = [0.0] * num_layers
+        self._changed = threading.Condition()
+        self._deadline = time.perf_counter() + timeout_s
+        if num_layers:
+            self._post(0)  # layer 0 now: the model needs it first; the rest are posted while it computes
+        self.t_post = time.perf_counter() - t0
+        T_POST.observe(self.t_post)
+        self._poller = threading.Thread(target=self._post_and_poll, name="kvstore-layer-poller", daemon=True)
+        self._poller.start()
+
+    def _post(self, layer: int) -> None:
+        self.posted_at[layer] = time.perf_counter()
+        self.transfers[layer] = self._post_fn(layer)
+
+    def _post_and_poll(self) -> None:
+        for layer in range(1, len(self.transfers)):
+            self._post(layer)
+            self._poll_once()
+        while self._poll_once():
+            time.sleep(POLL_S)
+
+    def _poll_once(self) -> bool:
+        """Stamp the layers whose reads ended; True while some posted layer is still pending."""
+        pending, late = False, time.perf_counter() > self._deadline
+        for i, requests in enumerate(self.transfers):
+            if self.states[i] != "pending" or (not requests and self.posted_at[i] == 0.0):
+                continue
+            polled = [t.poll() if t else "failed" for t in requests]
+            state = "failed" if "failed" in polled else "pending" if "pending" in polled else "done"
+            if state == "pending" and not late:
+                pending = True
+                continue
+            with self._changed:
+                self.done_at[i], self.states[i] = time.perf_counter(), "failed" if state == "pending" else state
+                self._changed.notify_all()
+        return pending
+
+    def state(self) -> str:
+        """"pending" while a layer is, else "failed" if any layer failed, else "done"."""
+        return "pending" if "pending" in self.states else "failed" if "failed" in self.states else "done"
+
+    def wait(self, layer: int) -> str:
+        t0 = time.perf_counter()
+        with self._changed:
+            self._changed.wait_for(lambda: self.states[layer] != "pending", self.timeout_s)
+        self.t_visible[layer] = time.perf_counter() - t0
+        T_VISIBLE.observe(self.t_visible[layer])
+        return self.states[layer]
+
+    def finish(self) -> bool:
+        self._poller.join()  # it returns once every layer is posted and has ended (or timed out)
+        for layer, done in enumerate(self.done_at):
+            if done is not None:
+                T_XFER.observe(done - self.posted_at[layer])
+        return all(s == "done" for s in self.states)
+
+    def timings(self) -> dict:
+        return {"t_post_s": self.t_post,
+                "t_xfer_s": [(d - p) if d is not None else None for d, p in zip(self.done_at, self.posted_at)],
+                "t_visible_s": list(self.t_visible)}
+
+
+class LayerwiseLoad:
+    def __init__(self, client, hashes: list[bytes], t0: float) -> None:
+        self.client, self.namespace = client, client.namespace
+        prepared = client.directory.prepare_load(specs.PrepareLoad(
+            namespace_id=client.namespace_id, hashes=[h.hex() for h in hashes[: client.slots]],
+            reader=client.agent.name))
+        self.token, self.hits = prepared.token, prepared.blocks
+        self.num_tokens = len(self.hits) * self.namespace.block_tokens
+        self._raw = client.staging.view(0, len(self.hits) * self.namespace.block_nbytes)
+        self._blocks = layout.block_view(self.namespace, self._raw) if self.hits else None
+        self._by_worker: dict[tuple[str, int], list[tuple[int, specs.BlockHit]]] = {}
+        for i, hit in enumerate(self.hits):
+            self._by_worker.setdefault((hit.location.worker, hit.location.epoch), []).append((i, hit))
+        self._peers = {key: client.peers.agent_for(*key) for key in self._by_worker}
+        self.clock = LayerClock(self.namespace.num_layers if self.hits else 0, self._post, t0)
+
+    def _post(self, layer: int) -> list:
+        transfers = []
+        for key, group in self._by_worker.items():
+            local, remote = layer_rows(self.namespace, group, self._raw, layer)
+            transfers.append(self.client.agent.submit("READ", local, remote, self._peers[key],
+                                                      "DRAM", "DRAM") if self._peers[key] else None)
+        return transfers
+
+    def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(K, V) [num_kv_heads, num_tokens, head_dim] of `layer`, or None if its read failed."""
+        if not self.hits or self.clock.wait(layer) != "done":
+            return None
+        n, ns = len(self.hits), self.namespace
+        kv = self._blocks[:, layer]  # [n, 2, T, H, D]
+        k, v = (kv[:, which].permute(2, 0, 1, 3).reshape(ns.num_kv_heads, n * ns.block_tokens, ns.head_dim)
+                for which in (0, 1))
+        return k, v
+
+    def finish(self) -> int:
+        """Wait for every layer, verify whole blocks, release the lease; returns the verified prefix."""
+        if not self.hits:
+            return 0
+        all_done = self.clock.finish()
+        verified, reports = 0, []
+        size = self.namespace.block_nbytes
+        for i, hit in enumerate(self.hits):
+            good = all_done and checksum(self._raw[i * size:(i + 1) * size]) == hit.checksum
+            if all_done and not good:  # only a bad block is reported: its replica is invalidated
+                reports.append(specs.BlockRead(hash=hit.hash, ok=False))
+            verified += good and verified == i
+        if not self.client.complete_load(specs.CompleteLoad(token=self.token, blocks=reports)):
+            return 0  # the lease expired under us: what was read cannot be vouched for
+        return verified
+
+    def timings(self) -> dict:
+        return self.clock.timings()

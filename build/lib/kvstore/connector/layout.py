@@ -1,0 +1,68 @@
+"""Per-layer engine KV <-> the store's block layout [L][K,V][T][H][D]."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvstore.core.errors import KVStoreError
+from kvstore.core.keys import Namespace
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def block_view(namespace: Namespace, raw: np.ndarray) -> torch.Tensor:
+    """A uint8 buffer of n whole blocks seen as [n, L, 2, T, H, D] in the model dtype (no copy)."""
+    n = raw.nbytes // namespace.block_nbytes
+    assert n * namespace.block_nbytes == raw.nbytes, "buffer is not a whole number of blocks"
+    flat = torch.from_numpy(raw).view(TORCH_DTYPES[namespace.dtype])
+    return flat.view(n, namespace.num_layers, 2, namespace.block_tokens, namespace.num_kv_heads, namespace.head_dim)
+
+
+def check_kv(namespace: Namespace, kv: LayerKV, seq_len: int) -> None:
+    """Refuse, with a clear message, KV that does not match the namespace."""
+    if len(kv) != namespace.num_layers:
+        raise KVStoreError("invalid", f"expected {namespace.num_layers} layers of (K, V), got {len(kv)}")
+    want_shape = (namespace.num_kv_heads, seq_len, namespace.head_dim)
+    want_dtype = TORCH_DTYPES[namespace.dtype]
+    for layer, pair in enumerate(kv):
+        if len(pair) != 2:
+            raise KVStoreError("invalid", f"layer {layer}: expected a (K, V) pair")
+        for name, tensor in zip("KV", pair):
+            if not isinstance(tensor, torch.Tensor):
+                raise KVStoreError("invalid", f"layer {layer} {name}: expected a torch tensor")
+            if tuple(tensor.shape) != want_shape:
+                raise KVStoreError("invalid", f"layer {layer} {name}: shape {tuple(tensor.shape)}, "
+                                   f"expected [num_kv_heads, seq_len, head_dim] = {list(want_shape)}")
+            if tensor.dtype != want_dtype:
+                raise KVStoreError("invalid", f"layer {layer} {name}: dtype {tensor.dtype}, "
+                                   f"the namespace says {namespace.dtype}")
+
+
+def pack(namespace: Namespace, kv: LayerKV, first_block: int, out: torch.Tensor) -> None:
+    """Copy blocks first_block .. first_block+len(out) of `kv` into `out` [n, L, 2, T, H, D]."""
+    n, t = out.shape[0], namespace.block_tokens
+    start, end = first_block * t, (first_block + n) * t
+    for layer, pair in enumerate(kv):
+        for which, tensor in enumerate(pair):
+            src = tensor[:, start:end, :].reshape(namespace.num_kv_heads, n, t, namespace.head_dim)
+            out[:, layer, which].copy_(src.permute(1, 2, 0, 3))
+
+
+def unpack(namespace: Namespace, blocks: torch.Tensor, first_block: int, kv: LayerKV) -> None:
+    """Copy `blocks` [n, L, 2, T, H, D] into token positions of the per-layer tensors `kv`."""
+    n, t = blocks.shape[0], namespace.block_tokens
+    start, end = first_block * t, (first_block + n) * t
+    for layer, pair in enumerate(kv):
+        for which, tensor in enumerate(pair):
+            tensor[:, start:end, :] = blocks[:, layer, which].permute(2, 0, 1, 3).reshape(
+                namespace.num_kv_heads, n * t, namespace.head_dim)
+
+
+def empty_kv(namespace: Namespace, num_tokens: int) -> LayerKV:
+    shape = (namespace.num_kv_heads, num_tokens, namespace.head_dim)
+    dtype = TORCH_DTYPES[namespace.dtype]
+    return [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(namespace.num_layers)]

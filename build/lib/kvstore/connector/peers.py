@@ -1,0 +1,52 @@
+"""Which workers' NIXL metadata this connector holds, by (worker, epoch).
+
+A worker that restarts comes back under a new epoch (and a new agent name):
+its old metadata is dropped (`remove_remote_agent`) and the new one loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+
+from kvstore.client import DirectoryClient
+from kvstore.core.errors import KVStoreError
+from kvstore.transfer import Agent
+
+log = logging.getLogger(__name__)
+
+
+class Peers:
+    def __init__(self, agent: Agent, directory: DirectoryClient) -> None:
+        self._agent = agent
+        self._directory = directory
+        self._known: dict[str, tuple[int, str]] = {}  # worker -> (epoch, agent name)
+        self._lock = threading.Lock()  # the vLLM connector asks from its saver and poller threads too
+
+    def agent_for(self, worker: str, epoch: int) -> str | None:
+        """The NIXL agent name to address `worker` at `epoch`, or None if it is not that epoch."""
+        with self._lock:
+            return self._agent_for(worker, epoch)
+
+    def _agent_for(self, worker: str, epoch: int) -> str | None:
+        known = self._known.get(worker)
+        if known and known[0] == epoch:
+            return known[1]
+        try:
+            info = self._directory.worker(worker)
+        except KVStoreError as exc:
+            log.warning("cannot fetch metadata of worker %s: %s", worker, exc)
+            return None
+        if info.epoch != epoch or info.state == "dead" or not info.agent_metadata:
+            return None
+        if known:
+            self._agent.remove_peer(known[1])
+        name = self._agent.add_peer(base64.b64decode(info.agent_metadata))
+        self._known[worker] = (epoch, name)
+        return name
+
+    def close(self) -> None:
+        for _, name in self._known.values():
+            self._agent.remove_peer(name)
+        self._known.clear()

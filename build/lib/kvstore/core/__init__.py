@@ -1,0 +1,1 @@
+"""Values shared by every layer: keys, specs, errors, sizes. No I/O here."""

@@ -1,0 +1,38 @@
+"""Scoped bearer tokens as they travel: the scope names and the token calls' bodies."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvstore.core.keys import MAX_NAME_CHARS
+
+ENGINE, WORKER, ADMIN, READ = "engine", "worker", "admin", "read"
+SCOPES = (ENGINE, WORKER, ADMIN, READ)
+Scope = Literal["engine", "worker", "admin", "read"]
+Tenant = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TokenCreate(_Spec):
+    name: str = Field(min_length=1, max_length=200, description="what the token is for")
+    scopes: list[Scope] = Field(min_length=1, max_length=4)
+    tenants: list[Tenant] = Field([], max_length=1000, description="an engine token's tenants (at least one)")
+
+
+class TokenInfo(_Spec):
+    id: str
+    name: str
+    scopes: list[str]
+    tenants: list[str]
+    created_at: float
+    revoked_at: float | None = None
+
+
+class TokenCreated(_Spec):
+    token: str = Field(description="the secret; shown once, kept only as a hash")
+    info: TokenInfo

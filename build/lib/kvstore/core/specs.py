@@ -1,0 +1,399 @@
+"""The wire values exchanged between connector, directory and worker.
+
+Pydantic models, so the directory validates every body it receives and the
+client parses every answer it gets with the same definitions. Hashes travel as
+lowercase hex; NIXL agent metadata as base64.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvstore.core.keys import MAX_BLOCK_BYTES
+
+TierKind = Literal["hbm", "dram", "nvme", "s3"]
+HEX_HASH = r"^[0-9a-f]{2,128}$"
+HexHash = Annotated[str, Field(pattern=HEX_HASH)]
+Checksum = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]  # xxh3_64 of a block, 16 lowercase hex digits
+BlockBytes = Annotated[int, Field(gt=0, le=MAX_BLOCK_BYTES)]
+MAX_BLOCKS = 100_000  # hashes one request may name (in all its lists together), or cause (token ids)
+MAX_TOKEN_IDS = 1 << 20  # token ids of one /v1/lookup/tokens request
+
+
+def _at_most_blocks(lists: list[list[str]], what: str) -> list[list[str]]:
+    if sum(len(x) for x in lists) > MAX_BLOCKS:
+        raise ValueError(f"at most {MAX_BLOCKS} hashes in all {what} together")
+    return lists
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TierSpec(_Spec):
+    """A tier as a worker announces it at registration."""
+
+    kind: TierKind
+    capacity_bytes: int | None = Field(ge=0, lt=1 << 62, description="null = unbounded")
+    page_bytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
+    base_addr: int = Field(0, ge=0, lt=1 << 63, description="address of page 0 in the worker's address space")
+    high_watermark: float = Field(0.95, gt=0, le=1)
+    low_watermark: float = Field(0.85, gt=0, le=1)
+
+
+class PageRun(_Spec):
+    """`count` pages starting at page `first`."""
+
+    first: int = Field(ge=0, lt=1 << 40)
+    count: int = Field(gt=0, lt=1 << 40)
+
+
+def page_spans(base: int, page_bytes: int, runs, nbytes: int) -> list[tuple[int, int]]:
+    """(address, length) of the first `nbytes` of these pages; runs are PageRuns or [first, count]."""
+    spans, left = [], nbytes
+    for run in runs:
+        first, count = (run.first, run.count) if isinstance(run, PageRun) else run
+        length = min(count * page_bytes, left)
+        spans.append((base + first * page_bytes, length))
+        left -= length
+    assert left == 0, "pages do not cover the block"
+    return spans
+
+
+class Survivor(_Spec):
+    """A replica found on a durable tier when a worker starts (restart recovery)."""
+
+    kind: TierKind
+    token: str = Field(max_length=64)
+    runs: list[PageRun] = Field(max_length=1 << 16)
+    namespace_id: str = Field(max_length=64)
+    hash: str = Field(pattern=HEX_HASH)
+    nbytes: BlockBytes
+    checksum: str | None = Field(None, description="None: unknown (S3 listings); such blocks are not adopted")
+
+
+class WorkerRegistration(_Spec):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$", description="letters, digits, . _ -")
+    agent_name: str = Field(pattern=r"^[!-~]{1,200}$")
+    agent_metadata: str = Field(max_length=16 << 20, description="base64 of the NIXL agent metadata")
+    control_url: str = Field(pattern=r"^(https?://[^\s/?#@]+/?)?$", max_length=500)
+    pid: int = Field(0, ge=0, lt=1 << 31)
+    backends: list[Annotated[str, Field(max_length=32)]] = Field([], max_length=16)
+    tiers: list[TierSpec] = Field(min_length=1, max_length=4)
+    inventory: list[Survivor] = Field([], max_length=1 << 24, description="what survived on durable tiers")
+    control_secret: str | None = Field(None, min_length=32, max_length=128, description="the directory's calls carry it")
+
+
+class Registered(_Spec):
+    worker: str
+    epoch: int
+    heartbeat_interval_s: float
+
+
+class Heartbeat(_Spec):
+    epoch: int
+
+
+class WorkerInfo(_Spec):
+    name: str
+    agent_name: str
+    epoch: int
+    state: str
+    pid: int
+    control_url: str
+    backends: list[str]
+    last_heartbeat: float
+    agent_metadata: str | None = None
+
+
+class ReplicaLocation(_Spec):
+    """Where a replica's bytes are: absolute (addr, nbytes) runs in a worker's memory."""
+
+    worker: str
+    epoch: int
+    agent_name: str
+    tier: TierKind
+    runs: list[tuple[int, int]]
+
+
+class BlockToStore(_Spec):
+    hash: str = Field(pattern=HEX_HASH)
+    parent: str | None = Field(None, pattern=HEX_HASH)
+    nbytes: BlockBytes
+
+
+class PrepareStore(_Spec):
+    namespace_id: str
+    blocks: list[BlockToStore] = Field(min_length=1, max_length=MAX_BLOCKS)
+    writer: str = Field("", max_length=200)
+
+
+StoreStatus = Literal["admitted", "exists", "in_progress", "rejected"]
+
+
+class StoreDecision(_Spec):
+    hash: str
+    status: StoreStatus
+    reason: str | None = None  # rejected: no_worker, no_space, not_admitted, throttled, parent_rejected
+    retry_after_s: float | None = None  # throttled: ask again after this
+    location: ReplicaLocation | None = None
+
+
+class StorePrepared(_Spec):
+    token: str | None = Field(description="reservation token; null when nothing was admitted")
+    expires_at: float | None = None
+    blocks: list[StoreDecision]
+
+
+class BlockWritten(_Spec):
+    hash: str = Field(pattern=HEX_HASH)
+    ok: bool
+    checksum: Checksum | None = None
+
+
+class CompleteStore(_Spec):
+    token: str = Field(max_length=64)
+    blocks: list[BlockWritten] = Field(max_length=MAX_BLOCKS)
+
+
+class StoreCompleted(_Spec):
+    committed: int
+    rolled_back: int
+
+
+class TokenBody(_Spec):
+    token: str
+
+
+class LookupRequest(_Spec):
+    namespace_id: str
+    hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
+    locations: bool = Field(False, description="also answer each hit block's replica location and checksum")
+
+
+class LookupBatchRequest(_Spec):
+    namespace_id: str
+    prompts: list[list[HexHash]] = Field(max_length=4096)
+
+    _bounded = field_validator("prompts")(lambda lists: _at_most_blocks(lists, "prompts"))
+
+
+class BlockHit(_Spec):
+    hash: str
+    nbytes: int
+    checksum: str
+    location: ReplicaLocation
+
+
+class LookupResult(_Spec):
+    num_hit_blocks: int
+    blocks: list[BlockHit] = Field([], description="the hits, only when the request asked for locations")
+    by_tier: dict[str, int]
+    tier_runs: list[tuple[str, int]] = Field([], description="the hits' tier kinds in prefix order, run-length "
+                                             "encoded: [[kind, blocks], ...]")
+
+    def tiers(self) -> list[str]:
+        """The tier kind of each hit, in prefix order."""
+        return [kind for kind, n in self.tier_runs for _ in range(n)]
+
+
+class LookupBatchResult(_Spec):
+    results: list[LookupResult]
+
+
+class TokenLookupRequest(_Spec):
+    namespace_id: str
+    token_ids: list[int] = Field(max_length=MAX_TOKEN_IDS, description=f"at most {MAX_TOKEN_IDS}, and at most "
+                                 f"{MAX_BLOCKS} blocks of the namespace's block_tokens")
+
+
+class TokenLookupResult(_Spec):
+    hit_tokens: int
+    num_hit_blocks: int
+    block_tokens: int
+
+
+class PrepareLoad(_Spec):
+    namespace_id: str
+    hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
+    reader: str = Field("", max_length=200)
+
+
+class LoadPrepared(_Spec):
+    token: str | None
+    expires_at: float | None
+    blocks: list[BlockHit]
+
+
+class PrepareLoads(_Spec):
+    """Several prefixes leased at once (an engine step's loads): one token, each block pinned once."""
+    namespace_id: str
+    chains: list[list[HexHash]] = Field(max_length=4096)
+    reader: str = Field("", max_length=200)
+
+    _bounded = field_validator("chains")(lambda lists: _at_most_blocks(lists, "chains"))
+
+
+class LoadsPrepared(_Spec):
+    token: str | None  # null when no chain had a hit
+    expires_at: float | None
+    chains: list[list[BlockHit]]  # the leading hits of each chain, in the request's order
+
+
+class BlockRead(_Spec):
+    hash: HexHash
+    ok: bool
+
+
+class CompleteLoad(_Spec):
+    token: str
+    blocks: list[BlockRead] = Field([], max_length=MAX_BLOCKS, description="blocks whose bytes did not match "
+                                     "their checksum (ok: false), whose replicas are invalidated; a block not "
+                                     "listed was read well")
+
+
+class LoadCompleted(_Spec):
+    released: int
+    invalidated: int
+
+
+class TierUsage(_Spec):
+    worker: str
+    kind: TierKind
+    capacity_bytes: int | None
+    used_bytes: int
+    num_blocks: int
+    page_bytes: int
+    high_watermark: float
+    low_watermark: float
+    credit_free_bytes: int | None = Field(None, description="memory tiers: free bytes of the page credit this "
+                                          "directory holds (pages the worker granted it)")
+
+
+class Stats(_Spec):
+    blocks: int
+    replicas: int
+    reservations: int  # replicas being written: engine stores and move destinations
+    leases_active: int
+    pins: int
+    workers_active: int
+    inflight_moves: int = 0  # source replicas being copied to another tier
+    replicas_by_tier: dict[str, int] = Field(default_factory=dict)  # visible replicas per tier kind
+    indexed_blocks: int = 0  # blocks the lookup index holds
+    commit_groups: int = 0  # group commits since start
+    committed_jobs: int = 0  # jobs those commits carried (jobs / groups: how much grouping helps)
+
+
+class Renewed(_Spec):
+    token: str
+    expires_at: float
+
+
+class AllocRequest(_Spec):
+    """Directory -> worker: reserve pages for each size, all-or-nothing per item."""
+
+    token: str
+    kind: TierKind
+    sizes: list[int]
+
+
+class AllocResult(_Spec):
+    runs: list[list[PageRun] | None]
+
+
+class GrantRequest(_Spec):
+    """Directory -> worker: page credit, up to `max_pages` free pages of a memory tier at once."""
+
+    token: str = Field(min_length=1, max_length=64)
+    kind: TierKind
+    max_pages: int = Field(gt=0)
+
+
+class GrantResult(_Spec):
+    runs: list[PageRun]
+
+
+class FreeItem(_Spec):
+    token: str = Field(max_length=64)
+    runs: list[PageRun] = Field(max_length=1 << 16)
+    object: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}/[0-9a-f]{2,128}$", description="s3: '<namespace_id>/<hash>'")
+
+
+class FreeRequest(_Spec):
+    items: list[FreeItem]
+
+
+class EvictRequest(_Spec):
+    """Without `tier`: drop every replica (of one namespace, or all). With `tier`: least recently
+    used blocks of that tier go one tier down (dropped at the bottom), up to `bytes` or `limit`."""
+
+    tier: TierKind | None = None
+    worker: str | None = Field(None, description="null = every worker with that tier")
+    namespace_id: str | None = Field(None, description="null = every namespace")
+    bytes: int | None = Field(None, gt=0, description="null = no byte limit")
+    limit: int = Field(256, gt=0, le=100_000, description="at most this many blocks per call")
+    dry_run: bool = Field(False, description="answer what would be evicted; change nothing")
+    all: bool = Field(False, description="without tier and namespace_id: every replica of every namespace, "
+                      "S3 included; refused unless said")
+
+
+class Evicted(_Spec):
+    replicas: int
+    bytes: int = 0
+    demoted: int = 0
+    dropped: int = 0
+
+
+class MoveItem(_Spec):
+    """Directory -> worker: copy one block between two of the worker's tiers."""
+
+    src_kind: TierKind
+    src_runs: list[PageRun]
+    dst_kind: TierKind
+    dst_runs: list[PageRun]
+    dst_token: str
+    nbytes: int = Field(gt=0)
+    checksum: Checksum = Field(description="what the bytes must hash to")
+    namespace_id: str
+    hash: str
+
+
+class MoveRequest(_Spec):
+    items: list[MoveItem] = Field(min_length=1)
+    expires_at: float | None = Field(None, description="unix time after which the worker must not start "
+                                     "writing: the directory holds the destinations until then, no longer")
+
+
+MoveCode = Literal["ok", "source_corrupt", "failed", "expired", "unreachable"]
+
+
+class MoveResult(_Spec):
+    ok: list[bool]
+    errors: list[str | None]
+    codes: list[MoveCode] = Field([], description="per item; source_corrupt: the source failed its checksum "
+                                  "before the copy (that replica is bad), failed: anything else")
+
+
+class VerifyItem(_Spec):
+    """Directory -> worker: does the replica in these pages still hash to `checksum`?"""
+
+    kind: TierKind
+    runs: list[PageRun]
+    nbytes: BlockBytes
+    checksum: Checksum
+
+
+class VerifyRequest(_Spec):
+    items: list[VerifyItem] = Field(min_length=1, max_length=MAX_BLOCKS)
+
+
+class VerifyResult(_Spec):
+    matches: list[bool | None] = Field(description="per item; null: this worker cannot read that tier")
+
+
+class NamespacePolicy(_Spec):
+    """How the directory keeps a namespace's blocks; does not change its keys."""
+
+    write_through: bool = Field(False, description="also keep a copy of every block in S3, for durability")

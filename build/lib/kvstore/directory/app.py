@@ -1,0 +1,261 @@
+"""FastAPI application: thin endpoints over DirectoryService, errors as kvstore bodies."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvstore.core import credentials, specs
+from kvstore.core.errors import KVStoreError
+from kvstore.directory import db, wire
+from kvstore.directory.auth import NOBODY, PRINCIPAL, Guard, Principal, RateLimit, Tokens
+from kvstore.directory.hot import HotCalls, HotPath, document_bodies, hot_routes
+from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.service import DirectoryService
+from kvstore.directory.settings import DirectorySettings
+
+log = logging.getLogger(__name__)
+# Threads that wait for the GIL (the writer, saves in the thread pool) get it after at most this long
+# while the event loop answers lookups; Python's default, 5 ms, starves them under a lookup load.
+GIL_SWITCH_S = 0.002
+TOKENS_RELOAD_S = 5.0
+
+
+class NamespaceBody(BaseModel):
+    namespace: dict
+
+
+class ErrorBody(BaseModel):
+    """Every answer that is not a 2xx."""
+
+    error: str = Field(description="one of the kinds of kvstore.core.errors")
+    detail: str
+    context: dict
+
+
+ERRORS = {status: {"model": ErrorBody, "description": kind}
+          for status, kind in ((400, "invalid input"), (401, "no or unknown token"), (403, "token lacks the scope"),
+                               (404, "not found"), (409, "conflict"), (413, "body too large"),
+                               (429, "over the token's rate"), (500, "internal"), (502, "a worker failed"),
+                               (503, "unavailable"), (507, "no space"))}
+
+
+def create_app(settings: DirectorySettings | None = None):
+    """The directory as an ASGI app: FastAPI behind the hot calls' path. `.state.service` is the
+    service, `.fastapi` the framework app (routes, OpenAPI)."""
+    app = create_fastapi(settings)
+    settings = app.state.service.settings
+    guard = Guard(app.routes, app.state.tokens, settings.require_auth, settings.open_metrics,
+                  RateLimit(settings.engine_rate, settings.engine_burst))
+    fast = HotPath(app, app.state.hot, guard)
+    fast.state, fast.fastapi = app.state, app
+    return fast
+
+
+def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
+    settings = settings or DirectorySettings()
+    if settings.migrate_on_start:
+        db.upgrade(settings.database_url)
+    engine = db.make_engine(settings.database_url)
+    sessions = db.make_sessions(engine)
+    service = DirectoryService(sessions, settings, DirectoryMetrics())
+    tokens = Tokens(sessions, service.writer.run)
+    tokens.load()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        stop = threading.Event()
+        reaper = threading.Thread(target=_start_then_reap, args=(service, tokens, stop), name="reaper", daemon=True)
+        reaper.start()
+        yield
+        stop.set()
+        reaper.join(timeout=5)
+        service.close()
+        engine.dispose()
+
+    sys.setswitchinterval(GIL_SWITCH_S)
+    app = FastAPI(title="kvstore directory", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service, app.state.tokens = service, tokens
+    _add_error_handlers(app)
+    app.include_router(_routes(service), responses=ERRORS)
+    app.include_router(_token_routes(tokens), responses=ERRORS)
+    app.state.hot = HotCalls(service)
+    app.include_router(hot_routes(app.state.hot), responses=ERRORS)
+    document_bodies(app)
+    return app
+
+
+def _json(model: BaseModel) -> Response:
+    """Serialize once with pydantic's encoder instead of FastAPI re-validating the answer."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _start_then_reap(service: DirectoryService, tokens: Tokens, stop: threading.Event) -> None:
+    """Build the index (readyz answers 503 until then), then reap every tick; read the tokens
+    again every TOKENS_RELOAD_S (another directory on the same database may have changed them)."""
+    service.start()
+    loaded = time.monotonic()
+    while not stop.wait(service.settings.reaper_interval_s):
+        try:
+            service.reap()
+        except Exception:  # the loop must survive a bad tick (e.g. database briefly away)
+            log.exception("reaper tick failed")
+        if time.monotonic() - loaded > TOKENS_RELOAD_S:
+            try:
+                tokens.load()
+                loaded = time.monotonic()
+            except Exception:
+                log.exception("reading the tokens again failed")
+
+
+def caller(request: Request) -> Principal:
+    """The caller the guard let in (NOBODY if the request did not pass it)."""
+    return request.scope.get(PRINCIPAL, NOBODY)
+
+
+Caller = Depends(caller)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(KVStoreError)
+    async def _kvstore_error(_request: Request, exc: KVStoreError):
+        return JSONResponse(exc.to_body(), status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError):
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()]
+        body = KVStoreError("invalid", "request body does not match the schema", errors=errors).to_body()
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _framework(_request: Request, exc: StarletteHTTPException):
+        """The framework's own refusals (unparsable JSON, unknown route, wrong method) in kvstore's body."""
+        kind = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large"}.get(
+            exc.status_code, "invalid" if exc.status_code < 500 else "internal")
+        return JSONResponse({"error": kind, "detail": str(exc.detail), "context": {}}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(KVStoreError("internal", type(exc).__name__).to_body(), status_code=500)
+
+
+def _routes(service: DirectoryService) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/healthz")
+    def healthz() -> dict:
+        return {"status": "ok"}
+
+    @r.get("/readyz")
+    def readyz() -> Response:
+        if not service.index.ready:
+            return JSONResponse(KVStoreError("unavailable", "building the lookup index").to_body(), status_code=503)
+        return JSONResponse({"status": "ready", "indexed_blocks": service.index.num_blocks})
+
+    @r.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    def metrics() -> Response:
+        body = service.metrics.render(service.stats(), service.tiers())
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @r.post("/v1/namespaces")
+    def register_namespace(body: NamespaceBody, who: Principal = Caller) -> dict:
+        return {"namespace_id": service.register_namespace(body.namespace, who.tenants)}
+
+    @r.put("/v1/namespaces/{namespace_id}/policy")
+    def set_policy(namespace_id: str, body: specs.NamespacePolicy) -> specs.NamespacePolicy:
+        return service.set_policy(namespace_id, body)
+
+    @r.post("/v1/workers")
+    def register_worker(body: specs.WorkerRegistration, who: Principal = Caller) -> specs.Registered:
+        return service.membership.register_worker(body, who.id)
+
+    @r.post("/v1/workers/{name}/heartbeat")
+    def heartbeat(name: str, body: specs.Heartbeat, who: Principal = Caller) -> dict:
+        service.membership.heartbeat(name, body.epoch, who.id)
+        return {"ok": True}
+
+    @r.post("/v1/workers/{name}/deregister")
+    def deregister(name: str, body: specs.Heartbeat, who: Principal = Caller) -> dict:
+        service.membership.deregister(name, body.epoch, who.id)
+        return {"ok": True}
+
+    @r.post("/v1/workers/{name}/drain")
+    def drain(name: str) -> specs.WorkerInfo:
+        return service.membership.drain(name)
+
+    @r.post("/v1/workers/{name}/undrain")
+    def undrain(name: str) -> specs.WorkerInfo:
+        return service.membership.undrain(name)
+
+    @r.get("/v1/workers")
+    def workers() -> list[specs.WorkerInfo]:
+        return service.membership.workers()
+
+    @r.get("/v1/workers/{name}")
+    def worker(name: str) -> specs.WorkerInfo:
+        return service.membership.worker(name)
+
+    @r.post("/v1/leases/renew")
+    def renew(body: specs.TokenBody) -> specs.Renewed:
+        return service.store.renew(body.token)
+
+    @r.post("/v1/store/abort")
+    def abort_store(body: specs.TokenBody) -> dict:
+        return {"rolled_back": service.store.abort(body.token)}
+
+    @r.post("/v1/lookup/batch")
+    def lookup_batch(body: specs.LookupBatchRequest, who: Principal = Caller) -> Response:
+        results = [service.lookup(body.namespace_id, p, tenants=who.tenants) for p in body.prompts]
+        return Response(wire.encode({"results": results}), media_type="application/json")
+
+    @r.post("/v1/lookup/tokens")
+    def lookup_tokens(body: specs.TokenLookupRequest, who: Principal = Caller) -> specs.TokenLookupResult:
+        return service.lookup_tokens(body.namespace_id, body.token_ids, who.tenants)
+
+    @r.get("/v1/tiers")
+    def tiers() -> list[specs.TierUsage]:
+        return service.tiers()
+
+    @r.post("/v1/admin/evict")
+    def evict(body: specs.EvictRequest) -> specs.Evicted:
+        if body.tier is None:
+            if body.namespace_id is None and not body.all:
+                raise KVStoreError("invalid", "this drops every replica of every namespace, S3 included: "
+                                   "say \"all\": true, or name a namespace_id or a tier")
+            return service.evict(body.namespace_id, body.dry_run)
+        return service.evict_tier(body)
+
+    @r.get("/v1/admin/stats")
+    def stats() -> specs.Stats:
+        return service.stats()
+
+    return r
+
+
+def _token_routes(tokens: Tokens) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/admin/tokens")
+    def create_token(body: credentials.TokenCreate) -> credentials.TokenCreated:
+        return tokens.create(body)
+
+    @r.get("/v1/admin/tokens")
+    def list_tokens() -> list[credentials.TokenInfo]:
+        return tokens.list()
+
+    @r.post("/v1/admin/tokens/{token_id}/revoke")
+    def revoke_token(token_id: str) -> credentials.TokenInfo:
+        return tokens.revoke(token_id)
+
+    return r

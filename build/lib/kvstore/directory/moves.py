@@ -1,0 +1,190 @@
+"""Copying blocks between two tiers of one worker: reserve, move, finish.
+
+    moves.copy(worker_id, source_tier_id, dest_kind, replica_ids, source_stays) -> {replica id: bytes}
+
+Three steps, so no job spans worker I/O:
+1. reserve (a job): destination pages (the directory's page pool for a memory
+   tier; none for S3; NVMe pages are allocated by the worker just before this
+   job) and a WRITING replica there that expires after the move's deadline;
+   the source becomes MOVING (still readable).
+2. move (worker I/O): the worker copies and checks the block's checksum. The
+   request carries the deadline and the destination token; the worker refuses
+   to start after the deadline and writes only pages held under that token.
+3. finish (a job): copied -> destination READY, source READY (a copy up) or
+   DELETING (a move down). Failed -> destination dropped, source READY; a
+   source that failed its checksum is invalidated. No answer (the worker may
+   still be writing) -> the destination stays reserved until its deadline and
+   the reaper rolls it back then, so its pages are never reused under a write.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvstore.core import specs, tiers
+from kvstore.directory import repo_moves
+from kvstore.directory import repository as repo
+from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.models import Block, Replica, Tier, Worker
+from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
+from kvstore.directory.pools import PagePools
+from kvstore.directory.reclaim import Reclaim
+from kvstore.directory.workercalls import WorkerCalls
+from kvstore.directory.writer import Tx
+
+log = logging.getLogger(__name__)
+DEADLINE_SLACK_S = 30.0  # a destination outlives the move's deadline by this much (at most 3 move timeouts)
+
+
+class _Move(NamedTuple):
+    block_id: int
+    source_id: int
+    dest_id: int
+    item: specs.MoveItem
+
+
+class _Source(NamedTuple):
+    worker_url: str
+    worker_epoch: int
+    source: tuple  # (tier id, kind)
+    dest: tuple | None  # (tier id, kind, page_bytes)
+    rows: list  # (replica id, block id, nbytes)
+
+
+class Moves:
+    def __init__(self, write, calls: WorkerCalls, reclaim: Reclaim, pools: PagePools, metrics: DirectoryMetrics,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._write = write
+        self._calls = calls
+        self._reclaim = reclaim
+        self._pools = pools
+        self._metrics = metrics
+        self._clock = clock
+        self._backoff: dict[int, tuple[float, float]] = {}  # destination tier id -> (retry at, delay s)
+
+    def backing_off(self, tier_id: int) -> bool:
+        return self._backoff.get(tier_id, (0.0, 0.0))[0] > time.monotonic()
+
+    def copy(self, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int],
+             source_stays: bool) -> dict[int, int]:
+        """The source replicas copied, with the bytes each held (freed by a move down once unpinned)."""
+        if not replica_ids:
+            return {}
+        found = self._write(lambda tx: _sources(tx, worker_id, source_tier_id, dest_kind, replica_ids))
+        if found is None or found.dest is None or not found.rows:
+            return {}
+        token = "move-" + secrets.token_hex(16)  # recognised at a directory restart
+        runs = None
+        if found.dest[1] == "nvme":  # the worker owns its disk pages: ask it, outside every job
+            runs = self._calls.allocate(found.worker_url, "nvme", token, [n for _, _, n in found.rows])
+        deadline = self._clock() + self._calls.move_timeout_s
+        plan = self._write(lambda tx: self._reserve(tx, found, token, runs, deadline, only_ready=not source_stays))
+        if not plan:
+            return {}
+        t0 = time.perf_counter()
+        result = self._calls.move(found.worker_url, [m.item for m in plan], deadline)
+        route = f"{found.source[1]} -> {found.dest[1]}"
+        self._note_outcome(found.dest[0], route, result)
+        done = self._write(lambda tx: self._finish(tx, plan, result, source_stays))
+        log.debug("copied %d of %d blocks %s in %.1f ms", len(done), len(plan), route,
+                  (time.perf_counter() - t0) * 1e3)
+        return done
+
+    def _reserve(self, tx: Tx, found: _Source, token: str, runs, deadline: float, only_ready: bool) -> list[_Move]:
+        """Destination replicas for the sources still readable; what was allocated and not used goes back."""
+        dest_id, dest_kind, page_bytes = found.dest
+        worker_epoch = found.worker_epoch
+        sources = repo_moves.replicas_by_id(tx.session, [r for r, _, _ in found.rows])
+        blocks = {b.id: b for b in tx.session.query(Block).filter(Block.id.in_([b for _, b, _ in found.rows]))}
+        plan, taken, used = [], set(), 0
+        for k, (replica_id, block_id, nbytes) in enumerate(found.rows):
+            source, block = sources.get(replica_id), blocks.get(block_id)
+            readable = source is not None and block is not None and block.checksum is not None and \
+                (source.state == READY or (not only_ready and source.state == MOVING))
+            pages = runs[k] if runs is not None else None
+            if not readable or (runs is not None and pages is None):
+                continue
+            if dest_kind in tiers.MEMORY:
+                pairs = self._pools.allocate(dest_id, worker_epoch, nbytes)
+                if pairs is None:
+                    break  # the memory tier is full: what did not fit stays where it is
+                tx.on_rollback.append(lambda p=pairs: self._pools.free(dest_id, worker_epoch, p))
+                pages = [specs.PageRun(first=f, count=c) for f, c in pairs]
+            taken.add(k)
+            pages = pages or []
+            reserved = nbytes if dest_kind == "s3" else sum(r.count for r in pages) * page_bytes
+            dest = Replica(block_id=block_id, tier_id=dest_id, epoch=worker_epoch, state=WRITING, token=token,
+                           pages=[[r.first, r.count] for r in pages], reserved_bytes=reserved,
+                           expires_at=deadline + min(DEADLINE_SLACK_S, 3 * self._calls.move_timeout_s),
+                           created_at=source.created_at)
+            tx.session.add(dest)
+            used += reserved
+            if source.state == READY:
+                source.state = MOVING
+            plan.append((source, block, pages, dest))
+        unused = [(token, r) for k, r in enumerate(runs or []) if r is not None and k not in taken]
+        tx.after_commit.append(self._calls.free_later(found.worker_url, unused))
+        repo.add_used(tx.session, {dest_id: used})
+        tx.session.flush()
+        return [_Move(block.id, source.id, dest.id, _item(source, found.source[1], dest_kind, token, pages, block))
+                for source, block, pages, dest in plan]
+
+    def _finish(self, tx: Tx, plan: list[_Move], result: specs.MoveResult, source_stays: bool) -> dict[int, int]:
+        done, dropped = {}, []
+        rows = repo_moves.replicas_by_id(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
+        codes = result.codes or ["ok" if ok else "failed" for ok in result.ok]
+        for move, code in zip(plan, codes):
+            source, dest = rows.get(move.source_id), rows.get(move.dest_id)
+            if code == "ok" and dest is not None and dest.state == WRITING:
+                dest.state, dest.expires_at = READY, None
+                if source is not None:
+                    source.state = READY if source_stays else DELETING
+                    done[source.id] = source.reserved_bytes
+                continue
+            if code != "unreachable" and dest is not None:
+                dropped.append(dest.id)  # the worker answered: nothing writes those pages any more
+            if source is not None and code == "source_corrupt":
+                source.state = DELETING  # the copy we read from is bad
+                self._metrics.checksum_failures.inc()
+            elif source is not None and source.state == MOVING:
+                source.state = READY
+        tx.session.flush()
+        self._reclaim.drop(tx, repo.replica_rows(tx.session, dropped))
+        self._reclaim.collect_deleting(tx)
+        return done
+
+    def _note_outcome(self, dest_tier_id: int, route: str, result: specs.MoveResult) -> None:
+        """Count failed moves; a route whose every move failed backs off (1 s doubling to 60 s)."""
+        failed = len(result.ok) - sum(result.ok)
+        if failed:
+            self._metrics.move_failures.labels(route).inc(failed)
+        if result.ok and not any(result.ok):
+            delay = min(60.0, 2 * self._backoff.get(dest_tier_id, (0.0, 0.5))[1])
+            self._backoff[dest_tier_id] = (time.monotonic() + delay, delay)
+            log.warning("moves %s failed (%d blocks): %s; the blocks stay where they are, retrying in %.0fs",
+                        route, failed, next((e for e in result.errors if e), "?"), delay)
+        elif dest_tier_id in self._backoff and any(result.ok):
+            del self._backoff[dest_tier_id]
+            log.info("moves %s succeed again", route)
+
+
+def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int]) -> _Source | None:
+    worker = tx.session.get(Worker, worker_id)
+    source = tx.session.get(Tier, source_tier_id)
+    if worker is None or source is None:
+        return None
+    dest = repo.tiers_of(tx.session, worker_id).get(dest_kind)
+    pairs = repo_moves.replica_block_pairs(tx.session, replica_ids)
+    return _Source(worker.control_url, worker.epoch, (source.id, source.kind),
+                   (dest.id, dest.kind, dest.page_bytes) if dest is not None else None,
+                   [(r.id, b.id, b.nbytes) for r, b in pairs])
+
+
+def _item(replica: Replica, source_kind: str, dest_kind: str, token: str, runs, block: Block) -> specs.MoveItem:
+    return specs.MoveItem(src_kind=source_kind, src_runs=[specs.PageRun(first=f, count=c) for f, c in replica.pages],
+                          dst_kind=dest_kind, dst_runs=runs, dst_token=token, nbytes=block.nbytes,
+                          checksum=block.checksum, namespace_id=block.namespace_id, hash=block.hash)

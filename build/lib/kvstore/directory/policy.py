@@ -1,0 +1,181 @@
+"""The directory's eviction and admission: one pair of policy objects (kvstore/policies) per tier.
+
+    policies.admit(tier, key, nbytes)     # placement of a new block, and "keep it one tier down?"
+    policies.admit_many(tier, [(key, nbytes)])      # the same for a save's blocks
+    policies.hit_many([(tier ids, key)])  # loads read them: touch + record
+    policies.victims(tier, rows, ...)     # sync with the tier's READY replicas, then evict
+    policies.changed(key, parent, added, removed)   # the index saw a block's replicas come or go
+    policies.evict(tier, n, keep) -> keys | None    # victims without a sync: O(victims)
+
+SQL stays the truth of what is where; the policy objects are the directory's memory of recency
+and frequency. Before choosing victims, a tier's eviction policy is brought to the tier's READY
+replicas (rows that went are removed, new ones inserted oldest first), so nothing the database
+does not hold is ever named and nothing it holds is forgotten. The first sync after a start
+rebuilds the policy from `last_access` (and replays `hit_count` into the admission's counts).
+Keys are `namespace_id/hash` strings.
+
+The full sync runs once per tier (the first time it needs victims, which after a
+start rebuilds it); from then on the lookup index reports every replica that
+becomes readable or goes (`changed`), so choosing victims costs what the victims
+cost, not what the tier holds. A key the policy names that the tier no longer
+holds is dropped by the caller, and a policy that runs dry is synced again.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass, field
+
+from kvstore.policies import Backpressure, make_admission, make_eviction
+from kvstore.policies.admission import AdmissionChain, Decision
+
+UNBOUNDED_BLOCKS = 1 << 20  # the size policies assume for a tier without a capacity (S3)
+REPLAY_HITS = 3  # at most this many recorded hits per block when rebuilding admission counts
+
+
+def block_key(namespace_id: str, block_hash: str) -> str:
+    return f"{namespace_id}/{block_hash}"
+
+
+@dataclass
+class VictimRow:
+    """One READY replica of the tier, as `victims` needs it."""
+    key: str
+    parent: str | None
+    last_access: float
+    depth: int
+    hit_count: int
+    nbytes: int
+    pinned: bool
+    row: object  # what the caller gets back for a victim
+
+
+@dataclass
+class _TierPolicy:
+    eviction: object
+    admission: object
+    built: bool = False
+    pressure: list = field(default_factory=list)  # Backpressure conditions to update
+
+
+def _locked(method):
+    def call(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
+
+
+class TierPolicies:
+    """Used by the writer thread (admission, victims, changes the index reports) and by the reaper
+    (hits, in chunks): every call holds `lock`, briefly."""
+
+    def __init__(self, eviction: dict[str, str], admission: dict[str, str]) -> None:
+        self._names = eviction, admission  # by tier kind
+        self._tiers: dict[int, _TierPolicy] = {}
+        self.lock = threading.RLock()
+
+    def _of(self, tier) -> _TierPolicy:
+        if tier.id not in self._tiers:
+            blocks = tier.capacity_bytes // tier.page_bytes if tier.capacity_bytes else UNBOUNDED_BLOCKS
+            admission = make_admission(self._names[1][tier.kind], max(1, blocks))
+            conditions = admission.conditions if isinstance(admission, AdmissionChain) else [admission]
+            self._tiers[tier.id] = _TierPolicy(make_eviction(self._names[0][tier.kind], max(1, blocks)), admission,
+                                               pressure=[c for c in conditions if isinstance(c, Backpressure)])
+        return self._tiers[tier.id]
+
+    @_locked
+    def forget(self, tier_id: int) -> None:
+        """The tier went away (its worker re-registered with new tiers)."""
+        self._tiers.pop(tier_id, None)
+
+    @_locked
+    def admit(self, tier, key: str, nbytes: int) -> Decision:
+        policy = self._of(tier)
+        for condition in policy.pressure:
+            condition.pressure = tier.used_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
+        return policy.admission.admit(key, nbytes)
+
+    @_locked
+    def admit_many(self, tier, requests: list[tuple[str, int]]) -> list[Decision]:
+        """`admit` for (key, nbytes) in turn, under one hold of the lock."""
+        return [self.admit(tier, key, nbytes) for key, nbytes in requests]
+
+    @_locked
+    def hit_many(self, hits: list[tuple[list[int], str]]) -> None:
+        """Loads read these keys: (the ids of the tiers that hold it, the one that served it first;
+        key). Each holding tier's eviction policy is touched, the serving tier's admission records
+        the key. Tiers without a policy yet are skipped; one hold of the lock for all."""
+        policies = self._tiers
+        for tier_ids, key in hits:
+            for i, tier_id in enumerate(tier_ids):
+                policy = policies.get(tier_id)
+                if policy is None:
+                    continue
+                if key in policy.eviction:
+                    policy.eviction.touch(key)
+                if i == 0:
+                    policy.admission.record(key)
+
+    @_locked
+    def built(self, tier) -> bool:
+        return self._of(tier).built
+
+    @_locked
+    def changed(self, key: str, parent: str | None, added: list[int], removed: list[int]) -> None:
+        """Replicas of `key` became readable on the tiers `added` and left `removed` (tier ids)."""
+        for tier_id in removed:
+            policy = self._tiers.get(tier_id)
+            if policy is not None and policy.built:
+                policy.eviction.remove(key)
+        for tier_id in added:
+            policy = self._tiers.get(tier_id)
+            if policy is not None and policy.built and key not in policy.eviction:
+                policy.eviction.insert(key, parent)
+
+    @_locked
+    def evict(self, tier, n: int, keep: set[str]) -> list[str] | None:
+        """Up to `n` victims from the tier's policy as it stands (no sync); None when it is empty."""
+        policy = self._of(tier)
+        victims = policy.eviction.evict(min(n, max(1, len(policy.eviction) - len(keep))), keep)
+        if victims is None and n > 1:
+            victims = policy.eviction.evict(1, keep)
+        return victims
+
+    @_locked
+    def unbuild(self, tier) -> None:
+        """The next victims() syncs from the rows again (the policy ran dry while the tier is full)."""
+        self._of(tier).built = False
+
+    @_locked
+    def victims(self, tier, rows: list[VictimRow], protected: set[str], to_free: int, limit: int,
+                dry_run: bool = False) -> list:
+        """Sync the tier's eviction policy with `rows` (its READY replicas), then evict until
+        `to_free` bytes or `limit` rows. Pinned rows and `protected` keys stay. A dry run asks a
+        copy, so it changes nothing."""
+        policy = self._of(tier)
+        self._sync(policy, rows)
+        eviction = copy.deepcopy(policy.eviction) if dry_run else policy.eviction
+        by_key = {r.key: r for r in rows}
+        keep = protected | {r.key for r in rows if r.pinned}
+        chosen, freed = [], 0
+        while freed < to_free and len(chosen) < limit:
+            victims = eviction.evict(1, keep)
+            if victims is None:
+                break
+            chosen.append(by_key[victims[0]].row)
+            freed += by_key[victims[0]].nbytes
+        return chosen
+
+    def _sync(self, policy: _TierPolicy, rows: list[VictimRow]) -> None:
+        present = {r.key for r in rows}
+        for key in [k for k in policy.eviction if k not in present]:
+            policy.eviction.remove(key)
+        # oldest first; on ties the deeper block first, so a prefix is more recent than its suffix
+        for r in sorted((r for r in rows if r.key not in policy.eviction), key=lambda r: (r.last_access, -r.depth)):
+            policy.eviction.insert(r.key, r.parent)
+            if not policy.built:
+                for _ in range(min(r.hit_count, REPLAY_HITS)):
+                    policy.admission.record(r.key)
+        policy.built = True

@@ -1,0 +1,64 @@
+"""Directory settings: `KVSTORE_*` environment variables or CLI flags."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvstore.core import tiers
+from kvstore.core.errors import KVStoreError
+from kvstore.policies import (DEFAULT_ADMISSION, DEFAULT_ADMISSION_BY_TIER, DEFAULT_EVICTION, make_admission,
+                              make_eviction)
+
+TIER_KINDS = tiers.ORDER
+
+
+class DirectorySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_", frozen=True)
+
+    database_url: str = Field("sqlite:///var/directory.db", description="any SQLAlchemy URL")
+    lease_ttl_s: float = Field(30.0, gt=0, le=3600, description="reader pins expire after this")
+    reservation_ttl_s: float = Field(30.0, gt=0, le=3600, description="uncompleted stores roll back after this")
+    heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="what workers are told to use")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="silence after which a worker is dead")
+    reaper_interval_s: float = Field(0.5, gt=0, le=60)
+    move_timeout_s: float = Field(300.0, gt=0, le=3600, description="a worker must finish a batch of tier "
+                                  "moves within this; its destinations stay reserved that long (and no longer)")
+    require_auth: bool = Field(True, description="every route but /healthz and /readyz needs a bearer token")
+    open_metrics: bool = Field(False, description="serve /metrics without a token")
+    engine_rate: float = Field(10_000.0, ge=0, description="requests/s of one engine token; 0 = no limit")
+    engine_burst: float = Field(20_000.0, ge=1, description="requests an engine token may send at once")
+    verify_writes: bool = Field(False, description="a worker checksums every block at commit; a block whose bytes "
+                                "do not match its writer's checksum is not committed")
+    ca_file: str | None = Field(None, description="CA bundle that workers' HTTPS certificates are checked against")
+    migrate_on_start: bool = Field(True, description="run alembic upgrade head at start-up")
+    eviction: str = Field(DEFAULT_EVICTION, description="eviction policy of every tier (kvstore/policies)")
+    admission: str = Field(DEFAULT_ADMISSION, description="admission of the memory tiers (and of NVMe/S3 where "
+                           "admission_by_tier does not say): a name, size:MIN-MAX, or a comma-separated chain")
+    eviction_by_tier: dict[str, str] = Field(default_factory=dict, description='overrides, e.g. {"s3": "lru"}')
+    admission_by_tier: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ADMISSION_BY_TIER),
+                                              description='overrides; default: NVMe and S3 keep every demoted block')
+
+    @field_validator("eviction_by_tier", "admission_by_tier")
+    @classmethod
+    def _known_tiers(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(TIER_KINDS))
+        if unknown:
+            raise ValueError(f"unknown tier kinds {unknown}; choose from {list(TIER_KINDS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _known_policies(self) -> DirectorySettings:
+        try:
+            for kind in TIER_KINDS:
+                make_eviction(self.tier_eviction()[kind], 1)
+                make_admission(self.tier_admission()[kind], 1)
+        except KVStoreError as exc:
+            raise ValueError(exc.message) from None
+        return self
+
+    def tier_eviction(self) -> dict[str, str]:
+        return {kind: self.eviction_by_tier.get(kind, self.eviction) for kind in TIER_KINDS}
+
+    def tier_admission(self) -> dict[str, str]:
+        return {kind: self.admission_by_tier.get(kind, self.admission) for kind in TIER_KINDS}

@@ -1,0 +1,107 @@
+"""The directory's calls to storage workers, made outside every job (never inside a transaction).
+
+    calls.grant(url, kind, token, max_pages) -> runs   # page credit for a memory tier
+    calls.allocate(url, kind, token, sizes) -> runs | None per size
+    calls.move(url, items) -> MoveResult                # a worker that cannot be reached failed them all
+    calls.verify(url, items) -> [bool | None]           # do replicas still hash to their checksums?
+    calls.free_later(url, items) -> callable            # for Tx.after_commit: give pages back / delete objects,
+                                                        # on a background thread, in order
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from kvstore.client.worker import WorkerControlClient
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+
+log = logging.getLogger(__name__)
+FREE_ITEMS_PER_CALL = 10_000  # a worker takes bodies of bounded size
+
+
+class WorkerCalls:
+    def __init__(self, timeout_s: float = 10.0, move_timeout_s: float = 300.0, ca_file: str | None = None) -> None:
+        self._timeout_s = timeout_s
+        self._ca_file = ca_file  # workers' HTTPS certificates are checked against it
+        self._secrets: dict[str, str | None] = {}  # control URL -> the secret its worker registered with
+        self.move_timeout_s = move_timeout_s  # a batch of NVMe or S3 copies; its destinations expire after it
+        self._clients: dict[str, WorkerControlClient] = {}
+        self._lock = threading.Lock()
+        # frees run after the commit that forgot the pages, never on the writer: a worker whose S3
+        # endpoint is down can take seconds per deleted object
+        self._frees = ThreadPoolExecutor(1, thread_name_prefix="worker-frees")
+
+    def authorize(self, url: str, secret: str | None) -> None:
+        """Calls to `url` carry `secret` from now on (a worker registered, or the directory started)."""
+        with self._lock:
+            if url in self._secrets and self._secrets[url] == secret:
+                return
+            self._secrets[url] = secret
+            old = self._clients.pop(url, None)
+        if old is not None:
+            old.close()
+
+    def client(self, url: str) -> WorkerControlClient:
+        with self._lock:
+            if url not in self._clients:
+                self._clients[url] = WorkerControlClient(url, timeout_s=self._timeout_s, token=self._secrets.get(url),
+                                                         ca_file=self._ca_file)
+            return self._clients[url]
+
+    def grant(self, url: str, kind: str, token: str, max_pages: int) -> list[specs.PageRun]:
+        return self.client(url).grant(specs.GrantRequest(token=token, kind=kind, max_pages=max_pages)).runs
+
+    def allocate(self, url: str, kind: str, token: str, sizes: list[int]) -> list[list[specs.PageRun] | None]:
+        return self.client(url).allocate(specs.AllocRequest(token=token, kind=kind, sizes=sizes)).runs
+
+    def move(self, url: str, items: list[specs.MoveItem], deadline: float) -> specs.MoveResult:
+        """The worker must not start after `deadline` (unix time) nor wait past it; we wait for its
+        answer until a little after. No answer: every item is `unreachable` (outcome unknown)."""
+        try:
+            return self.client(url).move(specs.MoveRequest(items=items, expires_at=deadline),
+                                         timeout_s=self.move_timeout_s + min(5.0, self.move_timeout_s / 2))
+        except KVStoreError as exc:
+            return specs.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
+                                    codes=["unreachable"] * len(items))
+
+    def verify(self, url: str, items: list[specs.VerifyItem]) -> list[bool | None]:
+        """Per item, whether the worker found the replica's bytes intact; None when it could not say."""
+        try:
+            return self.client(url).verify(specs.VerifyRequest(items=items)).matches
+        except KVStoreError as exc:
+            log.warning("verifying %d replicas on %s failed: %s", len(items), url, exc)
+            return [None] * len(items)
+
+    def free_later(self, url: str, items: list[tuple]) -> Callable[[], None]:
+        """A call giving (token, page runs[, object name]) back to the worker; runs are PageRuns or
+        [first, count]; an object name (s3) means: delete that object."""
+        def free() -> None:
+            for start in range(0, len(items), FREE_ITEMS_PER_CALL):
+                chunk = items[start : start + FREE_ITEMS_PER_CALL]
+                body = specs.FreeRequest(items=[specs.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]],
+                                                               object=i[2] if len(i) > 2 else None) for i in chunk])
+                try:
+                    self.client(url).free(body)
+                except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages
+                    log.warning("giving %d allocations back to %s failed: %s", len(chunk), url, exc)
+                    return
+        return (lambda: self._frees.submit(free)) if items else (lambda: None)
+
+    def settle(self) -> None:
+        """Wait for the frees handed out so far (tests, shutdown)."""
+        self._frees.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._frees.shutdown(wait=True)
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+
+def _page_run(run) -> specs.PageRun:
+    return run if isinstance(run, specs.PageRun) else specs.PageRun(first=run[0], count=run[1])

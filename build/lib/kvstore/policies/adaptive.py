@@ -1,0 +1,76 @@
+"""Adaptive doorkeeper: admit everything or only second sightings, whichever is hitting more now.
+
+A doorkeeper helps a small cache (blocks seen once stop pushing out blocks that come back) and
+hurts a large one (a block's second use is always a miss). Which regime a tier is in depends on
+its size and on the workload, so this condition measures it (set dueling, Qureshi et al.
+ISCA'07, on a spatial sample as in SHARDS, Waldspurger et al. FAST'15): keys whose hash falls in
+a `rate` sample drive two small shadow LRU caches of `rate` x capacity, one admitting every
+block and one behind a doorkeeper. Each shadow counts its hits with exponential decay; the main
+tier follows the shadow that hits more (ties: admit everything). The main doorkeeper counts
+sightings in both modes, so a switch takes effect at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from kvstore.policies.admission import ADMIT, Admit, Decision, Doorkeeper
+from kvstore.policies.tinylfu import key_hash
+
+MIN_SHADOW = 256  # sampled slots per shadow: below this the sample is too noisy
+MIN_RATE = 1 / 64
+
+
+class _Shadow:
+    def __init__(self, capacity: int, door: Doorkeeper | None) -> None:
+        self.capacity, self.door = capacity, door
+        self.cached: OrderedDict = OrderedDict()
+        self.score = 0.0
+
+    def access(self, key: Hashable) -> None:
+        if key in self.cached:
+            self.cached.move_to_end(key)
+            self.score += 1
+            return
+        if self.door is not None and not isinstance(self.door.admit(key), Admit):
+            return
+        self.cached[key] = None
+        if len(self.cached) > self.capacity:
+            self.cached.popitem(last=False)
+
+
+class AdaptiveDoorkeeper:
+    def __init__(self, capacity: int, window: int | None = None) -> None:
+        assert capacity > 0, "an adaptive doorkeeper needs a capacity"
+        self.rate = min(1.0, max(MIN_RATE, MIN_SHADOW / capacity))
+        self._cut = int(self.rate * (1 << 64))
+        shadow = max(1, round(capacity * self.rate))
+        self._always = _Shadow(shadow, None)
+        self._door = _Shadow(shadow, Doorkeeper(shadow, window))
+        self._decay_every, self._sampled = 4 * shadow, 0
+        self.doorkeeper = Doorkeeper(capacity, window)
+
+    @property
+    def filtering(self) -> bool:
+        """True while the doorkeeper's shadow is hitting more than the admit-all one."""
+        return self._door.score > self._always.score
+
+    def _observe(self, key: Hashable) -> None:
+        if key_hash(key) >= self._cut:
+            return
+        self._always.access(key)
+        self._door.access(key)
+        self._sampled += 1
+        if self._sampled >= self._decay_every:
+            self._sampled = 0
+            self._always.score /= 2
+            self._door.score /= 2
+
+    def admit(self, key: Hashable, nbytes: int = 0) -> Decision:
+        self._observe(key)
+        decision = self.doorkeeper.admit(key)
+        return decision if self.filtering else ADMIT
+
+    def record(self, key: Hashable) -> None:
+        self._observe(key)

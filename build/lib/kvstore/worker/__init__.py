@@ -1,0 +1,1 @@
+"""Storage worker (data plane): owns tier memory, never decides policy."""

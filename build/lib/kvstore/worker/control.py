@@ -1,0 +1,230 @@
+"""The worker's control endpoint: the directory asks it to allocate and free pages.
+
+Only the directory may call it: every request but /healthz carries the secret this worker
+registered with (`Authorization: Bearer <secret>`); anything else is a 401. With a certificate
+and key it serves HTTPS.
+
+    POST /v1/grant  GrantRequest -> GrantResult   (page credit: many free pages of a memory tier at once)
+    POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with the reservation token)
+    POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
+    POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers)
+    POST /v1/verify VerifyRequest -> VerifyResult  (do replicas still hash to their checksums?)
+    GET  /healthz
+
+Plain `http.server`: control traffic is a few small requests per store, and the
+worker stays free of web-framework dependencies. Bounded: at most MAX_CONNECTIONS
+connections are served at once (more wait to be accepted), an idle connection is
+closed after IDLE_TIMEOUT_S, a body is at most MAX_BODY bytes, and every request
+gets an answer with an error body, a bug included.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from pydantic import ValidationError
+
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.pages import PageAllocator
+from kvstore.core.sizes import body_length
+
+log = logging.getLogger(__name__)
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 60.0
+MAX_BODY = 64 << 20
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them: the accept loop waits for a slot."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int = MAX_CONNECTIONS) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class ControlServer:
+    def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0,
+                 mover=None, on_free=None, object_tiers: dict | None = None, verifier=None,
+                 max_connections: int = MAX_CONNECTIONS, secret: str | None = None,
+                 tls: tuple[str, str] | None = None) -> None:
+        """`secret`: what every call must carry (None: no check, for tests in one process);
+        `tls`: (certificate file, key file) to serve HTTPS."""
+        self.allocators = allocators
+        self.secret = secret
+        self.object_tiers = object_tiers or {}  # kind -> callable(name) deleting an object
+        self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
+        self.on_free = on_free  # callable (kind, token, runs) after pages are given back
+        self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
+        handler = type("Handler", (_Handler,), {"control": self})
+        self._server = _BoundedServer((host, port), handler, max_connections)
+        self.scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            # the handshake runs on the connection's own thread, not in the accept loop
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True,
+                                                      do_handshake_on_connect=False)
+            self.scheme = "https"
+        self.host, self.port = self._server.server_address[:2]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="control", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def authorized(self, header: str | None) -> bool:
+        if self.secret is None:
+            return True
+        expected = f"Bearer {self.secret}".encode()
+        return header is not None and hmac.compare_digest(header.encode("latin-1", "replace"), expected)
+
+    def allocate(self, req: specs.AllocRequest) -> specs.AllocResult:
+        if req.kind in self.object_tiers:  # objects need no pages: one per block, unbounded
+            return specs.AllocResult(runs=[[] for _ in req.sizes])
+        allocator = self._allocator(req.kind)
+        runs = []
+        for nbytes in req.sizes:
+            if nbytes <= 0:
+                raise KVStoreError("invalid", "sizes must be positive", size=nbytes)
+            runs.append(allocator.allocate(req.token, nbytes))
+        return specs.AllocResult(runs=runs)
+
+    def grant(self, req: specs.GrantRequest) -> specs.GrantResult:
+        if req.kind not in ("hbm", "dram"):
+            raise KVStoreError("invalid", "only memory tiers are granted", tier=req.kind)
+        return specs.GrantResult(runs=self._allocator(req.kind).grant(req.token, req.max_pages))
+
+    def free(self, req: specs.FreeRequest) -> int:
+        freed = 0
+        for item in req.items:
+            if item.object is not None:
+                for delete in self.object_tiers.values():
+                    delete(item.object)
+                freed += 1
+                continue
+            for kind, allocator in self.allocators.items():
+                if allocator.free(item.token, item.runs):
+                    freed += sum(r.count for r in item.runs)
+                    if self.on_free:
+                        self.on_free(kind, item.token, item.runs)
+                    break
+            else:
+                log.warning("free of pages not held by token %s ignored", item.token)
+        return freed
+
+    def move(self, req: specs.MoveRequest) -> specs.MoveResult:
+        if self.mover is None:
+            raise KVStoreError("not_found", "this worker has no tier to move blocks to")
+        return self.mover(req)
+
+    def verify(self, req: specs.VerifyRequest) -> specs.VerifyResult:
+        if self.verifier is None:
+            return specs.VerifyResult(matches=[None] * len(req.items))
+        return self.verifier(req)
+
+    def _allocator(self, kind: str) -> PageAllocator:
+        if kind not in self.allocators:
+            raise KVStoreError("not_found", f"this worker has no {kind} tier", tier=kind)
+        return self.allocators[kind]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    control: ControlServer
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body leave as separate writes; Nagle would hold the body ~40 ms
+    timeout = IDLE_TIMEOUT_S  # an idle keep-alive connection gives its slot back
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        if self.path == "/healthz":
+            self._answer(200, {"status": "ok"})
+        else:
+            self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
+
+    def do_POST(self) -> None:  # noqa: N802
+        routes = {"/v1/grant": (specs.GrantRequest, lambda b: self.control.grant(b).model_dump()),
+                  "/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
+                  "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)}),
+                  "/v1/move": (specs.MoveRequest, lambda b: self.control.move(b).model_dump()),
+                  "/v1/verify": (specs.VerifyRequest, lambda b: self.control.verify(b).model_dump())}
+        if self.path not in routes:
+            self.close_connection = True  # its body was not read
+            self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
+            return
+        model, action = routes[self.path]
+        if not self.control.authorized(self.headers.get("authorization")):
+            self.close_connection = True
+            self._answer(401, KVStoreError("unauthorized", "only the directory this worker registered with may "
+                                           "call it").to_body())
+            return
+        try:
+            length = body_length(self.headers.get("content-length"), MAX_BODY) or 0
+            body = model.model_validate_json(self.rfile.read(length))
+            self._answer(200, action(body))
+        except ValidationError as exc:
+            errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()[:5]]
+            self._answer(400, KVStoreError("invalid", "bad request body", errors=errors).to_body())
+        except KVStoreError as exc:
+            if exc.kind in ("invalid", "too_large"):
+                self.close_connection = True  # what is left of the body cannot be trusted to frame a request
+            self._answer(exc.http_status, exc.to_body())
+        except (BrokenPipeError, ConnectionResetError):  # the caller left before its answer
+            self.close_connection = True
+        except Exception as exc:  # a bug: answered, logged, and the connection closed
+            log.exception("control %s failed", self.path)
+            self.close_connection = True
+            self._answer(500, KVStoreError("internal", type(exc).__name__).to_body())
+
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a bad request line, headers, an unknown method) in kvstore's body."""
+        self.close_connection = True
+        code = 405 if code == 501 else code  # no handler for the method
+        kind = {404: "not_found", 413: "too_large", 414: "too_large", 431: "too_large"}.get(code, "invalid")
+        body = json.dumps(KVStoreError(kind, message or self.responses.get(code, ("",))[0]).to_body()).encode()
+        self.send_response(code, message)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.send_header("connection", "close")
+        self.end_headers()
+        if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+            self.wfile.write(body)
+
+    def _answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body, default=str).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, fmt: str, *args) -> None:
+        log.debug("control: " + fmt, *args)

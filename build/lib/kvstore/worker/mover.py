@@ -1,0 +1,305 @@
+"""Executes the directory's moves between this worker's tiers with NIXL.
+
+    mover.move(MoveRequest) -> MoveResult     # failures are values, per block
+
+Every route checks the block checksum on the way: the source is hashed before
+it leaves DRAM, and what arrives in DRAM is hashed before it counts. A mismatch
+fails the item, so corrupt bytes never become a replica.
+
+    dram -> nvme   POSIX WRITE into slab pages; the manifest records the block
+    nvme -> dram   POSIX READ (promotion)
+    dram -> s3     OBJ WRITE (one PUT; scattered pages are first gathered into
+                   contiguous DRAM pages, since OBJ writes whole objects at offset 0)
+    s3 -> dram     OBJ READ (ranged GETs; promotion)
+    nvme -> s3     through the bounce buffer (registered once)
+    hbm <-> dram   UCX on VRAM, loopback (GPU path, never run here)
+    hbm <-> nvme   GDS_MT (cuFile), VRAM <-> slab file, when the worker has it (GPU path, never run here)
+
+All blocks of one route in a request travel in one NIXL request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import xxhash
+
+from kvstore.core import specs
+from kvstore.core.memory import HostBuffer
+from kvstore.transfer import Agent
+from kvstore.core.pages import PageAllocator
+from kvstore.worker.hbm import HbmArena
+from kvstore.worker.nvme import NvmeTier
+from kvstore.worker.s3 import S3Tier
+
+log = logging.getLogger(__name__)
+ROUTES = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram"), ("nvme", "s3"),
+          ("hbm", "dram"), ("dram", "hbm")}  # the hbm routes are GPU paths (UCX on VRAM)
+MAX_WAIT_S = 300.0  # one NIXL request between two tiers, at most (or until the move's deadline)
+_deadline = threading.local()  # the deadline of the move request this thread serves
+
+
+class SourceCorrupt(str):
+    """A move's error saying the source replica failed its checksum: that replica is bad."""
+
+
+BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
+
+
+class Mover:
+    def __init__(self, agent: Agent, arena: HostBuffer, page_bytes: int, nvme: NvmeTier | None,
+                 s3: S3Tier | None, bounce_bytes: int, hbm: HbmArena | None = None, gds: bool = False) -> None:
+        self.agent = agent
+        self.arena = arena
+        self.page_bytes = page_bytes
+        # copies that must pass through DRAM use their own buffer, registered once: the DRAM
+        # tier is usually full exactly when blocks need to move down
+        self.bounce = HostBuffer(bounce_bytes) if s3 else None
+        self.bounce_pages = PageAllocator(bounce_bytes // page_bytes, page_bytes) if self.bounce else None
+        if self.bounce:
+            agent.register_dram(self.bounce.addr, self.bounce.nbytes)
+        self.nvme = nvme
+        self.s3 = s3
+        self.hbm = hbm
+        self.gds = gds
+
+    def move(self, req: specs.MoveRequest) -> specs.MoveResult:
+        if req.expires_at is not None and time.time() >= req.expires_at:
+            n = len(req.items)
+            return specs.MoveResult(ok=[False] * n, errors=["the move's deadline passed before it started"] * n,
+                                    codes=["expired"] * n)
+        _deadline.at = req.expires_at
+        errors: dict[int, str | None] = {}
+        for i, item in enumerate(req.items):
+            if item.dst_kind == "nvme" and self.nvme and not self.nvme.allocator.owns(item.dst_token, item.dst_runs):
+                errors[i] = "the destination pages are not held by this move's token (rolled back?)"
+        by_route: dict[tuple[str, str], list[int]] = {}
+        s3_down = self.s3.unreachable() if self.s3 and any("s3" in (i.src_kind, i.dst_kind) for i in req.items) \
+            else None
+        for i, item in enumerate(req.items):
+            if i in errors:
+                continue
+            if s3_down and "s3" in (item.src_kind, item.dst_kind):
+                errors[i] = s3_down  # fail fast: the directory backs off and retries later
+                continue
+            by_route.setdefault((item.src_kind, item.dst_kind), []).append(i)
+        for route, indices in by_route.items():
+            if route in BATCHED and self._can(route) and len(indices) > 1:
+                errors.update(self._batch(route, [(i, req.items[i]) for i in indices]))
+            else:
+                errors.update((i, self._move_one(req.items[i])) for i in indices)
+        if s3_down:
+            log.warning("%d moves to or from S3 refused: %s", sum(e == s3_down for e in errors.values()), s3_down)
+        for i, error in errors.items():
+            if error and error != s3_down:
+                item = req.items[i]
+                log.warning("move of block %s %s->%s failed: %s", item.hash, item.src_kind, item.dst_kind, error)
+        if self.nvme is not None:
+            self.nvme.sync()
+        ordered = [errors[i] for i in range(len(req.items))]
+        codes = ["ok" if e is None else "source_corrupt" if isinstance(e, SourceCorrupt) else "failed"
+                 for e in ordered]
+        return specs.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
+
+    def _batch(self, route: tuple[str, str], items: list[tuple[int, specs.MoveItem]]) -> dict[int, str | None]:
+        """All items of one route in a single NIXL request (POSIX queues, OBJ threads work in parallel);
+        checksums are checked per block, and a failed request falls back to one request per block."""
+        errors: dict[int, str | None] = {}
+        if route[0] == "dram":
+            for i, item in items:
+                if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
+                    errors[i] = SourceCorrupt("checksum mismatch in DRAM before demotion")
+        todo = [(i, item) for i, item in items if i not in errors and
+                (route != ("dram", "s3") or len(item.src_runs) == 1)]
+        rows = [self._route_rows(route, item) for _, item in todo]
+        if todo:
+            local, remote = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
+            if self._post("WRITE" if route[0] == "dram" else "READ", local, remote, rows[0][2]):
+                return {**errors, **{i: self._move_one(item) for i, item in items if i not in errors}}
+        for i, item in todo:
+            if route[1] == "dram" and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
+                errors[i] = SourceCorrupt(f"checksum mismatch after reading from {'NVMe' if route[0] == 'nvme' else 'S3'}")
+            else:
+                errors[i] = None
+                if route[1] == "nvme":
+                    self.nvme.record(item)
+        for i, item in items:  # what could not join the batch (scattered pages to S3)
+            if i not in errors:
+                errors[i] = self._move_one(item)
+        return errors
+
+    def _route_rows(self, route: tuple[str, str], item: specs.MoveItem):
+        dram_runs = item.src_runs if route[0] == "dram" else item.dst_runs
+        other_runs = item.dst_runs if route[0] == "dram" else item.src_runs
+        dram = self.dram_rows(dram_runs, item.nbytes)
+        if "nvme" in route:
+            local, remote = _paired(dram, self.nvme.rows(other_runs, item.nbytes))
+            return local, remote, "FILE"
+        return dram, self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, dram), "OBJ"
+
+    def _can(self, route: tuple[str, str]) -> bool:
+        present = {"dram": True, "nvme": self.nvme is not None, "s3": self.s3 is not None,
+                   "hbm": self.hbm is not None}
+        if route in (("hbm", "nvme"), ("nvme", "hbm")):
+            return self.gds
+        return route in ROUTES and present[route[0]] and present[route[1]]
+
+    def _move_one(self, item: specs.MoveItem) -> str | None:
+        route = (item.src_kind, item.dst_kind)
+        if not self._can(route):
+            return f"this worker cannot move {item.src_kind} -> {item.dst_kind}"
+        return getattr(self, "_" + "_to_".join(route))(item)
+
+    def _hbm_to_dram(self, item: specs.MoveItem) -> str | None:  # GPU path
+        if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
+            return SourceCorrupt("checksum mismatch in HBM before demotion")
+        local, remote = _paired(self.dram_rows(item.dst_runs, item.nbytes), self.hbm.rows(item.src_runs, item.nbytes))
+        error = self._post("READ", local, remote, "VRAM")
+        if error:
+            return error
+        return None if self.dram_checksum(item.dst_runs, item.nbytes) == item.checksum else \
+            "checksum mismatch after copying from HBM"
+
+    def _dram_to_hbm(self, item: specs.MoveItem) -> str | None:  # GPU path
+        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
+            return SourceCorrupt("checksum mismatch in DRAM before promotion")
+        local, remote = _paired(self.dram_rows(item.src_runs, item.nbytes), self.hbm.rows(item.dst_runs, item.nbytes))
+        error = self._post("WRITE", local, remote, "VRAM")
+        if error:
+            return error
+        return None if self.hbm.checksum(item.dst_runs, item.nbytes) == item.checksum else \
+            "checksum mismatch after copying to HBM"
+
+    def _hbm_to_nvme(self, item: specs.MoveItem) -> str | None:  # GPU path (GDS)
+        if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
+            return SourceCorrupt("checksum mismatch in HBM before demotion")
+        local, remote = _paired(self.hbm.rows(item.src_runs, item.nbytes), self.nvme.rows(item.dst_runs, item.nbytes))
+        error = self._post("WRITE", local, remote, "FILE", local_mem="VRAM")
+        if error is None:
+            self.nvme.record(item)
+        return error
+
+    def _nvme_to_hbm(self, item: specs.MoveItem) -> str | None:  # GPU path (GDS)
+        local, remote = _paired(self.hbm.rows(item.dst_runs, item.nbytes), self.nvme.rows(item.src_runs, item.nbytes))
+        error = self._post("READ", local, remote, "FILE", local_mem="VRAM")
+        if error is None and self.hbm.checksum(item.dst_runs, item.nbytes) != item.checksum:
+            return SourceCorrupt("checksum mismatch after reading from NVMe")
+        return error
+
+    def _dram_to_nvme(self, item: specs.MoveItem) -> str | None:
+        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
+            return SourceCorrupt("checksum mismatch in DRAM before demotion")
+        error = self._file("WRITE", item.src_runs, item.dst_runs, item.nbytes)
+        if error is None:
+            self.nvme.record(item)
+        return error
+
+    def _nvme_to_dram(self, item: specs.MoveItem) -> str | None:
+        error = self._file("READ", item.dst_runs, item.src_runs, item.nbytes)
+        if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
+            return SourceCorrupt("checksum mismatch after reading from NVMe")
+        return error
+
+    def _dram_to_s3(self, item: specs.MoveItem) -> str | None:
+        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
+            return SourceCorrupt("checksum mismatch in DRAM before demotion")
+        if len(item.src_runs) == 1:
+            return self._object("WRITE", self.dram_rows(item.src_runs, item.nbytes), item)
+
+        def gathered(runs):  # OBJ writes whole objects from one region: gather scattered pages first
+            rows = self.dram_rows(runs, item.nbytes, self.bounce)
+            at = int(rows[0][0]) - self.bounce.addr
+            for addr, length in self.dram_rows(item.src_runs, item.nbytes):
+                self.bounce.array[at : at + int(length)] = self.arena.view(int(addr) - self.arena.addr, int(length))
+                at += int(length)
+            return self._object("WRITE", rows, item)
+        return self._through_bounce(item, gathered)
+
+    def _s3_to_dram(self, item: specs.MoveItem) -> str | None:
+        error = self._object("READ", self.dram_rows(item.dst_runs, item.nbytes), item)
+        if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
+            return SourceCorrupt("checksum mismatch after reading from S3")
+        return error
+
+    def _nvme_to_s3(self, item: specs.MoveItem) -> str | None:
+        def copy(runs):
+            rows = self.dram_rows(runs, item.nbytes, self.bounce)
+            error = self._file_rows("READ", rows, item.src_runs, item.nbytes)
+            if error is None and self.dram_checksum(runs, item.nbytes, self.bounce) != item.checksum:
+                return SourceCorrupt("checksum mismatch after reading from NVMe")
+            return error or self._object("WRITE", rows, item)
+        return self._through_bounce(item, copy)
+
+    def _through_bounce(self, item: specs.MoveItem, copy) -> str | None:
+        token = f"bounce-{item.dst_token}-{item.hash}"
+        runs = self.bounce_pages.allocate(token, item.nbytes, contiguous=True)
+        if runs is None:
+            return f"the {self.bounce.nbytes}-byte bounce buffer cannot hold a {item.nbytes}-byte block now"
+        try:
+            return copy(runs)
+        finally:
+            self.bounce_pages.free(token, runs)
+
+    def _file(self, op: str, dram_runs, nvme_runs, nbytes: int) -> str | None:
+        return self._file_rows(op, self.dram_rows(dram_runs, nbytes), nvme_runs, nbytes)
+
+    def _file_rows(self, op: str, dram_rows: np.ndarray, nvme_runs, nbytes: int) -> str | None:
+        return self._post(op, *_paired(dram_rows, self.nvme.rows(nvme_runs, nbytes)), "FILE")
+
+    def _object(self, op: str, local: np.ndarray, item: specs.MoveItem) -> str | None:
+        remote = self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, local)
+        return self._post(op, local, remote, "OBJ")
+
+    def _post(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str,
+              local_mem: str = "DRAM") -> str | None:
+        """One NIXL request between local memory and one of this worker's own tiers; None when done."""
+        transfer = self.agent.submit(op, local, remote, self.agent.name, local_mem, remote_mem)
+        deadline = getattr(_deadline, "at", None)
+        wait_s = MAX_WAIT_S if deadline is None else max(0.0, min(MAX_WAIT_S, deadline - time.time()))
+        return None if transfer.wait(wait_s) == "done" else transfer.error
+
+    def dram_rows(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> np.ndarray:
+        buffer = buffer or self.arena
+        return np.array(specs.page_spans(buffer.addr, self.page_bytes, runs, nbytes), dtype=np.uint64)
+
+    def verify(self, req: specs.VerifyRequest) -> specs.VerifyResult:
+        """Whether each replica's pages still hash to its checksum (a reader reported a mismatch)."""
+        matches: list[bool | None] = []
+        for item in req.items:
+            if item.kind == "dram":
+                matches.append(self.dram_checksum(item.runs, item.nbytes) == item.checksum)
+            elif item.kind == "hbm" and self.hbm is not None:  # GPU path
+                matches.append(self.hbm.checksum(item.runs, item.nbytes) == item.checksum)
+            else:
+                matches.append(None)
+        return specs.VerifyResult(matches=matches)
+
+    def dram_checksum(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> str:
+        buffer = buffer or self.arena
+        hasher = xxhash.xxh3_64()
+        for addr, length in self.dram_rows(runs, nbytes, buffer):
+            hasher.update(buffer.view(int(addr) - buffer.addr, int(length)))
+        return hasher.hexdigest()
+
+
+def _paired(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split two descriptor lists of equal total length at the union of their boundaries,
+    so descriptor i of one has the length of descriptor i of the other."""
+    out_l, out_r = [], []
+    i = j = 0
+    l_off = r_off = 0
+    while i < len(local) and j < len(remote):
+        length = min(int(local[i][1]) - l_off, int(remote[j][1]) - r_off)
+        out_l.append((int(local[i][0]) + l_off, length) + tuple(int(x) for x in local[i][2:]))
+        out_r.append((int(remote[j][0]) + r_off, length) + tuple(int(x) for x in remote[j][2:]))
+        l_off += length
+        r_off += length
+        if l_off == int(local[i][1]):
+            i, l_off = i + 1, 0
+        if r_off == int(remote[j][1]):
+            j, r_off = j + 1, 0
+    assert i == len(local) and j == len(remote), "descriptor lists differ in total length"
+    return np.array(out_l, dtype=np.uint64), np.array(out_r, dtype=np.uint64)

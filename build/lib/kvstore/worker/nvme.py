@@ -1,0 +1,162 @@
+"""The NVMe tier: slab files pre-allocated once, registered with NIXL once, split into pages.
+
+    tier = NvmeTier(directory, total_bytes, page_bytes)   # posix_fallocate + open + manifest replay
+    tier.register(agent)                                  # FILE registrations (fd mode), once
+    tier.rows(runs, nbytes) -> (offset, len, fd) rows     # descriptors of a block's pages
+    tier.record(item) / tier.forget(token, runs)          # the manifest, written with the data
+    tier.sync()                                           # ... and made durable before answering
+    tier.survivors() -> what the manifest says is stored  # restart recovery
+
+The manifest is an append-only JSON-lines log next to the slabs: a "put" line
+after a block's bytes are written, a "free" line when its pages are given
+back. Replaying it after a crash yields the blocks whose bytes were written;
+the directory keeps those it still knows and the connector verifies every
+byte by checksum anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.pages import PageAllocator
+
+log = logging.getLogger(__name__)
+SLAB_BYTES = 1 << 30
+MANIFEST = "manifest.jsonl"
+
+
+class NvmeTier:
+    def __init__(self, directory: Path, total_bytes: int, page_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.page_bytes = page_bytes
+        slab_pages = max(1, SLAB_BYTES // page_bytes)
+        num_pages = total_bytes // page_bytes
+        if num_pages < 1:
+            raise KVStoreError("invalid", "the NVMe tier must hold at least one page",
+                               nvme_bytes=total_bytes, page_bytes=page_bytes)
+        self.slab_pages = min(slab_pages, num_pages)
+        self.allocator = PageAllocator(num_pages, page_bytes)
+        self.fds = [self._open_slab(i, min(self.slab_pages, num_pages - i * self.slab_pages))
+                    for i in range(-(-num_pages // self.slab_pages))]
+        self._manifest = self._open_manifest()
+        self._live = self._replay()
+        self._pending: dict[str, dict] = {}  # "put" lines waiting for their data to be durable
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.allocator.num_pages * self.page_bytes
+
+    def _open_slab(self, index: int, pages: int) -> int:
+        path = self.directory / f"slab-{index:04d}.bin"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.posix_fallocate(fd, 0, pages * self.page_bytes)
+        except OSError as exc:
+            raise KVStoreError("unavailable", f"cannot prepare NVMe slab {path}: {exc.strerror}",
+                               path=str(path)) from None
+        return fd
+
+    def _open_manifest(self):
+        try:
+            return open(self.directory / MANIFEST, "a+")
+        except OSError as exc:
+            raise KVStoreError("unavailable", f"cannot open the NVMe manifest: {exc.strerror}",
+                               path=str(self.directory / MANIFEST)) from None
+
+    def register(self, agent) -> None:
+        for i, fd in enumerate(self.fds):
+            agent.register_file(fd, self.slab_pages * self.page_bytes, str(self.directory / f"slab-{i:04d}.bin"))
+
+    def rows(self, runs: list[specs.PageRun], nbytes: int) -> np.ndarray:
+        """(file offset, len, fd) rows covering `nbytes` of these pages; runs are split at slab ends."""
+        out, left = [], nbytes
+        for run in runs:
+            page, end = run.first, run.first + run.count
+            while page < end and left > 0:
+                slab, offset = divmod(page, self.slab_pages)
+                pages = min(end - page, self.slab_pages - offset)
+                length = min(pages * self.page_bytes, left)
+                out.append((offset * self.page_bytes, length, self.fds[slab]))
+                left -= length
+                page += pages
+        assert left == 0, "pages do not cover the block"
+        return np.array(out, dtype=np.uint64)
+
+    # ---- manifest ----------------------------------------------------------------------
+
+    def record(self, item: specs.MoveItem) -> None:
+        """A block was written to these pages; its "put" line is written by the next `sync`, after
+        the data is durable, so the manifest never names pages whose bytes a crash could lose."""
+        entry = {"op": "put", "token": item.dst_token, "runs": [[r.first, r.count] for r in item.dst_runs],
+                 "namespace_id": item.namespace_id, "hash": item.hash, "nbytes": item.nbytes,
+                 "checksum": item.checksum}
+        key = _key(item.dst_token, entry["runs"])
+        with self._lock:
+            self._pending[key] = entry
+            self._live[key] = entry
+
+    def forget(self, token: str, runs: list[specs.PageRun]) -> None:
+        key = _key(token, [[r.first, r.count] for r in runs])
+        with self._lock:
+            if self._live.pop(key, None) is not None and self._pending.pop(key, None) is None:
+                self._manifest.write(json.dumps({"op": "free", "token": token,
+                                                 "runs": [[r.first, r.count] for r in runs]}) + "\n")
+
+    def sync(self) -> None:
+        """Make what was written durable: the slab data first, then the manifest lines naming it.
+        Called once per move request before it is answered (so a block the directory commits is
+        in the manifest) and after each free (a lost "free" line could resurrect reused pages)."""
+        with self._lock:
+            if self._pending:
+                for fd in self.fds:
+                    os.fsync(fd)
+                for entry in self._pending.values():
+                    self._manifest.write(json.dumps(entry) + "\n")
+                self._pending.clear()
+            self._manifest.flush()
+            os.fsync(self._manifest.fileno())
+
+    def _replay(self) -> dict[str, dict]:
+        live: dict[str, dict] = {}
+        self._manifest.seek(0)
+        for number, line in enumerate(self._manifest, 1):
+            try:
+                entry = json.loads(line)
+                key = _key(entry["token"], entry["runs"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("NVMe manifest line %d is damaged; ignored", number)
+                continue
+            if entry.get("op") == "put":
+                live[key] = entry
+            else:
+                live.pop(key, None)
+        for entry in live.values():  # the pages of surviving blocks stay taken
+            runs = [specs.PageRun(first=f, count=c) for f, c in entry["runs"]]
+            if not self.allocator.reserve(entry["token"], runs):
+                log.warning("NVMe manifest entry %s overlaps another; ignored", entry["hash"])
+        return live
+
+    def survivors(self) -> list[specs.Survivor]:
+        return [specs.Survivor(kind="nvme", token=e["token"], runs=[specs.PageRun(first=f, count=c)
+                                                                     for f, c in e["runs"]],
+                               namespace_id=e["namespace_id"], hash=e["hash"], nbytes=e["nbytes"],
+                               checksum=e["checksum"]) for e in self._live.values()]
+
+    def close(self) -> None:
+        self._manifest.close()
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _key(token: str, runs: list) -> str:
+    return token + ":" + ",".join(f"{f}+{c}" for f, c in runs)

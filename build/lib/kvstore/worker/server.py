@@ -1,0 +1,166 @@
+"""A storage worker process: arena, NIXL agent, control endpoint, registration, heartbeats.
+
+    worker = StorageWorker(settings); worker.start()   # allocate + register arena once, register
+    worker.run(stop_event)                              # heartbeat until stopped
+    worker.close()
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import secrets
+import threading
+import time
+import uuid
+
+from kvstore.client import DirectoryClient
+from kvstore.core import specs
+from kvstore.core.errors import KVStoreError
+from kvstore.core.memory import HostBuffer
+from kvstore.core.sizes import format_size
+from kvstore.transfer import Agent
+from kvstore.core.pages import PageAllocator
+from kvstore.worker.control import ControlServer
+from kvstore.worker.hbm import HbmArena
+from kvstore.worker.mover import Mover
+from kvstore.worker.nvme import NvmeTier
+from kvstore.worker.s3 import S3Tier
+from kvstore.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class StorageWorker:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        num_pages = settings.dram_bytes // settings.page_bytes
+        if num_pages < 1:
+            raise KVStoreError("invalid", "the DRAM tier must hold at least one page",
+                               dram_bytes=settings.dram_bytes, page_bytes=settings.page_bytes)
+        self.hbm = HbmArena(settings.hbm_bytes, settings.page_bytes, settings.hbm_device) \
+            if settings.hbm_bytes else None
+        self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes) \
+            if settings.nvme_bytes else None
+        self.s3 = S3Tier(settings.s3_endpoint, settings.s3_bucket, settings.s3_prefix, settings.s3_region,
+                         settings.s3_virtual_addressing) if settings.s3_bucket else None
+        self.arena = HostBuffer(num_pages * settings.page_bytes, populate=True)  # no page faults on saves
+        self.allocator = PageAllocator(num_pages, settings.page_bytes)
+        backends = {"UCX": {}}
+        if self.nvme:
+            backends["POSIX"] = {"use_uring": "true"} if settings.posix_queue == "uring" else {"use_aio": "true"}
+        if self.s3:
+            backends["OBJ"] = self.s3.backend_params()
+        self.agent = Agent(f"{settings.name}-{uuid.uuid4().hex[:8]}", backends=backends)
+        self.gds = bool(self.hbm and self.nvme and settings.gds != "off" and self.agent.add_backend("GDS_MT", {}))
+        if self.hbm and self.nvme and settings.gds == "on" and not self.gds:
+            raise KVStoreError("unavailable", "--gds on: the GDS_MT backend cannot be loaded here (it needs "
+                               "CUDA 12 and cuFile); start with --gds auto or off")
+        self.agent.register_dram(self.arena.addr, self.arena.nbytes)
+        allocators = {"dram": self.allocator}
+        if self.hbm:
+            self.hbm.register(self.agent)
+            allocators["hbm"] = self.hbm.allocator
+        if self.nvme:
+            self.nvme.register(self.agent)
+            allocators["nvme"] = self.nvme.allocator
+        self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes,
+                           self.hbm, gds=self.gds)
+        self.secret = secrets.token_urlsafe(32)  # the directory's calls must carry it; new at every start
+        tls = (str(settings.tls_cert), str(settings.tls_key)) if settings.tls_cert and settings.tls_key else None
+        self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
+                                     on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {},
+                                     verifier=self.mover.verify, secret=self.secret, tls=tls)
+        self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0, token=settings.token,
+                                         ca_file=settings.ca_file)
+        self.epoch = 0
+        self.heartbeat_interval_s = 1.0
+
+    def _freed(self, kind: str, token: str, runs: list[specs.PageRun]) -> None:
+        if kind == "nvme" and self.nvme:
+            self.nvme.forget(token, runs)
+            self.nvme.sync()  # a lost "free" line could resurrect pages that were reused
+
+    def tier_specs(self) -> list[specs.TierSpec]:
+        tiers = [specs.TierSpec(kind="dram", capacity_bytes=self.arena.nbytes,
+                                page_bytes=self.settings.page_bytes, base_addr=self.arena.addr)]
+        if self.hbm:
+            tiers.append(specs.TierSpec(kind="hbm", capacity_bytes=self.hbm.nbytes,
+                                        page_bytes=self.settings.page_bytes, base_addr=self.hbm.addr))
+        if self.nvme:
+            tiers.append(specs.TierSpec(kind="nvme", capacity_bytes=self.nvme.capacity_bytes,
+                                        page_bytes=self.settings.page_bytes))
+        if self.s3:
+            tiers.append(specs.TierSpec(kind="s3", capacity_bytes=None, page_bytes=1))
+        return tiers
+
+    def inventory(self) -> list[specs.Survivor]:
+        return (self.nvme.survivors() if self.nvme else []) + (self.s3.survivors() if self.s3 else [])
+
+    def start(self, wait_for_directory_s: float = 30.0) -> None:
+        self.control.start()
+        deadline = time.monotonic() + wait_for_directory_s
+        while True:
+            try:
+                self.register()
+                break
+            except KVStoreError as exc:
+                if exc.kind != "unavailable" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        log.info("worker %s up: directory %s, control %s, NIXL agent %s, backends %s, "
+                 "DRAM arena %s registered (%d pages of %s)", self.settings.name, self.settings.directory_url,
+                 self.control.url, self.agent.name, ",".join(self.agent.backends),
+                 format_size(self.arena.nbytes), self.allocator.num_pages, format_size(self.settings.page_bytes))
+        if self.nvme:
+            log.info("NVMe tier: %s in %d slab file(s) under %s, %d blocks survived",
+                     format_size(self.nvme.capacity_bytes), len(self.nvme.fds), self.settings.nvme_dir,
+                     len(self.nvme.survivors()))
+        if self.s3:
+            log.info("S3 tier: bucket %s, prefix %s, endpoint %s", self.s3.bucket, self.s3.prefix,
+                     self.s3.endpoint or "AWS")
+
+    def register(self) -> None:
+        """Join (again) under a new epoch. The directory forgets our old DRAM replicas, so do we."""
+        self.allocator.reset()
+        answer = self.directory.register_worker(specs.WorkerRegistration(
+            name=self.settings.name, agent_name=self.agent.name,
+            agent_metadata=base64.b64encode(self.agent.metadata()).decode(),
+            control_url=self.control.url, pid=os.getpid(), backends=self.agent.backends, tiers=self.tier_specs(),
+            inventory=self.inventory(), control_secret=self.secret))
+        self.epoch, self.heartbeat_interval_s = answer.epoch, answer.heartbeat_interval_s
+        log.info("registered with the directory as %s, epoch %d", self.settings.name, self.epoch)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.heartbeat_interval_s):
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            self.directory.heartbeat(self.settings.name, self.epoch)
+        except KVStoreError as exc:
+            if exc.kind == "conflict":
+                log.warning("directory does not know epoch %d any more; registering again", self.epoch)
+                self._try_register()
+            else:
+                log.warning("heartbeat failed: %s", exc)
+
+    def _try_register(self) -> None:
+        try:
+            self.register()
+        except KVStoreError as exc:
+            log.warning("registration failed: %s", exc)
+            time.sleep(self.heartbeat_interval_s)
+
+    def close(self) -> None:
+        try:
+            self.directory.deregister(self.settings.name, self.epoch)
+        except KVStoreError as exc:
+            log.warning("could not deregister: %s", exc)
+        self.control.stop()
+        self.directory.close()
+        self.agent.close()
+        if self.nvme:
+            self.nvme.close()
+

@@ -1,0 +1,38 @@
+"""Worker settings: `KVSTORE_WORKER_*` environment variables or CLI flags."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_WORKER_", frozen=True)
+
+    directory_url: str = "http://127.0.0.1:8700"
+    name: str = Field(default_factory=lambda: f"worker-{socket.gethostname()}", min_length=1)
+    host: str = Field("127.0.0.1", description="address of the control endpoint")
+    port: int = Field(0, ge=0, le=65535, description="control endpoint port; 0 = any free port")
+    dram_bytes: int = Field(512 << 20, ge=1 << 20, description="DRAM arena size, allocated and registered once")
+    page_bytes: int = Field(64 << 10, ge=4096, le=1 << 30, description="page size of every tier")
+    hbm_bytes: int = Field(0, ge=0, description="HBM tier size; needs CUDA; 0 = no HBM tier")
+    hbm_device: int = Field(0, ge=0, description="CUDA device of the HBM tier")
+    nvme_bytes: int = Field(0, ge=0, description="NVMe tier size in slab files; 0 = no NVMe tier")
+    nvme_dir: Path = Field(Path("var/nvme"), description="where the slab files and their manifest live")
+    posix_queue: Literal["aio", "uring"] = Field("aio", description="NIXL POSIX backend queue")
+    gds: Literal["auto", "on", "off"] = Field("auto", description="HBM <-> NVMe through GDS_MT when both tiers exist: "
+                                              "auto = if cuFile loads, on = refuse to start without it")
+    s3_bucket: str | None = Field(None, min_length=3, description="S3 tier bucket; None = no S3 tier")
+    s3_endpoint: str | None = Field(None, description="e.g. http://127.0.0.1:9000; None = AWS")
+    s3_prefix: str = Field("kvstore", description="objects live at <prefix>/<namespace_id>/<hash>")
+    s3_region: str = "us-east-1"
+    s3_virtual_addressing: bool = False
+    token: str | None = Field(None, description="worker-scope token for the directory (KVSTORE_TOKEN also works)")
+    ca_file: str | None = Field(None, description="CA bundle the directory's HTTPS certificate is checked against")
+    tls_cert: Path | None = Field(None, description="certificate of the control endpoint (HTTPS); needs tls_key")
+    tls_key: Path | None = Field(None, description="private key of the control endpoint's certificate")
+    bounce_bytes: int = Field(64 << 20, ge=1 << 20, description="DRAM buffer for copies to S3 (>= one block)")
