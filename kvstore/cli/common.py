@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from enum import Enum
 from typing import Annotated
 
 import typer
@@ -15,7 +16,12 @@ Url = Annotated[str, typer.Option(envvar="KVSTORE_URL", help="directory URL")]
 Token = Annotated[str | None, typer.Option(envvar="KVSTORE_TOKEN", show_envvar=True,
                                            help="bearer token (admin, or read for listings)")]
 CaFile = Annotated[str | None, typer.Option(envvar="KVSTORE_CA_FILE", help="CA bundle for an https directory")]
-Output = Annotated[str, typer.Option(help="table or json")]
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+
+
+Output = Annotated[Format, typer.Option(help="table or json", case_sensitive=False)]
 DEFAULT_URL = "http://127.0.0.1:8700"
 console = Console()
 

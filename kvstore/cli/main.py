@@ -16,7 +16,8 @@ from rich.table import Table
 
 from kvstore import __version__
 from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, console, directory, one_line_errors
-from kvstore.cli.run import directory_app, up, worker_app
+from kvstore.cli.run import up
+from kvstore.cli.serve import config_app, directory_app, worker_app
 from kvstore.cli.tokens import tokens_app
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
@@ -29,6 +30,7 @@ app.add_typer(directory_app, name="directory")
 app.add_typer(worker_app, name="worker")
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
+app.add_typer(config_app, name="config")
 app.command()(up)
 
 
@@ -56,6 +58,27 @@ def tiers(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, o
     for r in rows:
         table.add_row(r.worker, r.kind, format_size(r.capacity_bytes), format_size(r.used_bytes),
                       str(r.num_blocks), format_size(r.page_bytes), f"{r.low_watermark:.2f}/{r.high_watermark:.2f}")
+    console.print(table)
+
+
+@app.command()
+@one_line_errors
+def namespaces(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None,
+               output: Output = "table") -> None:
+    """Registered namespaces: model, hash scheme, block size, blocks and bytes per tier."""
+    rows = directory(url, token, ca_file).namespaces()
+    if output == "json":
+        print(json.dumps([r.model_dump() for r in rows], indent=2))
+        return
+    table = Table()
+    table.add_column("namespace_id", no_wrap=True, min_width=16)  # the id other commands take: never cut
+    for header in ("tenant", "model", "block", "blocks by tier", "write-through"):  # hash scheme: --output json
+        table.add_column(header)
+    for r in rows:
+        table.add_row(r.namespace_id, r.tenant, r.model_id + (f"@{r.model_revision}" if r.model_revision else ""),
+                      f"{r.block_tokens} tok, {format_size(r.block_nbytes)}",
+                      " ".join(f"{k}:{n} ({format_size(r.bytes.get(k, 0))})" for k, n in sorted(r.blocks.items()))
+                      or "-", "on" if r.write_through else "")
     console.print(table)
 
 

@@ -8,6 +8,7 @@ from urllib.parse import quote
 from kvstore.client.http import JsonHttp
 from kvstore.core import credentials, specs
 from kvstore.core.keys import Namespace
+from kvstore.core.namespaces import NamespaceInfo
 
 
 class DirectoryClient(JsonHttp):
@@ -21,6 +22,9 @@ class DirectoryClient(JsonHttp):
     def register_namespace(self, namespace: Namespace) -> str:
         body = {"namespace": namespace.to_dict()}
         return self.call_raw("POST", "/v1/namespaces", body)["namespace_id"]
+
+    def namespaces(self) -> list[NamespaceInfo]:
+        return [NamespaceInfo.model_validate(n) for n in self.call_raw("GET", "/v1/namespaces")]
 
     def set_policy(self, namespace_id: str, policy: specs.NamespacePolicy) -> specs.NamespacePolicy:
         return self.call("PUT", f"/v1/namespaces/{quote(namespace_id, safe='')}/policy", policy, specs.NamespacePolicy)

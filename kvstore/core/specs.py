@@ -83,7 +83,7 @@ class WorkerRegistration(_Spec):
     backends: list[Annotated[str, Field(max_length=32)]] = Field([], max_length=16)
     tiers: list[TierSpec] = Field(min_length=1, max_length=4)
     inventory: list[Survivor] = Field([], max_length=1 << 24, description="what survived on durable tiers")
-    control_secret: str | None = Field(None, min_length=32, max_length=128, description="the directory's calls carry it")
+    control_secret: str | None = Field(None, min_length=32, max_length=128, description="directory calls carry it")
 
 
 class Registered(_Spec):
@@ -318,7 +318,7 @@ class GrantResult(_Spec):
 class FreeItem(_Spec):
     token: str = Field(max_length=64)
     runs: list[PageRun] = Field(max_length=1 << 16)
-    object: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}/[0-9a-f]{2,128}$", description="s3: '<namespace_id>/<hash>'")
+    object: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}/[0-9a-f]{2,128}$", description="s3: '<ns_id>/<hash>'")
 
 
 class FreeRequest(_Spec):

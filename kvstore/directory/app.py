@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstore.core import credentials, specs
 from kvstore.core.errors import KVStoreError
+from kvstore.core.namespaces import NamespaceInfo
 from kvstore.directory import db, wire
 from kvstore.directory.auth import NOBODY, PRINCIPAL, Guard, Principal, RateLimit, Tokens
 from kvstore.directory.hot import HotCalls, HotPath, document_bodies, hot_routes
@@ -171,6 +172,10 @@ def _routes(service: DirectoryService) -> APIRouter:
     @r.post("/v1/namespaces")
     def register_namespace(body: NamespaceBody, who: Principal = Caller) -> dict:
         return {"namespace_id": service.register_namespace(body.namespace, who.tenants)}
+
+    @r.get("/v1/namespaces")
+    def namespaces(who: Principal = Caller) -> list[NamespaceInfo]:
+        return service.namespaces(who.tenants)
 
     @r.put("/v1/namespaces/{namespace_id}/policy")
     def set_policy(namespace_id: str, body: specs.NamespacePolicy) -> specs.NamespacePolicy:

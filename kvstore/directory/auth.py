@@ -40,6 +40,7 @@ ROUTES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/metrics"): _s(READ),
     ("GET", "/openapi.json"): _s(ENGINE, WORKER, READ),
     ("POST", "/v1/namespaces"): _s(ENGINE),
+    ("GET", "/v1/namespaces"): _s(ENGINE, READ),  # an engine sees its own tenants' only
     ("PUT", "/v1/namespaces/{namespace_id}/policy"): _s(ADMIN),
     ("POST", "/v1/lookup"): _s(ENGINE),
     ("POST", "/v1/lookup/batch"): _s(ENGINE),
@@ -159,7 +160,8 @@ class Tokens:
 
 def _principal(row: TokenRow) -> Principal:
     scopes = frozenset(row.scopes)
-    return Principal(row.id, row.name, scopes, None if ADMIN in scopes else frozenset(row.tenants))
+    bound = ENGINE in scopes and ADMIN not in scopes  # only engine tokens are bound to tenants
+    return Principal(row.id, row.name, scopes, frozenset(row.tenants) if bound else None)
 
 
 class RateLimit:

@@ -246,6 +246,17 @@ def replicas_by_tier(session: Session) -> dict[str, int]:
     return {kind: n for kind, n in session.execute(query)}
 
 
+def namespace_usage(session: Session) -> dict[str, dict[str, tuple[int, int]]]:
+    """namespace id -> tier kind -> (visible replicas, their bytes)."""
+    query = (select(Block.namespace_id, Tier.kind, func.count(Replica.id), func.sum(Replica.reserved_bytes))
+             .join(Block, Replica.block_id == Block.id).join(Tier, Replica.tier_id == Tier.id)
+             .where(Replica.state.in_(VISIBLE)).group_by(Block.namespace_id, Tier.kind))
+    usage: dict[str, dict[str, tuple[int, int]]] = {}
+    for namespace_id, kind, n, nbytes in session.execute(query):
+        usage.setdefault(namespace_id, {})[kind] = (int(n), int(nbytes or 0))
+    return usage
+
+
 def visible_replica_rows(session: Session, namespace_id: str | None) -> list[Replica]:
     query = select(Replica).join(Block, Replica.block_id == Block.id).where(Replica.state.in_(VISIBLE))
     if namespace_id is not None:

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
+from kvstore.core.namespaces import NamespaceInfo
 from kvstore.core.tiers import MEMORY
 from kvstore.directory import repository as repo
 from kvstore.directory import wire
@@ -152,6 +153,25 @@ class DirectoryService:
             raise KVStoreError("not_found", "unknown namespace; register it first (POST /v1/namespaces)",
                                namespace_id=namespace_id)
         return namespace
+
+    def namespaces(self, tenants: frozenset[str] | None = None) -> list[NamespaceInfo]:
+        """Every namespace the caller's tenants hold (None: all), with its replicas and bytes per tier."""
+        with self._sessions() as session:
+            usage = repo.namespace_usage(session)
+            rows = session.query(NamespaceRow).order_by(NamespaceRow.created_at).all()
+        out = []
+        for row in rows:
+            ns = Namespace.from_dict(row.spec)
+            if tenants is not None and ns.tenant not in tenants:
+                continue
+            held = usage.get(row.id, {})
+            out.append(NamespaceInfo(namespace_id=row.id, tenant=ns.tenant, model_id=ns.model_id,
+                                     model_revision=ns.model_revision, hash_scheme=ns.hash_scheme,
+                                     block_tokens=ns.block_tokens, block_nbytes=ns.block_nbytes,
+                                     write_through=bool(row.write_through),
+                                     blocks={k: n for k, (n, _) in held.items()},
+                                     bytes={k: b for k, (_, b) in held.items()}))
+        return out
 
     def set_policy(self, namespace_id: str, policy: specs.NamespacePolicy) -> specs.NamespacePolicy:
         self.namespace(namespace_id)

@@ -1,11 +1,12 @@
-"""Directory settings: `KVSTORE_*` environment variables or CLI flags."""
+"""Directory settings: CLI flags, then `KVSTORE_*` environment variables, then the config file's
+`[directory]` table (kvstore.core.config), then these defaults."""
 
 from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvstore.core import tiers
+from kvstore.core import config, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.policies import (DEFAULT_ADMISSION, DEFAULT_ADMISSION_BY_TIER, DEFAULT_EVICTION, make_admission,
                               make_eviction)
@@ -38,6 +39,11 @@ class DirectorySettings(BaseSettings):
     eviction_by_tier: dict[str, str] = Field(default_factory=dict, description='overrides, e.g. {"s3": "lru"}')
     admission_by_tier: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ADMISSION_BY_TIER),
                                               description='overrides; default: NVMe and S3 keep every demoted block')
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return config.sources(settings_cls, init_settings, env_settings, "directory")
 
     @field_validator("eviction_by_tier", "admission_by_tier")
     @classmethod

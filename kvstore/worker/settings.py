@@ -1,4 +1,5 @@
-"""Worker settings: `KVSTORE_WORKER_*` environment variables or CLI flags."""
+"""Worker settings: CLI flags, then `KVSTORE_WORKER_*` environment variables, then the config
+file's `[worker]` table (kvstore.core.config), then these defaults. Sizes take units ("2GiB")."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvstore.core import config
+from kvstore.core.errors import KVStoreError
+from kvstore.core.sizes import parse_size
 
 
 class WorkerSettings(BaseSettings):
@@ -36,3 +41,18 @@ class WorkerSettings(BaseSettings):
     tls_cert: Path | None = Field(None, description="certificate of the control endpoint (HTTPS); needs tls_key")
     tls_key: Path | None = Field(None, description="private key of the control endpoint's certificate")
     bounce_bytes: int = Field(64 << 20, ge=1 << 20, description="DRAM buffer for copies to S3 (>= one block)")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return config.sources(settings_cls, init_settings, env_settings, "worker")
+
+    @field_validator("dram_bytes", "page_bytes", "hbm_bytes", "nvme_bytes", "bounce_bytes", mode="before")
+    @classmethod
+    def _size(cls, value):
+        if isinstance(value, str):
+            try:
+                return parse_size(value)
+            except KVStoreError as exc:
+                raise ValueError(exc.message) from None
+        return value

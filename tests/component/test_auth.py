@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from kvstore.cli.run import bootstrap_token
+from kvstore.cli.serve import bootstrap_token
 from kvstore.core import specs
 from kvstore.core.credentials import SCOPES
 from kvstore.core.errors import KVStoreError
@@ -137,6 +137,12 @@ def test_an_engine_sees_only_its_own_tenants_namespaces(secure):
         globex.evict_tier(specs.EvictRequest(tier="dram", namespace_id=acme_id))
     assert refused.value.kind == "forbidden"
     assert hits(engine, hashes) == 3  # nothing the other tenant did touched them
+    listed = {n.namespace_id: n for n in acme.namespaces()}  # an engine lists its own tenants' only
+    assert set(listed) == {acme_id} and listed[acme_id].blocks == {"dram": 3}
+    assert listed[acme_id].bytes == {"dram": 3 * 2 * PAGE} and listed[acme_id].tenant == "acme"
+    assert [n.namespace_id for n in globex.namespaces()] == [globex_id]
+    everyone = {n.namespace_id for n in secure.as_(secure.token("read")).namespaces()}
+    assert {acme_id, globex_id, secure.namespace_id} <= everyone
 
 
 def _registration(name: str, secret: str | None = None, url: str = "") -> specs.WorkerRegistration:

@@ -32,6 +32,10 @@ def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
 
         tiers = {t["kind"]: t for t in json.loads(cli("tiers", "--url", url, "--output", "json").stdout)}
         assert tiers["dram"]["num_blocks"] == 10 and tiers["nvme"]["num_blocks"] == 0
+        listed = json.loads(cli("namespaces", "--url", url, "--output", "json").stdout)
+        assert [(n["namespace_id"], n["model_id"], n["blocks"]) for n in listed] == [
+            (NS.namespace_id, "cli-test", {"dram": 10})]
+        assert NS.namespace_id in cli("namespaces", "--url", url).stdout
         assert tiers["dram"]["capacity_bytes"] == 8 << 20 and tiers["dram"]["used_bytes"] == 10 * 16384
         table = cli("tiers", "--url", url).stdout
         assert "dram" in table and "8.0 MiB" in table
@@ -69,3 +73,10 @@ def test_cli_errors_are_one_line_and_a_nonzero_exit():
         assert result.returncode == 1, args
         assert message in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_an_unknown_output_format_is_refused_before_anything_runs():
+    for command in (("tiers",), ("workers",), ("tokens", "list"), ("namespaces",)):
+        result = cli(*command, "--output", "yaml", "--url", "http://127.0.0.1:9")
+        assert result.returncode == 2 and "'yaml' is not one of" in result.stderr, (command, result.stderr)
+    assert cli("--version").stdout.startswith("kvstore ")

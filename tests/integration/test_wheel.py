@@ -6,6 +6,7 @@ extra runs `kvstore up` and saves and loads a prefix through the installed packa
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,8 +47,14 @@ def _serve(tmp_path: Path, log: str, *cmd) -> subprocess.Popen:
 
 
 def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
-    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", tmp_path / "dist",
-         REPO, cwd=tmp_path)
+    source = tmp_path / "src"  # the files a checkout has, built where the build leaves the tree alone
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.split()
+    for name in listed:
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", tmp_path / "dist", source, cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("kvstore-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvstore/directory/migrations/env.py" in names

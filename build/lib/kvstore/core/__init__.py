@@ -1,1 +1,0 @@
-"""Values shared by every layer: keys, specs, errors, sizes. No I/O here."""

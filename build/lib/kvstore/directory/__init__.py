@@ -1,1 +1,0 @@
-"""Directory (control plane): what exists and where replicas live. Never touches KV bytes."""

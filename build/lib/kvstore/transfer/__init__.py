@@ -1,5 +1,0 @@
-"""Moves bytes with NIXL. The only package that imports `nixl`."""
-
-from kvstore.transfer.agent import Agent, PreparedList, Registration, Transfer
-
-__all__ = ["Agent", "PreparedList", "Registration", "Transfer"]

@@ -1,1 +1,0 @@
-"""Storage worker (data plane): owns tier memory, never decides policy."""

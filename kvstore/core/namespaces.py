@@ -1,0 +1,20 @@
+"""A namespace as operators see it: what it is and what the store holds of it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class NamespaceInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    namespace_id: str
+    tenant: str
+    model_id: str
+    model_revision: str
+    hash_scheme: str
+    block_tokens: int
+    block_nbytes: int
+    write_through: bool
+    blocks: dict[str, int]  # tier kind -> visible replicas
+    bytes: dict[str, int]  # tier kind -> their bytes
