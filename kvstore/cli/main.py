@@ -98,9 +98,10 @@ def workers(ctx: typer.Context, url: Url = DEFAULT_URL, token: Token = None, ca_
         print(json.dumps([r.model_dump(exclude={"agent_metadata"}) for r in rows], indent=2))
         return
     table = Table("name", "state", "epoch", "pid", "url", "agent", "last heartbeat")
+    now = time.time()
     for r in rows:
         table.add_row(r.name, r.state, str(r.epoch), str(r.pid), r.control_url, r.agent_name,
-                      f"{r.last_heartbeat:.1f}")
+                      f"{max(0.0, now - r.last_heartbeat):.1f} s ago")
     console.print(table)
 
 

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.core.keys import Namespace, block_hashes
+from kvstore.core.keys import HASH_SCHEME, Namespace, block_hashes
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.core.tiers import MEMORY
 from kvstore.directory import repository as repo
@@ -225,6 +225,10 @@ class DirectoryService:
     def lookup_tokens(self, namespace_id: str, token_ids: list[int],
                       tenants: frozenset[str] | None = None) -> specs.TokenLookupResult:
         namespace = self.namespace(namespace_id, tenants)
+        if namespace.hash_scheme != HASH_SCHEME:  # its blocks are named by the engine's own hashes
+            raise KVStoreError("invalid", "this namespace's block hashes come from its engine "
+                               f"({namespace.hash_scheme}); the store cannot compute them from token ids: look up "
+                               "by hashes (POST /v1/lookup)", hash_scheme=namespace.hash_scheme)
         if len(token_ids) // namespace.block_tokens > specs.MAX_BLOCKS:
             raise KVStoreError("invalid", f"{len(token_ids)} token ids are more than {specs.MAX_BLOCKS} blocks of "
                                f"{namespace.block_tokens} tokens; look up a shorter prefix")
