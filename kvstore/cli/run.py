@@ -43,8 +43,9 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
                                                   "written to DATA_DIR/admin.token")] = False) -> None:
     """Run the embedded stack: the directory on SQLite and one storage worker (restarted if it dies).
     Bound to a loopback address it runs without credentials unless --require-auth; bound to any
-    other address it always requires them. Flags not given are left to the environment and the
-    config file, like the services' own."""
+    other address it always requires them. Other flags not given are left to the environment and
+    the config file, like the services' own; what ties the two together (the worker's directory
+    URL, name and host) comes from up."""
     from kvstore.worker.settings import WorkerSettings
 
     service_logging()
@@ -61,8 +62,9 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
     exe = [sys.executable, "-m", "kvstore.cli.main"]
     auth = require_auth or not is_loopback(host)
     admin_file, worker_file = data_dir / "admin.token", data_dir / "worker.token"
-    credentials = ["--admin-token-file", str(admin_file), "--worker-token-file", str(worker_file)] if auth \
-        else ["--insecure-no-auth"]
+    # up decides this itself (the environment's and the file's require_auth do not apply to it)
+    credentials = ["--require-auth", "--admin-token-file", str(admin_file), "--worker-token-file",
+                   str(worker_file)] if auth else ["--insecure-no-auth"]
     directory_cmd = exe + ["directory", "serve", "--host", host, "--port", str(port), "--data-dir", str(data_dir),
                            *_given({"--lease-ttl": lease_ttl, "--heartbeat-timeout": heartbeat_timeout,
                                     "--eviction": eviction, "--admission": admission}), *credentials]
