@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from kvstore.cli.common import Output, console
 from kvstore.core.config import CONFIG_ENV, redact_url
 from kvstore.core.errors import KVStoreError
 
@@ -256,19 +257,15 @@ config_app = typer.Typer(help="Settings in force.", no_args_is_help=True)
 
 
 @config_app.command("show")
-def config_show(config: Config = None,
-                output: Annotated[str, typer.Option(help="table or json")] = "table") -> None:
+def config_show(config: Config = None, output: Output = "table") -> None:
     """Every setting of the directory and the worker as the environment and the config file make it
     (a command's flags come on top), where each value comes from, secrets redacted."""
-    from rich.console import Console
     from rich.table import Table
 
     from kvstore.core.config import read_table, redacted
     from kvstore.directory.settings import DirectorySettings
     from kvstore.worker.settings import WorkerSettings
 
-    if output not in ("table", "json"):
-        raise typer.BadParameter(f"{output!r} is not one of 'table', 'json'", param_hint="--output")
     use_config(config)
     rows = []
     for service, cls, prefix in (("directory", DirectorySettings, "KVSTORE_"), ("worker", WorkerSettings,
@@ -289,4 +286,4 @@ def config_show(config: Config = None,
     table = Table("service", "setting", "value", "from")
     for row in rows:
         table.add_row(row["service"], row["setting"], str(row["value"]), row["source"])
-    Console().print(table)
+    console.print(table)

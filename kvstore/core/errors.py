@@ -27,6 +27,11 @@ HTTP_STATUS: dict[str, int] = {
 }
 
 
+def error_list(errors: list[dict]) -> list[dict]:
+    """A validator's errors (pydantic's shape) as an error body's context carries them: where, what."""
+    return [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in errors]
+
+
 class KVStoreError(Exception):
     """An expected failure, with a kind from `HTTP_STATUS` and free-form context."""
 

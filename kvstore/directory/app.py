@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstore.core import credentials, specs
-from kvstore.core.errors import KVStoreError
+from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.directory import db, wire
 from kvstore.directory.auth import NOBODY, PRINCIPAL, Guard, Principal, RateLimit, Tokens
@@ -133,7 +133,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError):
-        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()]
+        errors = error_list(exc.errors())
         body = KVStoreError("invalid", "request body does not match the schema", errors=errors).to_body()
         return JSONResponse(body, status_code=400)
 
@@ -142,7 +142,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         """The framework's own refusals (unparsable JSON, unknown route, wrong method) in kvstore's body."""
         kind = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large"}.get(
             exc.status_code, "invalid" if exc.status_code < 500 else "internal")
-        return JSONResponse({"error": kind, "detail": str(exc.detail), "context": {}}, status_code=exc.status_code,
+        return JSONResponse(KVStoreError(kind, str(exc.detail)).to_body(), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -78,9 +78,6 @@ class Principal:
     def allows(self, needed: frozenset[str]) -> bool:
         return not needed or ADMIN in self.scopes or bool(needed & self.scopes)
 
-    def sees(self, tenant: str) -> bool:
-        return self.tenants is None or tenant in self.tenants
-
     @property
     def limited(self) -> bool:
         return ENGINE in self.scopes and ADMIN not in self.scopes
@@ -153,9 +150,6 @@ class Tokens:
     def list(self) -> list[specs.TokenInfo]:
         with self._sessions() as session:
             return [_info(row) for row in session.query(TokenRow).order_by(TokenRow.created_at)]
-
-    def has_admin(self) -> bool:
-        return any(ADMIN in p.scopes for p in self._by_digest.values())
 
 
 def _principal(row: TokenRow) -> Principal:

@@ -39,7 +39,7 @@ POLICY_HITS_AT_ONCE = 2000  # blocks whose hits go to the policies under one hol
 class Loads:
     def __init__(self, write, index: Index, promote: Callable[[list[Hit]], object], reclaim: Reclaim,
                  policies: TierPolicies, metrics: DirectoryMetrics, settings: DirectorySettings,
-                 clock: Callable[[], float], verify: Callable[[str, list[specs.VerifyItem]], list]) -> None:
+                 clock: Callable[[], float], verify: Callable[[str, list[tuple]], list]) -> None:
         self._write = write
         self._index = index
         self._promote = promote  # stage NVMe/S3-only hits into a memory tier (worker I/O, outside jobs)
@@ -48,7 +48,7 @@ class Loads:
         self._metrics = metrics
         self._settings = settings
         self._clock = clock
-        self._verify = verify  # (worker url, items) -> per item: bytes intact? (None: cannot say)
+        self._verify = verify  # (worker url, replicas) -> per replica: bytes intact? (None: cannot say)
         self._pending_stats: dict[int, tuple[float, int]] = {}  # block id -> (last access, hits), for SQL
 
     def lookup(self, namespace_id: str, hashes: list[str], locations: bool) -> dict:
@@ -129,9 +129,8 @@ class Loads:
                 by_worker.setdefault(suspect.worker_url, []).append(suspect)
         confirmed = set()
         for url, group in by_worker.items():
-            items = [specs.VerifyItem(kind=s.kind, runs=[specs.PageRun(first=f, count=c) for f, c in s.pages],
-                                      nbytes=s.nbytes, checksum=s.checksum) for s in group]
-            confirmed |= {s.hash for s, match in zip(group, self._verify(url, items)) if match is False}
+            replicas = [(s.kind, s.pages, s.nbytes, s.checksum) for s in group]
+            confirmed |= {s.hash for s, match in zip(group, self._verify(url, replicas)) if match is False}
         if len(confirmed) < len(reported):
             log.warning("%d of %d blocks a reader reported bad were not confirmed by their workers; kept",
                         len(reported) - len(confirmed), len(reported))

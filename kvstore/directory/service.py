@@ -133,7 +133,7 @@ class DirectoryService:
     def register_namespace(self, data: dict, tenants: frozenset[str] | None = None) -> str:
         """`tenants`: those of the caller (None: any); a namespace of another tenant is refused."""
         namespace = Namespace.from_dict(data)
-        if tenants is not None and namespace.tenant not in tenants:
+        if _foreign(namespace, tenants):
             raise KVStoreError("forbidden", f"this token may register namespaces of tenants {sorted(tenants)} "
                                f"only, not {namespace.tenant!r}", tenant=namespace.tenant)
         if namespace.namespace_id not in self._namespaces:
@@ -149,7 +149,7 @@ class DirectoryService:
         """The namespace, if it exists and belongs to one of `tenants` (None: any). Another tenant's
         namespace gets the same answer as one that does not exist."""
         namespace = self._namespaces.get(namespace_id)
-        if namespace is None or (tenants is not None and namespace.tenant not in tenants):
+        if namespace is None or _foreign(namespace, tenants):
             raise KVStoreError("not_found", "unknown namespace; register it first (POST /v1/namespaces)",
                                namespace_id=namespace_id)
         return namespace
@@ -162,7 +162,7 @@ class DirectoryService:
         out = []
         for row in rows:
             ns = Namespace.from_dict(row.spec)
-            if tenants is not None and ns.tenant not in tenants:
+            if _foreign(ns, tenants):
                 continue
             held = usage.get(row.id, {})
             out.append(NamespaceInfo(namespace_id=row.id, tenant=ns.tenant, model_id=ns.model_id,
@@ -206,9 +206,9 @@ class DirectoryService:
         written = [b for b in r.blocks if b.hash in claimed] if worker and tier else []
         if not written:
             return req  # nothing to check; completing says what is wrong with the token
-        items = [specs.VerifyItem(kind=tier.kind, runs=[specs.PageRun(first=f, count=c) for f, c in b.runs],
-                                  nbytes=b.nbytes, checksum=claimed[b.hash]) for b in written]
-        bad = {b.hash for b, match in zip(written, self.calls.verify(worker.control_url, items)) if match is not True}
+        replicas = [(tier.kind, b.runs, b.nbytes, claimed[b.hash]) for b in written]
+        matches = self.calls.verify(worker.control_url, replicas)
+        bad = {b.hash for b, match in zip(written, matches) if match is not True}
         if not bad:
             return req
         log.warning("%d of %d blocks written under %s do not match their writer's checksum; not committed",
@@ -328,6 +328,11 @@ class DirectoryService:
     def close(self) -> None:
         self.writer.close()
         self.calls.close()
+
+
+def _foreign(namespace: Namespace, tenants: frozenset[str] | None) -> bool:
+    """Whether the namespace belongs to none of `tenants` (None: the caller may use every tenant's)."""
+    return tenants is not None and namespace.tenant not in tenants
 
 
 def check_blocks(namespace: Namespace, blocks) -> None:

@@ -3,7 +3,7 @@
     calls.grant(url, kind, token, max_pages) -> runs   # page credit for a memory tier
     calls.allocate(url, kind, token, sizes) -> runs | None per size
     calls.move(url, items) -> MoveResult                # a worker that cannot be reached failed them all
-    calls.verify(url, items) -> [bool | None]           # do replicas still hash to their checksums?
+    calls.verify(url, replicas) -> [bool | None]        # do replicas still hash to their checksums?
     calls.free_later(url, items) -> callable            # for Tx.after_commit: give pages back / delete objects,
                                                         # on a background thread, in order
 """
@@ -68,8 +68,11 @@ class WorkerCalls:
             return specs.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
                                     codes=["unreachable"] * len(items))
 
-    def verify(self, url: str, items: list[specs.VerifyItem]) -> list[bool | None]:
-        """Per item, whether the worker found the replica's bytes intact; None when it could not say."""
+    def verify(self, url: str, replicas: list[tuple]) -> list[bool | None]:
+        """Per replica (tier kind, page runs, nbytes, checksum), whether the worker found its bytes
+        intact; None when it could not say."""
+        items = [specs.VerifyItem(kind=kind, runs=[_page_run(r) for r in runs], nbytes=nbytes, checksum=checksum)
+                 for kind, runs, nbytes, checksum in replicas]
         try:
             return self.client(url).verify(specs.VerifyRequest(items=items)).matches
         except KVStoreError as exc:

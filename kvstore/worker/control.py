@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pydantic import ValidationError
 
 from kvstore.core import specs
-from kvstore.core.errors import KVStoreError
+from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.pages import PageAllocator
 from kvstore.core.sizes import body_length
 
@@ -190,7 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
             body = model.model_validate_json(self.rfile.read(length))
             self._answer(200, action(body))
         except ValidationError as exc:
-            errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()[:5]]
+            errors = error_list(exc.errors()[:5])
             self._answer(400, KVStoreError("invalid", "bad request body", errors=errors).to_body())
         except KVStoreError as exc:
             if exc.kind in ("invalid", "too_large"):
@@ -209,22 +209,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         code = 405 if code == 501 else code  # no handler for the method
         kind = {404: "not_found", 413: "too_large", 414: "too_large", 431: "too_large"}.get(code, "invalid")
-        body = json.dumps(KVStoreError(kind, message or self.responses.get(code, ("",))[0]).to_body()).encode()
-        self.send_response(code, message)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.send_header("connection", "close")
-        self.end_headers()
-        if self.command != "HEAD" and code >= 200 and code not in (204, 304):
-            self.wfile.write(body)
+        body = KVStoreError(kind, message or self.responses.get(code, ("",))[0]).to_body()
+        self._answer(code, body, reason=message, closing=True)
 
-    def _answer(self, status: int, body: dict) -> None:
+    def _answer(self, status: int, body: dict, reason: str | None = None, closing: bool = False) -> None:
         data = json.dumps(body, default=str).encode()
-        self.send_response(status)
+        self.send_response(status, reason)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
+        if closing:
+            self.send_header("connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # a HEAD answer has headers only
+            self.wfile.write(data)
 
     def log_message(self, fmt: str, *args) -> None:
         log.debug("control: " + fmt, *args)
