@@ -38,7 +38,7 @@ def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[s
                                      stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)
         worker = None
         try:
-            wait_http(url + "/readyz", proc=directory)
+            wait_http(url + "/readyz?workers=0", proc=directory)
             worker = subprocess.Popen(kvstore_cmd("worker", "serve", "--directory-url", url, "--dram-bytes",
                                                   dram_bytes, "--page-bytes", page_bytes, *worker_args),
                                       stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)

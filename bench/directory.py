@@ -203,7 +203,7 @@ def main() -> None:
         log = open(Path(tmp) / "directory.log", "wb")
         directory = start_directory(args.directory_src, port, Path(tmp), log)
         try:
-            wait_http(f"http://127.0.0.1:{port}/readyz", proc=directory)
+            wait_http(f"http://127.0.0.1:{port}/readyz?workers=0", proc=directory)
             stop_beating = threading.Event()
             register(port, control, pages, stop_beating)
             http = Http(port)
@@ -239,7 +239,7 @@ def main() -> None:
         t0 = time.perf_counter()
         directory = start_directory(args.directory_src, port, Path(tmp), log)
         try:
-            wait_http(f"http://127.0.0.1:{port}/readyz", timeout_s=600, proc=directory)
+            wait_http(f"http://127.0.0.1:{port}/readyz?workers=0", timeout_s=600, proc=directory)
             start_s = time.perf_counter() - t0
             rss_restart = rss_mib(directory.pid)
         finally:

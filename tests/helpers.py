@@ -83,7 +83,7 @@ class ServerThread:
 
     def __enter__(self) -> "ServerThread":
         self._thread.start()
-        wait_http(self.url + "/readyz")
+        wait_http(self.url + "/readyz?workers=0")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -162,3 +162,58 @@ class MotoServer:
     def stop(self) -> None:
         if self.proc is not None:
             stop(self.proc)
+
+
+class Proxy:
+    """A TCP forwarder on loopback: what a network between two services does, cut and restored on
+    demand (`cut()` closes the listener and every open connection; `restore()` listens again)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._conns: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self.restore()
+
+    def restore(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() a bare close() leaves listening
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in self._conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+        self._conns.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

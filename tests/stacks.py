@@ -158,7 +158,7 @@ class ProcessStack:
             args += ["--lease-ttl", str(self.ttl_s), "--heartbeat-timeout", str(self.ttl_s)]
             env = {"KVSTORE_RESERVATION_TTL_S": str(self.ttl_s), **env}
         self.directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", *args), self.tmp / "directory.log", env=env)
-        wait_http(self.url + "/readyz", proc=self.directory)
+        wait_http(self.url + "/readyz?workers=0", proc=self.directory)
 
     def start_worker(self) -> int:
         """Start the worker and wait until it is active under a new epoch; returns the epoch."""

@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 
 from kvstore.client import DirectoryClient
 from kvstore.connector.vllm import KVStoreConnector
+from kvstore.core import vllm_hashes
 from kvstore.core.errors import KVStoreError
 from tests_vllm.engine import BLOCK, HEAD, HEADS, LAYER_NAMES, LAYERS, PROMPT_TOKENS, configs, prompt
 
@@ -209,4 +210,9 @@ def test_stored_keys_are_vllms_own_block_hashes(stack, algo):
     finally:
         del os.environ["PYTHONHASHSEED"]
     assert a["requests"]["req-0"]["keys"][:FULL_BLOCKS] == expected
-    assert DirectoryClient(stack.url).lookup(a["namespace_id"], expected).num_hit_blocks == FULL_BLOCKS
+    directory = DirectoryClient(stack.url)
+    assert directory.lookup(a["namespace_id"], expected).num_hit_blocks == FULL_BLOCKS
+    # operators' token lookups hash like vLLM without it, from the namespace's scheme and the seed
+    scheme = next(n.hash_scheme for n in directory.namespaces() if n.namespace_id == a["namespace_id"])
+    assert vllm_hashes.block_hashes(scheme, BLOCK, tokens, seed="1234") == expected
+    assert directory.lookup_tokens(a["namespace_id"], tokens, hash_seed="1234").hit_tokens == FULL_BLOCKS * BLOCK

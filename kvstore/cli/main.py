@@ -10,18 +10,18 @@ from contextlib import nullcontext
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstore import __version__
-from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, console, directory, one_line_errors
+from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, ago, console, directory, emit, one_line_errors
+from kvstore.cli.info import info
+from kvstore.cli.maintenance import evict, flush, write_through
+from kvstore.cli.prefixes import inspect, lookup
 from kvstore.cli.run import up
 from kvstore.cli.serve import config_app, directory_app, worker_app
 from kvstore.cli.tokens import tokens_app
-from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.core.sizes import format_size, parse_size
+from kvstore.core.sizes import format_size
 
 app = typer.Typer(help="kvstore: a tiered KV-cache store for LLM inference.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -32,6 +32,12 @@ app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
 app.add_typer(config_app, name="config")
 app.command()(up)
+app.command()(info)
+app.command()(lookup)
+app.command()(inspect)
+app.command()(evict)
+app.command()(flush)
+app.command("write-through")(write_through)
 
 
 def _print_version(wanted: bool) -> None:
@@ -98,10 +104,8 @@ def workers(ctx: typer.Context, url: Url = DEFAULT_URL, token: Token = None, ca_
         print(json.dumps([r.model_dump(exclude={"agent_metadata"}) for r in rows], indent=2))
         return
     table = Table("name", "state", "epoch", "pid", "url", "agent", "last heartbeat")
-    now = time.time()
     for r in rows:
-        table.add_row(r.name, r.state, str(r.epoch), str(r.pid), r.control_url, r.agent_name,
-                      f"{max(0.0, now - r.last_heartbeat):.1f} s ago")
+        table.add_row(r.name, r.state, str(r.epoch), str(r.pid), r.control_url, r.agent_name, ago(r.last_heartbeat))
     console.print(table)
 
 
@@ -109,8 +113,8 @@ def workers(ctx: typer.Context, url: Url = DEFAULT_URL, token: Token = None, ca_
 @one_line_errors
 def drain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = DEFAULT_URL, token: Token = None,
           ca_file: CaFile = None,
-          wait: Annotated[float, typer.Option(help="seconds to wait for the drain to finish; 0 = do not wait")] = 0.0
-          ) -> None:
+          wait: Annotated[float, typer.Option(help="seconds to wait for the drain to finish; 0 = do not wait")] = 0.0,
+          output: Output = "table") -> None:
     """Stop new placements on a worker and move its memory tiers down; it ends `drained`."""
     client = directory(url, token, ca_file)
     info = client.drain(name)
@@ -119,7 +123,7 @@ def drain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = D
         while info.state == "draining" and time.monotonic() < deadline:
             time.sleep(0.5)
             info = client.worker(name)
-    console.print(f"worker {name}: {info.state}")
+    emit(output, info.model_copy(update={"agent_metadata": None}), text=f"worker {name}: {info.state}")
     if wait > 0 and info.state != "drained":
         raise KVStoreError("unavailable", f"worker {name} still {info.state} after {wait:g}s "
                            "(pinned blocks wait for their readers or their lease TTL)")
@@ -128,97 +132,37 @@ def drain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = D
 @workers_app.command()
 @one_line_errors
 def undrain(name: Annotated[str, typer.Argument(help="worker name")], url: Url = DEFAULT_URL, token: Token = None,
-            ca_file: CaFile = None) -> None:
+            ca_file: CaFile = None, output: Output = "table") -> None:
     """Reverse a drain that has not finished: the worker takes placements again."""
-    console.print(f"worker {name}: {directory(url, token, ca_file).undrain(name).state}")
+    info = directory(url, token, ca_file).undrain(name)
+    emit(output, info.model_copy(update={"agent_metadata": None}), text=f"worker {name}: {info.state}")
 
 
 @app.command()
 @one_line_errors
-def evict(tier: Annotated[str, typer.Option(help="hbm, dram, nvme or s3")],
-          worker: Annotated[str | None, typer.Option(help="only this worker")] = None,
-          bytes_: Annotated[str | None, typer.Option("--bytes", help="move at least this much, e.g. 1GiB")] = None,
-          namespace: Annotated[str | None, typer.Option(help="every block of this namespace id")] = None,
-          all_: Annotated[bool, typer.Option("--all", help="every block of the tier")] = False,
-          dry_run: Annotated[bool, typer.Option(help="only say what would move")] = False,
-          yes: Annotated[bool, typer.Option("--yes", help="delete at the bottom tier without asking")] = False,
-          url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
-    """Move the least recently used blocks of a tier one tier down (delete them at the bottom)."""
-    if tier not in ("hbm", "dram", "nvme", "s3"):
-        raise KVStoreError("invalid", f"--tier must be hbm, dram, nvme or s3, not {tier!r}")
-    if sum(x is not None and x is not False for x in (bytes_, namespace, all_ or None)) != 1:
-        raise KVStoreError("invalid", "say what to evict with exactly one of --bytes, --namespace or --all")
-    limit_bytes = parse_size(bytes_) if bytes_ else None
-    client = directory(url, token, ca_file, timeout_s=600)
-    ask = dict(tier=tier, worker=worker, namespace_id=namespace, bytes=limit_bytes)
-    plan = client.evict_tier(specs.EvictRequest(**ask, dry_run=True))
-    if dry_run or plan.replicas == 0:
-        print(f"would move {plan.replicas} blocks ({format_size(plan.bytes)}) out of {tier}"
-              + (f", deleting {plan.dropped} (no tier below)" if plan.dropped else "") if plan.replicas
-              else f"nothing to evict from {tier}")
-        return
-    if plan.dropped and not yes:
-        question = f"{tier} is the bottom tier: delete {plan.dropped} blocks ({format_size(plan.bytes)}) for good?"
-        if not sys.stdin.isatty():
-            raise KVStoreError("invalid", f"{question} Add --yes to do it without a prompt")
-        if not typer.confirm(question):
-            print("nothing evicted")
-            return
-    done = specs.Evicted(replicas=0)
-    with Progress(TextColumn("evicting from " + tier), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(stderr=True)) as progress:
-        task = progress.add_task("evict", total=plan.replicas)
-        while done.replicas < plan.replicas:
-            left = None if limit_bytes is None else limit_bytes - done.bytes
-            if left is not None and left <= 0:
-                break
-            step = client.evict_tier(specs.EvictRequest(**{**ask, "bytes": left}, limit=64))
-            if step.replicas == 0:
-                break  # what is left is pinned or has no room below
-            done = specs.Evicted(**{k: getattr(done, k) + getattr(step, k) for k in specs.Evicted.model_fields})
-            progress.update(task, completed=min(done.replicas, plan.replicas))
-    print(f"{tier}: {done.demoted} blocks moved one tier down, {done.dropped} dropped, "
-          f"{format_size(done.bytes)} freed")
+def stats(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, output: Output = "table") -> None:
+    """Blocks, replicas, reservations, leases, pins and moves in flight."""
+    result = directory(url, token, ca_file).stats()
 
-
-@app.command("write-through")
-@one_line_errors
-def write_through(namespace_id: str, off: Annotated[bool, typer.Option("--off", help="stop copying")] = False,
-                  url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
-    """Keep a copy of every block of a namespace in S3 (needs workers with an S3 tier)."""
-    policy = directory(url, token, ca_file).set_policy(namespace_id, specs.NamespacePolicy(write_through=not off))
-    print(f"{namespace_id}: write-through {'on' if policy.write_through else 'off'}")
-
-
-@app.command()
-@one_line_errors
-def lookup(namespace_id: str, token_ids: Annotated[str, typer.Argument(help="comma-separated token ids")],
-           url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
-    """How many leading tokens of a prompt the store holds."""
-    try:
-        tokens = [int(t) for t in token_ids.split(",") if t.strip()]
-    except ValueError:
-        raise KVStoreError("invalid", "token ids must be comma-separated integers") from None
-    result = directory(url, token, ca_file).lookup_tokens(namespace_id, tokens)
-    print(json.dumps(result.model_dump()))
-
-
-@app.command()
-@one_line_errors
-def stats(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
-    """Blocks, reservations, leases and pins."""
-    print(json.dumps(directory(url, token, ca_file).stats().model_dump(), indent=2))
+    def table() -> Table:
+        t = Table("", "", show_header=False)
+        for name, value in result.model_dump().items():
+            t.add_row(name.replace("_", " "), " ".join(f"{k}:{v}" for k, v in sorted(value.items())) or "-"
+                      if isinstance(value, dict) else str(value))
+        return t
+    emit(output, result, table)
 
 
 @db_app.command("upgrade")
 @one_line_errors
 def db_upgrade(database_url: Annotated[str, typer.Option(envvar="KVSTORE_DATABASE_URL")]
-               = "sqlite:///var/directory.db") -> None:
+               = "sqlite:///var/directory.db", output: Output = "table") -> None:
     """Run the alembic migrations up to the newest revision."""
+    from kvstore.core.config import redact_url
     from kvstore.directory import db
 
     db.upgrade(database_url)
-    print("schema is at head")
+    emit(output, {"database_url": redact_url(database_url), "schema": "head"}, text="schema is at head")
 
 
 def main() -> None:

@@ -71,7 +71,8 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
     worker_cmd = exe + ["worker", "serve", "--directory-url", url, "--name", "worker-0", "--host", host,
                         *_given({"--dram-bytes": dram_bytes, "--page-bytes": page_bytes, "--nvme-bytes": nvme_bytes,
                                  "--nvme-dir": nvme_dir, "--s3-bucket": s3_bucket, "--s3-endpoint": s3_endpoint,
-                                 "--s3-prefix": s3_prefix, "--s3-region": s3_region})]
+                                 "--s3-prefix": s3_prefix, "--s3-region": s3_region}),
+                        *([] if auth else ["--open-metrics"])]  # without credentials, its metrics are open too
     children = [subprocess.Popen(directory_cmd)]
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -150,7 +151,7 @@ def _wait_healthy(url: str, child: subprocess.Popen, stop: threading.Event, time
             log.error("the directory exited with code %s", child.returncode)
             return False
         try:
-            probe.call_raw("GET", "/readyz")
+            probe.call_raw("GET", "/readyz?workers=0")  # the worker starts after this
             return True
         except KVStoreError:
             pass

@@ -47,7 +47,7 @@ DIRECTORY_FLAGS = {
 WORKER_FLAGS = {name: name for name in (
     "directory_url", "name", "host", "port", "dram_bytes", "page_bytes", "hbm_bytes", "hbm_device", "nvme_bytes",
     "nvme_dir", "posix_queue", "gds", "s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "s3_virtual_addressing",
-    "bounce_bytes", "token", "ca_file", "tls_cert", "tls_key")}
+    "bounce_bytes", "token", "ca_file", "tls_cert", "tls_key", "open_metrics", "metrics_token")}
 
 
 def settings_from(cls, flags: dict, names: dict):
@@ -145,8 +145,14 @@ def directory_serve(
     if settings.database_url.startswith("sqlite:///") and os.path.exists(sqlite_file):
         os.chmod(sqlite_file, 0o600)
     for path, scope in ((admin_token_file, "admin"), (worker_token_file, "worker")):
-        if path is not None and bootstrap_token(app.state.tokens, path, scope):
-            log.info("wrote a new %s token to %s", scope, path)
+        if path is not None:
+            try:
+                done = bootstrap_token(app.state.tokens, path, scope)
+            except KVStoreError as exc:
+                log.error("directory cannot start: %s", exc)
+                raise typer.Exit(1) from None
+            if done != "kept":
+                log.info("%s token %s: %s", scope, "taken from" if done == "adopted" else "written to", path)
     scheme = "https" if tls_cert else "http"
     log.info("directory on %s://%s:%d, database %s, eviction %s, admission %s, credentials %s%s", scheme, host,
              port, redact_url(settings.database_url), settings.eviction, settings.admission,
@@ -159,23 +165,36 @@ def directory_serve(
                 ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
 
 
-def bootstrap_token(tokens, path: Path, scope: str) -> bool:
-    """Keep the token in `path` if the directory knows it; else create one of `scope` and write it
-    there, readable by its owner only. True if a token was written."""
-    from kvstore.core.credentials import TokenCreate
+def bootstrap_token(tokens, path: Path, scope: str) -> str:
+    """Keep the token in `path` if the directory knows it ("kept"); adopt a well-formed token it has
+    never seen, so that an operator may choose it (a Kubernetes Secret: the file may be read-only)
+    ("adopted"); else create one of `scope` and write it there, readable by its owner only ("written")."""
+    import re
 
+    from kvstore.core.credentials import TOKEN_PATTERN, TokenCreate
+
+    request = TokenCreate(name=f"bootstrap {scope}", scopes=[scope])
     if path.exists():
-        held = tokens.authenticate(path.read_text().strip())
-        if held is not None and scope in held.scopes:
-            return False
-    created = tokens.create(TokenCreate(name=f"bootstrap {scope}", scopes=[scope]))
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        held = path.read_text().strip()
+        known = tokens.authenticate(held)
+        if known is not None and scope in known.scopes:
+            return "kept"
+        if known is None and re.fullmatch(TOKEN_PATTERN, held) and tokens.create(request, secret=held):
+            return "adopted"
     fresh = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)  # private from its first byte
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # private from its first byte
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise KVStoreError("invalid", f"{path} holds no valid {scope} token and a new one cannot be written "
+                           f"there ({exc.strerror}): put a token in it (kvs_ and 43 URL-safe base64 characters) "
+                           "or make its directory writable") from None
+    created = tokens.create(request)
     with os.fdopen(fd, "w") as f:
         f.write(created.token + "\n")
     os.replace(fresh, path)  # a link at `path` is replaced, never followed
-    return True
+    return "written"
 
 
 @worker_app.command("serve")
@@ -204,7 +223,11 @@ def worker_serve(
                                                   "directory")] = None,
         ca_file: Annotated[str | None, typer.Option(envvar="KVSTORE_CA_FILE", help="CA bundle the directory's "
                                                     "certificate is checked against")] = None,
-        tls_cert: TlsCert = None, tls_key: TlsKey = None) -> None:
+        tls_cert: TlsCert = None, tls_key: TlsKey = None,
+        open_metrics: Annotated[bool | None, typer.Option("--open-metrics/--no-open-metrics", help="serve GET "
+                                                          "/metrics without a credential [off]")] = None,
+        metrics_token: Annotated[str | None, typer.Option(help="bearer token GET /metrics accepts "
+                                                          "(KVSTORE_WORKER_METRICS_TOKEN)")] = None) -> None:
     """Run a storage worker: allocate and register its tiers once, then serve."""
     from kvstore.worker.server import StorageWorker
     from kvstore.worker.settings import WorkerSettings
@@ -262,11 +285,23 @@ def config_show(config: Config = None, output: Output = "table") -> None:
     (a command's flags come on top), where each value comes from, secrets redacted."""
     from rich.table import Table
 
+    use_config(config)
+    rows = settings_rows()
+    if output == "json":
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("service", "setting", "value", "from")
+    for row in rows:
+        table.add_row(row["service"], row["setting"], str(row["value"]), row["source"])
+    console.print(table)
+
+
+def settings_rows() -> list[dict]:
+    """{service, setting, source (env, file or default), value (secrets redacted)} of every setting."""
     from kvstore.core.config import read_table, redacted
     from kvstore.directory.settings import DirectorySettings
     from kvstore.worker.settings import WorkerSettings
 
-    use_config(config)
     rows = []
     for service, cls, prefix in (("directory", DirectorySettings, "KVSTORE_"), ("worker", WorkerSettings,
                                                                                    "KVSTORE_WORKER_")):
@@ -280,10 +315,4 @@ def config_show(config: Config = None, output: Output = "table") -> None:
             value = getattr(settings, name)
             rows.append({"service": service, "setting": name, "source": source,
                          "value": redacted(name, str(value) if isinstance(value, Path) else value)})
-    if output == "json":
-        print(json.dumps(rows, indent=2))
-        return
-    table = Table("service", "setting", "value", "from")
-    for row in rows:
-        table.add_row(row["service"], row["setting"], str(row["value"]), row["source"])
-    console.print(table)
+    return rows

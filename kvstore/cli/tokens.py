@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, console, directory, one_line_errors
+from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, console, directory, emit, one_line_errors
 from kvstore.core.credentials import SCOPES, TokenCreate
 from kvstore.core.errors import KVStoreError
 
@@ -22,13 +22,16 @@ def create(scope: Annotated[list[str], typer.Option(help="engine, worker, read o
            tenant: Annotated[list[str] | None, typer.Option(help="an engine token's tenant; repeat for several")]
            = None,
            name: Annotated[str, typer.Option(help="what the token is for")] = "",
-           url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
+           url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, output: Output = "table") -> None:
     """Create a token and print it on the last line (it is shown only this once)."""
     unknown = sorted(set(scope) - set(SCOPES))
     if unknown:
         raise KVStoreError("invalid", f"unknown scope {', '.join(unknown)}; choose from {', '.join(SCOPES)}")
     body = TokenCreate(name=name or "+".join(scope), scopes=scope, tenants=tenant or [])
     created = directory(url, token, ca_file).create_token(body)
+    if output == "json":
+        emit(output, created)
+        return
     info = created.info
     console.print(f"token {info.id} ({info.name}): scopes {', '.join(info.scopes)}"
                   + (f", tenants {', '.join(info.tenants)}" if info.tenants else ""), highlight=False)
@@ -53,10 +56,10 @@ def list_(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, o
 @tokens_app.command()
 @one_line_errors
 def revoke(token_id: Annotated[str, typer.Argument(help="the id `tokens list` shows")],
-           url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None) -> None:
+           url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, output: Output = "table") -> None:
     """Revoke a token: the directory refuses it from now on."""
     info = directory(url, token, ca_file).revoke_token(token_id)
-    print(f"token {info.id} ({info.name}) revoked")
+    emit(output, info, text=f"token {info.id} ({info.name}) revoked")
 
 
 def _when(t: float) -> str:

@@ -7,6 +7,7 @@ from urllib.parse import quote
 
 from kvstore.client.http import JsonHttp
 from kvstore.core import credentials, specs
+from kvstore.core.inspection import InspectRequest, InspectResult
 from kvstore.core.keys import Namespace
 from kvstore.core.namespaces import NamespaceInfo
 
@@ -67,9 +68,13 @@ class DirectoryClient(JsonHttp):
         body = specs.LookupRequest(namespace_id=namespace_id, hashes=hashes, locations=locations)
         return self.call("POST", "/v1/lookup", body, specs.LookupResult)
 
-    def lookup_tokens(self, namespace_id: str, token_ids: list[int]) -> specs.TokenLookupResult:
-        body = specs.TokenLookupRequest(namespace_id=namespace_id, token_ids=token_ids)
+    def lookup_tokens(self, namespace_id: str, token_ids: list[int],
+                      hash_seed: str | None = None) -> specs.TokenLookupResult:
+        body = specs.TokenLookupRequest(namespace_id=namespace_id, token_ids=token_ids, hash_seed=hash_seed)
         return self.call("POST", "/v1/lookup/tokens", body, specs.TokenLookupResult)
+
+    def inspect(self, body: InspectRequest) -> InspectResult:
+        return self.call("POST", "/v1/admin/inspect", body, InspectResult)
 
     def prepare_load(self, body: specs.PrepareLoad) -> specs.LoadPrepared:
         return self.call("POST", "/v1/load/prepare", body, specs.LoadPrepared)

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic_settings import BaseSettings, InitSettingsSource
 
 CONFIG_ENV = "KVSTORE_CONFIG"
-SECRETS = ("token", "database_url")  # shown redacted by `kvstore config show`
+SECRETS = ("token", "database_url", "metrics_token")  # shown redacted by `kvstore config show`
 
 
 def read_table(table: str) -> dict:

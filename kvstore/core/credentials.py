@@ -12,6 +12,7 @@ ENGINE, WORKER, ADMIN, READ = "engine", "worker", "admin", "read"
 SCOPES = (ENGINE, WORKER, ADMIN, READ)
 Scope = Literal["engine", "worker", "admin", "read"]
 Tenant = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+TOKEN_PATTERN = r"^kvs_[A-Za-z0-9_-]{43}$"  # "kvs_" and 256 random bits, URL-safe base64
 
 
 class _Spec(BaseModel):

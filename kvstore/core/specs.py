@@ -207,6 +207,7 @@ class TokenLookupRequest(_Spec):
     namespace_id: str
     token_ids: list[int] = Field(max_length=MAX_TOKEN_IDS, description=f"at most {MAX_TOKEN_IDS}, and at most "
                                  f"{MAX_BLOCKS} blocks of the namespace's block_tokens")
+    hash_seed: str | None = Field(None, max_length=256, description="vLLM namespaces: the engines' PYTHONHASHSEED")
 
 
 class TokenLookupResult(_Spec):

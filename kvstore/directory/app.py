@@ -8,7 +8,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstore.core import credentials, specs
 from kvstore.core.errors import KVStoreError, error_list
+from kvstore.core.inspection import InspectRequest, InspectResult
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.directory import db, wire
 from kvstore.directory.auth import NOBODY, PRINCIPAL, Guard, Principal, RateLimit, Tokens
@@ -57,7 +58,7 @@ def create_app(settings: DirectorySettings | None = None):
     settings = app.state.service.settings
     guard = Guard(app.routes, app.state.tokens, settings.require_auth, settings.open_metrics,
                   RateLimit(settings.engine_rate, settings.engine_burst))
-    fast = HotPath(app, app.state.hot, guard)
+    fast = HotPath(app, app.state.hot, guard, app.state.service.metrics)
     fast.state, fast.fastapi = app.state, app
     return fast
 
@@ -95,9 +96,8 @@ def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
     return app
 
 
-def _json(model: BaseModel) -> Response:
-    """Serialize once with pydantic's encoder instead of FastAPI re-validating the answer."""
-    return Response(model.model_dump_json(), media_type="application/json")
+def _unready(reason: str, **context) -> JSONResponse:
+    return JSONResponse(KVStoreError("unavailable", reason, **context).to_body(), status_code=503)
 
 
 def _start_then_reap(service: DirectoryService, tokens: Tokens, stop: threading.Event) -> None:
@@ -159,14 +159,24 @@ def _routes(service: DirectoryService) -> APIRouter:
         return {"status": "ok"}
 
     @r.get("/readyz")
-    def readyz() -> Response:
+    def readyz(workers: int = Query(1, ge=0, le=1_000_000, description="live workers needed; 0: only the "
+                                    "index and the database")) -> Response:
+        """200 when the directory can serve: its index is built, the database answers, and at least
+        `workers` workers are live; 503 with the reason otherwise."""
         if not service.index.ready:
-            return JSONResponse(KVStoreError("unavailable", "building the lookup index").to_body(), status_code=503)
-        return JSONResponse({"status": "ready", "indexed_blocks": service.index.num_blocks})
+            return _unready("building the lookup index")
+        try:
+            live = service.live_workers()
+        except Exception as exc:  # noqa: BLE001 (any database failure makes the directory unready)
+            log.warning("readyz: the database does not answer: %s", exc)
+            return _unready(f"the database does not answer ({type(exc).__name__})")
+        if live < workers:
+            return _unready(f"{live} live workers, {workers} needed", live_workers=live)
+        return JSONResponse({"status": "ready", "indexed_blocks": service.index.num_blocks, "live_workers": live})
 
     @r.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
-        body = service.metrics.render(service.stats(), service.tiers())
+        body = service.metrics.render(service.stats(), service.tiers(), service.membership.workers())
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @r.post("/v1/namespaces")
@@ -226,7 +236,11 @@ def _routes(service: DirectoryService) -> APIRouter:
 
     @r.post("/v1/lookup/tokens")
     def lookup_tokens(body: specs.TokenLookupRequest, who: Principal = Caller) -> specs.TokenLookupResult:
-        return service.lookup_tokens(body.namespace_id, body.token_ids, who.tenants)
+        return service.lookup_tokens(body.namespace_id, body.token_ids, who.tenants, body.hash_seed)
+
+    @r.post("/v1/admin/inspect")
+    def inspect(body: InspectRequest, who: Principal = Caller) -> InspectResult:
+        return service.inspect(body, who.tenants)
 
     @r.get("/v1/tiers")
     def tiers() -> list[specs.TierUsage]:

@@ -16,6 +16,7 @@ and each directory keeps the live ones in memory, read again from SQL every few 
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import threading
 import time
@@ -44,7 +45,7 @@ ROUTES: dict[tuple[str, str], frozenset[str]] = {
     ("PUT", "/v1/namespaces/{namespace_id}/policy"): _s(ADMIN),
     ("POST", "/v1/lookup"): _s(ENGINE),
     ("POST", "/v1/lookup/batch"): _s(ENGINE),
-    ("POST", "/v1/lookup/tokens"): _s(ENGINE),
+    ("POST", "/v1/lookup/tokens"): _s(ENGINE, READ),  # operators' `kvstore lookup`
     ("POST", "/v1/store/prepare"): _s(ENGINE),
     ("POST", "/v1/store/complete"): _s(ENGINE),
     ("POST", "/v1/store/abort"): _s(ENGINE),
@@ -62,6 +63,7 @@ ROUTES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/tiers"): _s(READ),
     ("GET", "/v1/admin/stats"): _s(READ),
     ("POST", "/v1/admin/evict"): _s(ADMIN),
+    ("POST", "/v1/admin/inspect"): _s(READ),
     ("POST", "/v1/admin/tokens"): _s(ADMIN),
     ("GET", "/v1/admin/tokens"): _s(ADMIN),
     ("POST", "/v1/admin/tokens/{token_id}/revoke"): _s(ADMIN),
@@ -120,15 +122,26 @@ class Tokens:
     def authenticate(self, secret: str) -> Principal | None:
         return self._by_digest.get(digest(secret))
 
-    def create(self, req: specs.TokenCreate) -> specs.TokenCreated:
+    def create(self, req: specs.TokenCreate, secret: str | None = None) -> specs.TokenCreated | None:
+        """A new token. `secret`: take this well-formed one instead of drawing one (a token an operator
+        chose, e.g. kept in a Kubernetes Secret); None if the database has seen it before (revoked)."""
         if ENGINE in req.scopes and not req.tenants:
             raise KVStoreError("invalid", "an engine token needs at least one tenant (--tenant)")
         if req.tenants and ENGINE not in req.scopes:
             raise KVStoreError("invalid", "tenants bind engine tokens only; add the engine scope or drop them")
-        secret = "kvs_" + secrets.token_urlsafe(32)
+        if secret is not None and not re.fullmatch(specs.TOKEN_PATTERN, secret):
+            raise KVStoreError("invalid", "a token is kvs_ and 43 URL-safe base64 characters")
+        secret = secret or "kvs_" + secrets.token_urlsafe(32)
         row = TokenRow(id=secrets.token_hex(8), name=req.name, digest=digest(secret), scopes=sorted(set(req.scopes)),
                        tenants=sorted(set(req.tenants)), created_at=self._clock(), revoked_at=None)
-        self._write(lambda tx: tx.session.add(row))
+
+        def job(tx) -> bool:
+            if tx.session.query(TokenRow.id).filter(TokenRow.digest == row.digest).first() is not None:
+                return False
+            tx.session.add(row)
+            return True
+        if not self._write(job):
+            return None
         with self._lock:
             self._changes += 1
             self._by_digest = {**self._by_digest, row.digest: _principal(row)}
@@ -196,8 +209,8 @@ class Guard:
         self.tokens = tokens
         self.require_auth = require_auth
         self.limit = limit
-        self._exact: dict[tuple[str, str], frozenset[str]] = {}
-        self._patterns: list[tuple[str, object, frozenset[str]]] = []
+        self._exact: dict[tuple[str, str], tuple[str, frozenset[str]]] = {}
+        self._patterns: list[tuple[str, object, str, frozenset[str]]] = []
         for route in flat_routes(routes):
             for method in sorted(getattr(route, "methods", None) or ()):
                 if method == "HEAD":
@@ -208,27 +221,33 @@ class Guard:
                 if route.path == "/metrics" and open_metrics:
                     needed = PUBLIC
                 if "{" in route.path:
-                    self._patterns.append((method, route.path_regex, needed))
+                    self._patterns.append((method, route.path_regex, route.path, needed))
                 else:
-                    self._exact[(method, route.path)] = needed
+                    self._exact[(method, route.path)] = (route.path, needed)
 
-    def needed(self, method: str, path: str) -> frozenset[str] | None:
-        """The scopes of the route; None when no route answers (the app says 404 or 405)."""
+    def route(self, method: str, path: str) -> tuple[str, frozenset[str]] | None:
+        """The route's template (what metrics are labelled with) and the scopes it needs; None when
+        no route answers."""
         method = "GET" if method == "HEAD" else method
-        needed = self._exact.get((method, path))
-        if needed is not None:
-            return needed
-        for m, regex, scopes in self._patterns:
+        found = self._exact.get((method, path))
+        if found is not None:
+            return found
+        for m, regex, template, scopes in self._patterns:
             if m == method and regex.fullmatch(path):
-                return scopes
+                return template, scopes
         return None
 
     def check(self, method: str, path: str, authorization: bytes | None) -> Principal:
         """The caller, or a refusal; a request no route answers is refused here too (404), so that
         nothing the guard did not classify ever reaches the app."""
-        needed = self.needed(method, path)
-        if needed is None:
+        return self.admit(method, path, authorization, self.route(method, path))
+
+    def admit(self, method: str, path: str, authorization: bytes | None,
+              route: tuple[str, frozenset[str]] | None) -> Principal:
+        """`check` with the route found already."""
+        if route is None:
             raise KVStoreError("not_found", f"no route {method} {path[:200]}")
+        needed = route[1]
         if not self.require_auth:
             return ANONYMOUS
         if not needed:

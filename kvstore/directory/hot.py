@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -25,6 +26,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import body_length, too_large
 from kvstore.directory import wire
 from kvstore.directory.auth import PRINCIPAL, Guard, Principal
+from kvstore.directory.metrics import UNMATCHED, DirectoryMetrics
 from kvstore.directory.service import DirectoryService
 
 log = logging.getLogger(__name__)
@@ -113,25 +115,43 @@ class HotPath:
     """ASGI in front of the app: the hot calls answered without the framework's routing, middleware,
     request and response objects (they cost more than a lookup itself)."""
 
-    def __init__(self, app, calls: HotCalls, guard: Guard) -> None:
+    def __init__(self, app, calls: HotCalls, guard: Guard, metrics: DirectoryMetrics) -> None:
         self.app = app
         self.calls = calls
         self.guard = guard
+        self.metrics = metrics
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = time.perf_counter()
+        method, path = scope["method"], scope["path"]
+        route = self.guard.route(method, path)
+        answered = [500]
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                answered[0] = message["status"]
+            await send(message)
+        try:
+            await self._serve(scope, receive, sending, route)
+        finally:
+            self.metrics.observe(route[0] if route else UNMATCHED, method if route else "", answered[0],
+                                 time.perf_counter() - started)
+
+    async def _serve(self, scope, receive, send, route) -> None:
         headers = dict(scope["headers"])
+        method, path = scope["method"], scope["path"]
         try:  # refused before a byte of the body is read
-            who = scope[PRINCIPAL] = self.guard.check(scope["method"], scope["path"], headers.get(b"authorization"))
-            limit = _body_limit(scope["method"], scope["path"])
+            who = scope[PRINCIPAL] = self.guard.admit(method, path, headers.get(b"authorization"), route)
+            limit = _body_limit(method, path)
             length = body_length(headers.get(b"content-length"), limit)
         except KVStoreError as exc:
             await _answer(send, exc.http_status, wire.encode(exc.to_body()), _error_headers(exc))
             return
-        handler = self.calls.by_path.get(scope["path"])
-        if handler is None or scope["method"] != "POST":
+        handler = self.calls.by_path.get(path)
+        if handler is None or method != "POST":
             if length is None:  # chunked: read it here, bounded, and hand it on whole
                 try:
                     receive = _replay(await _read_body(receive, limit), receive)
@@ -146,7 +166,7 @@ class HotPath:
         except KVStoreError as exc:
             status, payload = exc.http_status, wire.encode(exc.to_body())
         except Exception as exc:  # a bug: the same answer as every other route's
-            log.exception("unhandled error in %s", scope["path"])
+            log.exception("unhandled error in %s", path)
             status, payload = 500, wire.encode(KVStoreError("internal", type(exc).__name__).to_body())
         await _answer(send, status, payload)
 

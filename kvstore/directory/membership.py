@@ -56,7 +56,7 @@ class Membership:
 
     def _register(self, tx: Tx, reg: specs.WorkerRegistration, metadata: bytes, owner: str,
                   now: float) -> tuple[int, int]:
-        if reg.control_url and any(w.owner != owner and w.name != reg.name and self._alive(w, now)
+        if reg.control_url and any(w.owner != owner and w.name != reg.name and self.alive(w, now)
                                    for w in tx.session.query(Worker).filter(Worker.control_url == reg.control_url)):
             raise KVStoreError("conflict", f"{reg.control_url} is the endpoint of a live worker registered with "
                                "another token", worker=reg.name)
@@ -64,7 +64,7 @@ class Membership:
         if worker is None:
             worker = Worker(name=reg.name, epoch=0, registered_at=now)
             tx.session.add(worker)
-        elif worker.owner != owner and self._alive(worker, now):
+        elif worker.owner != owner and self.alive(worker, now):
             raise KVStoreError("conflict", f"worker name {reg.name!r} is held by a live worker registered with "
                                "another token", worker=reg.name)
         worker.owner, worker.control_secret = owner, reg.control_secret
@@ -80,7 +80,7 @@ class Membership:
         self._reconcile(tx, worker, reg.inventory, now)
         return worker.id, worker.epoch
 
-    def _alive(self, worker: Worker, now: float) -> bool:
+    def alive(self, worker: Worker, now: float) -> bool:
         return worker.state != "dead" and now - worker.heartbeat_at <= self._settings.heartbeat_timeout_s
 
     def grant(self, worker_id: int) -> None:

@@ -1,12 +1,22 @@
-"""Prometheus metrics of the directory (names prefixed `kvstore_`), one registry per app."""
+"""Prometheus metrics of the directory (names prefixed `kvstore_`), one registry per app.
+
+Series labelled by worker exist for workers that are not dead: a worker that deregistered or was
+declared dead leaves no series behind.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvstore.core import specs
+
+REQUEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0)
+UNMATCHED = "unmatched"  # the route label of a request no route answers
 
 
 class DirectoryMetrics:
@@ -36,6 +46,30 @@ class DirectoryMetrics:
         self.tier_used = Gauge("kvstore_tier_used_bytes", "Tier bytes reserved or used",
                                ["worker", "kind"], registry=r)
         self.tier_blocks = Gauge("kvstore_tier_blocks", "Visible replicas per tier", ["worker", "kind"], registry=r)
+        self.tier_high = Gauge("kvstore_tier_high_watermark_ratio", "Fill ratio above which the reaper moves a "
+                               "tier's blocks down", ["worker", "kind"], registry=r)
+        self.tier_low = Gauge("kvstore_tier_low_watermark_ratio", "Fill ratio the reaper moves a tier down to",
+                              ["worker", "kind"], registry=r)
+        self.requests = Histogram("kvstore_request_seconds", "Time to answer a request, by route template, "
+                                  "method and status", ["route", "method", "status"], buckets=REQUEST_BUCKETS,
+                                  registry=r)
+        self.heartbeat_age = Gauge("kvstore_heartbeat_age_seconds", "Seconds since a worker's last heartbeat "
+                                   "(workers not dead)", ["worker"], registry=r)
+        self.workers = Gauge("kvstore_workers", "Workers by state (active, draining, drained, dead)", ["state"],
+                             registry=r)
+        self.declared_dead = Counter("kvstore_workers_declared_dead", "Workers declared dead because their "
+                                     "heartbeats stopped", registry=r)
+        self._by_worker = (self.tier_capacity, self.tier_used, self.tier_blocks, self.tier_high, self.tier_low,
+                           self.heartbeat_age, self.workers)
+        self._observers: dict[tuple[str, str, int], object] = {}
+        self._render = threading.Lock()
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        key = (route, method, status)
+        observer = self._observers.get(key)
+        if observer is None:  # labels() costs more than the observation; the label sets are few
+            observer = self._observers[key] = self.requests.labels(route, method, str(status))
+        observer.observe(seconds)
 
     def count_lookup(self, asked: int, hit: int) -> None:
         self.lookups.inc()
@@ -50,13 +84,32 @@ class DirectoryMetrics:
         for (status, reason), n in counts.items():
             self.store_decisions.labels(status, reason).inc(n)
 
-    def render(self, stats: specs.Stats, tiers: list[specs.TierUsage]) -> bytes:
-        for name, gauge in self.gauges.items():
-            gauge.set(getattr(stats, name))
-        for kind, count in stats.replicas_by_tier.items():
-            self.replicas_by_tier.labels(kind).set(count)
-        for tier in tiers:
-            self.tier_capacity.labels(tier.worker, tier.kind).set(tier.capacity_bytes or 0)
-            self.tier_used.labels(tier.worker, tier.kind).set(tier.used_bytes)
-            self.tier_blocks.labels(tier.worker, tier.kind).set(tier.num_blocks)
-        return generate_latest(self.registry)
+    def render(self, stats: specs.Stats, tiers: list[specs.TierUsage], workers: list[specs.WorkerInfo],
+               now: float | None = None) -> bytes:
+        now = time.time() if now is None else now
+        with self._render:  # two scrapes at once must not see each other's half-set series
+            for name, gauge in self.gauges.items():
+                gauge.set(getattr(stats, name))
+            for kind, count in stats.replicas_by_tier.items():
+                self.replicas_by_tier.labels(kind).set(count)
+            for gauge in self._by_worker:
+                gauge.clear()
+            states: dict[str, int] = {}
+            for worker in workers:
+                states[worker.state] = states.get(worker.state, 0) + 1
+                if worker.state != "dead":
+                    self.heartbeat_age.labels(worker.name).set(max(0.0, now - worker.last_heartbeat))
+            for state in ("active", "draining", "drained", "dead"):
+                self.workers.labels(state).set(states.get(state, 0))
+            live = {w.name for w in workers if w.state != "dead"}
+            for tier in tiers:
+                if tier.worker not in live:
+                    continue
+                labels = (tier.worker, tier.kind)
+                self.tier_used.labels(*labels).set(tier.used_bytes)
+                self.tier_blocks.labels(*labels).set(tier.num_blocks)
+                if tier.capacity_bytes is not None:  # S3 has no capacity and no watermarks
+                    self.tier_capacity.labels(*labels).set(tier.capacity_bytes)
+                    self.tier_high.labels(*labels).set(tier.high_watermark)
+                    self.tier_low.labels(*labels).set(tier.low_watermark)
+            return generate_latest(self.registry)

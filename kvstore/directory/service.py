@@ -25,12 +25,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
-from kvstore.core.keys import HASH_SCHEME, Namespace, block_hashes
+from kvstore.core.inspection import MAX_INSPECTED, InspectRequest, InspectResult
+from kvstore.core.keys import Namespace
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.core.tiers import MEMORY
 from kvstore.directory import repository as repo
-from kvstore.directory import wire
+from kvstore.directory import inspection, wire
 from kvstore.directory.index import Index
+from kvstore.directory.inspection import prefix_hashes
 from kvstore.directory.load import Loads
 from kvstore.directory.membership import Membership
 from kvstore.directory.metrics import DirectoryMetrics
@@ -222,20 +224,19 @@ class DirectoryService:
         self.namespace(namespace_id, tenants)
         return self.loads.lookup(namespace_id, hashes, locations)
 
-    def lookup_tokens(self, namespace_id: str, token_ids: list[int],
-                      tenants: frozenset[str] | None = None) -> specs.TokenLookupResult:
+    def lookup_tokens(self, namespace_id: str, token_ids: list[int], tenants: frozenset[str] | None = None,
+                      hash_seed: str | None = None) -> specs.TokenLookupResult:
         namespace = self.namespace(namespace_id, tenants)
-        if namespace.hash_scheme != HASH_SCHEME:  # its blocks are named by the engine's own hashes
-            raise KVStoreError("invalid", "this namespace's block hashes come from its engine "
-                               f"({namespace.hash_scheme}); the store cannot compute them from token ids: look up "
-                               "by hashes (POST /v1/lookup)", hash_scheme=namespace.hash_scheme)
-        if len(token_ids) // namespace.block_tokens > specs.MAX_BLOCKS:
-            raise KVStoreError("invalid", f"{len(token_ids)} token ids are more than {specs.MAX_BLOCKS} blocks of "
-                               f"{namespace.block_tokens} tokens; look up a shorter prefix")
-        hashes = [h.hex() for h in block_hashes(namespace, token_ids)]
+        hashes = prefix_hashes(namespace, token_ids, hash_seed)
         hit = self.loads.lookup(namespace_id, hashes, locations=False)["num_hit_blocks"]
         return specs.TokenLookupResult(hit_tokens=hit * namespace.block_tokens, num_hit_blocks=hit,
                                        block_tokens=namespace.block_tokens)
+
+    def inspect(self, req: InspectRequest, tenants: frozenset[str] | None = None) -> InspectResult:
+        namespace = self.namespace(req.namespace_id, tenants)
+        hashes = req.hashes if req.hashes is not None else \
+            prefix_hashes(namespace, req.token_ids, req.hash_seed, max_blocks=MAX_INSPECTED)
+        return inspection.inspect(self._sessions, req.namespace_id, namespace.block_tokens, hashes)
 
     def prepare_loads(self, namespace_id: str, chains: list[list[str]], reader: str,
                       tenants: frozenset[str] | None = None) -> dict:
@@ -264,6 +265,8 @@ class DirectoryService:
                 self._reclaim.collect_deleting(tx)
             return leases, len(tokens) + self.store.expire(tx, now), dead, draining
         leases, tokens, dead, draining = self.writer.run(job)
+        if dead:
+            self.metrics.declared_dead.inc(dead)
         if leases or tokens or dead:
             log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, tokens, dead)
         self.loads.flush_accesses()
@@ -316,6 +319,12 @@ class DirectoryService:
                                     credit_free_bytes=self.pools.free_bytes(t.id, w.epoch)
                                     if t.kind in MEMORY else None)
                     for t, w, n in repo.tier_usage(session)]
+
+    def live_workers(self) -> int:
+        """Workers that are not dead and have beaten within the heartbeat timeout (a read of the database)."""
+        now = self._clock()
+        with self._sessions() as session:
+            return sum(self.membership.alive(w, now) for w in repo.workers(session))
 
     def stats(self) -> specs.Stats:
         with self._sessions() as session:

@@ -22,7 +22,8 @@ class DirectorySettings(BaseSettings):
     reservation_ttl_s: float = Field(30.0, gt=0, le=3600, description="uncompleted stores roll back after this")
     heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="what workers are told to use")
     heartbeat_timeout_s: float = Field(10.0, gt=0, le=600, description="silence after which a worker is dead")
-    reaper_interval_s: float = Field(0.5, gt=0, le=60)
+    reaper_interval_s: float = Field(0.5, gt=0, le=60, description="seconds between rounds of expiry, dead-worker "
+                                     "detection and tier moves")
     move_timeout_s: float = Field(300.0, gt=0, le=3600, description="a worker must finish a batch of tier "
                                   "moves within this; its destinations stay reserved that long (and no longer)")
     require_auth: bool = Field(True, description="every route but /healthz and /readyz needs a bearer token")

@@ -145,11 +145,15 @@ class Agent:
             except nixl_bindings.nixlNotFoundError:
                 raise KVStoreError(
                     "unavailable", f"NIXL backend {backend} cannot be loaded on this host",
-                    backend=backend, plugins=sorted(self._raw.get_plugin_list()),
+                    backend=backend, plugins=self.plugins(),
                 ) from None
         self.backends = list(backends)
         self._regs: list[Registration] = []
         self._peers: set[str] = set()
+
+    def plugins(self) -> list[str]:
+        """The backend plugins NIXL finds on this host (whether they load is another matter)."""
+        return sorted(self._raw.get_plugin_list())
 
     def add_backend(self, backend: str, params: dict[str, str]) -> bool:
         """Create one more backend if this host can load it (e.g. GDS needs CUDA and cuFile); False if

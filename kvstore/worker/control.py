@@ -10,6 +10,7 @@ and key it serves HTTPS.
     POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers)
     POST /v1/verify VerifyRequest -> VerifyResult  (do replicas still hash to their checksums?)
     GET  /healthz
+    GET  /metrics   Prometheus text; open with `open_metrics`, else it needs the metrics token (or the secret)
 
 Plain `http.server`: control traffic is a few small requests per store, and the
 worker stays free of web-framework dependencies. Bounded: at most MAX_CONNECTIONS
@@ -33,11 +34,13 @@ from kvstore.core import specs
 from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.pages import PageAllocator
 from kvstore.core.sizes import body_length
+from kvstore.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 60.0
 MAX_BODY = 64 << 20
+COUNTED = ("/v1/grant", "/v1/alloc", "/v1/free", "/v1/move", "/v1/verify", "/healthz", "/metrics")
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -68,11 +71,16 @@ class ControlServer:
     def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0,
                  mover=None, on_free=None, object_tiers: dict | None = None, verifier=None,
                  max_connections: int = MAX_CONNECTIONS, secret: str | None = None,
-                 tls: tuple[str, str] | None = None) -> None:
+                 tls: tuple[str, str] | None = None, metrics: WorkerMetrics | None = None,
+                 open_metrics: bool = False, metrics_token: str | None = None) -> None:
         """`secret`: what every call must carry (None: no check, for tests in one process);
-        `tls`: (certificate file, key file) to serve HTTPS."""
+        `tls`: (certificate file, key file) to serve HTTPS; `metrics`: what GET /metrics serves, to
+        anyone with `open_metrics`, else to callers with `metrics_token` or the secret."""
         self.allocators = allocators
         self.secret = secret
+        self.metrics = metrics or WorkerMetrics()
+        self.open_metrics = open_metrics
+        self.metrics_token = metrics_token
         self.object_tiers = object_tiers or {}  # kind -> callable(name) deleting an object
         self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
@@ -92,7 +100,8 @@ class ControlServer:
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"{self.scheme}://{host}:{self.port}"
 
     def start(self) -> None:
         self._thread.start()
@@ -104,8 +113,16 @@ class ControlServer:
     def authorized(self, header: str | None) -> bool:
         if self.secret is None:
             return True
-        expected = f"Bearer {self.secret}".encode()
-        return header is not None and hmac.compare_digest(header.encode("latin-1", "replace"), expected)
+        return _bearer(header, self.secret)
+
+    def may_scrape(self, header: str | None) -> bool:
+        return self.open_metrics or bool(self.metrics_token and _bearer(header, self.metrics_token)) \
+            or (self.secret is not None and _bearer(header, self.secret))
+
+    def render_metrics(self) -> bytes:
+        tiers = {kind: (a.num_pages * a.page_bytes, (a.num_pages - a.free_pages) * a.page_bytes)
+                 for kind, a in self.allocators.items()}
+        return self.metrics.render(tiers)
 
     def allocate(self, req: specs.AllocRequest) -> specs.AllocResult:
         if req.kind in self.object_tiers:  # objects need no pages: one per block, unbounded
@@ -157,6 +174,12 @@ class ControlServer:
         return self.allocators[kind]
 
 
+def _bearer(header: str | None, secret: str) -> bool:
+    """Whether `header` is `Bearer <secret>`, compared in constant time."""
+    return header is not None and hmac.compare_digest(header.encode("latin-1", "replace"),
+                                                      f"Bearer {secret}".encode())
+
+
 class _Handler(BaseHTTPRequestHandler):
     control: ControlServer
     protocol_version = "HTTP/1.1"
@@ -166,6 +189,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         if self.path == "/healthz":
             self._answer(200, {"status": "ok"})
+        elif self.path == "/metrics":
+            if not self.control.may_scrape(self.headers.get("authorization")):
+                self._answer(401, KVStoreError("unauthorized", "GET /metrics needs the worker's metrics token "
+                                               "(--metrics-token), or start it with --open-metrics").to_body())
+                return
+            self._answer(200, self.control.render_metrics(), content_type="text/plain; version=0.0.4")
         else:
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
 
@@ -212,10 +241,14 @@ class _Handler(BaseHTTPRequestHandler):
         body = KVStoreError(kind, message or self.responses.get(code, ("",))[0]).to_body()
         self._answer(code, body, reason=message, closing=True)
 
-    def _answer(self, status: int, body: dict, reason: str | None = None, closing: bool = False) -> None:
-        data = json.dumps(body, default=str).encode()
+    def _answer(self, status: int, body: dict | bytes, reason: str | None = None, closing: bool = False,
+                content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body, default=str).encode()
+        path = getattr(self, "path", "")  # unset when the request line could not be parsed
+        path = path if path in COUNTED else "other"
+        self.control.metrics.control_requests.labels(path, str(status)).inc()
         self.send_response(status, reason)
-        self.send_header("content-type", "application/json")
+        self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(data)))
         if closing:
             self.send_header("connection", "close")

@@ -32,6 +32,7 @@ from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.hbm import HbmArena
+from kvstore.worker.metrics import WorkerMetrics
 from kvstore.worker.nvme import NvmeTier
 from kvstore.worker.s3 import S3Tier
 
@@ -51,8 +52,10 @@ BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
 
 class Mover:
     def __init__(self, agent: Agent, arena: HostBuffer, page_bytes: int, nvme: NvmeTier | None,
-                 s3: S3Tier | None, bounce_bytes: int, hbm: HbmArena | None = None, gds: bool = False) -> None:
+                 s3: S3Tier | None, bounce_bytes: int, hbm: HbmArena | None = None, gds: bool = False,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.agent = agent
+        self.metrics = metrics or WorkerMetrics()
         self.arena = arena
         self.page_bytes = page_bytes
         # copies that must pass through DRAM use their own buffer, registered once: the DRAM
@@ -69,9 +72,13 @@ class Mover:
     def move(self, req: specs.MoveRequest) -> specs.MoveResult:
         if req.expires_at is not None and time.time() >= req.expires_at:
             n = len(req.items)
+            self._count(req.items, ["expired"] * n, [False] * n)
             return specs.MoveResult(ok=[False] * n, errors=["the move's deadline passed before it started"] * n,
                                     codes=["expired"] * n)
         _deadline.at = req.expires_at
+        return self._move(req)
+
+    def _move(self, req: specs.MoveRequest) -> specs.MoveResult:
         errors: dict[int, str | None] = {}
         for i, item in enumerate(req.items):
             if item.dst_kind == "nvme" and self.nvme and not self.nvme.allocator.owns(item.dst_token, item.dst_runs):
@@ -87,12 +94,16 @@ class Mover:
                 continue
             by_route.setdefault((item.src_kind, item.dst_kind), []).append(i)
         for route, indices in by_route.items():
+            started = time.perf_counter()
             if route in BATCHED and self._can(route) and len(indices) > 1:
                 errors.update(self._batch(route, [(i, req.items[i]) for i in indices]))
             else:
                 errors.update((i, self._move_one(req.items[i])) for i in indices)
+            self.metrics.move_seconds.labels("_".join(route)).observe(time.perf_counter() - started)
         if s3_down:
-            log.warning("%d moves to or from S3 refused: %s", sum(e == s3_down for e in errors.values()), s3_down)
+            refused = sum(e == s3_down for e in errors.values())
+            log.warning("%d moves to or from S3 refused: %s", refused, s3_down)
+            self.metrics.s3_errors.labels("unreachable").inc(refused)
         for i, error in errors.items():
             if error and error != s3_down:
                 item = req.items[i]
@@ -102,7 +113,21 @@ class Mover:
         ordered = [errors[i] for i in range(len(req.items))]
         codes = ["ok" if e is None else "source_corrupt" if isinstance(e, SourceCorrupt) else "failed"
                  for e in ordered]
+        self._count(req.items, codes, [e is not None and e is s3_down for e in ordered])
         return specs.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
+
+    def _count(self, items: list[specs.MoveItem], codes: list[str], refused: list[bool]) -> None:
+        """Moves by route and result; checksum failures; S3 failures (refusals were counted already)."""
+        m = self.metrics
+        for item, code, was_refused in zip(items, codes, refused):
+            route = f"{item.src_kind}_{item.dst_kind}"
+            m.moves.labels(route, code).inc()
+            if code == "ok":
+                m.moved_bytes.labels(route).inc(item.nbytes)
+            elif code == "source_corrupt":
+                m.checksum_failures.labels(item.src_kind).inc()
+            elif code == "failed" and "s3" in (item.src_kind, item.dst_kind) and not was_refused:
+                m.s3_errors.labels("failed").inc()
 
     def _batch(self, route: tuple[str, str], items: list[tuple[int, specs.MoveItem]]) -> dict[int, str | None]:
         """All items of one route in a single NIXL request (POSIX queues, OBJ threads work in parallel);
@@ -259,7 +284,10 @@ class Mover:
         transfer = self.agent.submit(op, local, remote, self.agent.name, local_mem, remote_mem)
         deadline = getattr(_deadline, "at", None)
         wait_s = MAX_WAIT_S if deadline is None else max(0.0, min(MAX_WAIT_S, deadline - time.time()))
-        return None if transfer.wait(wait_s) == "done" else transfer.error
+        if transfer.wait(wait_s) == "done":
+            return None
+        self.metrics.nixl_failures.labels(remote_mem).inc()
+        return transfer.error
 
     def dram_rows(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> np.ndarray:
         buffer = buffer or self.arena
@@ -275,6 +303,8 @@ class Mover:
                 matches.append(self.hbm.checksum(item.runs, item.nbytes) == item.checksum)
             else:
                 matches.append(None)
+            if matches[-1] is False:
+                self.metrics.checksum_failures.labels(item.kind).inc()
         return specs.VerifyResult(matches=matches)
 
     def dram_checksum(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> str:

@@ -23,6 +23,7 @@ from kvstore.core.sizes import format_size
 from kvstore.transfer import Agent
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
+from kvstore.worker.metrics import WorkerMetrics
 from kvstore.worker.hbm import HbmArena
 from kvstore.worker.mover import Mover
 from kvstore.worker.nvme import NvmeTier
@@ -65,13 +66,15 @@ class StorageWorker:
         if self.nvme:
             self.nvme.register(self.agent)
             allocators["nvme"] = self.nvme.allocator
+        self.metrics = WorkerMetrics()
         self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes,
-                           self.hbm, gds=self.gds)
+                           self.hbm, gds=self.gds, metrics=self.metrics)
         self.secret = secrets.token_urlsafe(32)  # the directory's calls must carry it; new at every start
         tls = (str(settings.tls_cert), str(settings.tls_key)) if settings.tls_cert and settings.tls_key else None
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
                                      on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {},
-                                     verifier=self.mover.verify, secret=self.secret, tls=tls)
+                                     verifier=self.mover.verify, secret=self.secret, tls=tls, metrics=self.metrics,
+                                     open_metrics=settings.open_metrics, metrics_token=settings.metrics_token)
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0, token=settings.token,
                                          ca_file=settings.ca_file)
         self.epoch = 0

@@ -18,8 +18,9 @@ from kvstore.core.sizes import parse_size
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTORE_WORKER_", frozen=True)
 
-    directory_url: str = "http://127.0.0.1:8700"
-    name: str = Field(default_factory=lambda: f"worker-{socket.gethostname()}", min_length=1)
+    directory_url: str = Field("http://127.0.0.1:8700", description="the directory this worker registers with")
+    name: str = Field(default_factory=lambda: f"worker-{socket.gethostname()}", min_length=1,
+                      description="unique among the directory's workers")
     host: str = Field("127.0.0.1", description="address of the control endpoint")
     port: int = Field(0, ge=0, le=65535, description="control endpoint port; 0 = any free port")
     dram_bytes: int = Field(512 << 20, ge=1 << 20, description="DRAM arena size, allocated and registered once")
@@ -34,13 +35,16 @@ class WorkerSettings(BaseSettings):
     s3_bucket: str | None = Field(None, min_length=3, description="S3 tier bucket; None = no S3 tier")
     s3_endpoint: str | None = Field(None, description="e.g. http://127.0.0.1:9000; None = AWS")
     s3_prefix: str = Field("kvstore", description="objects live at <prefix>/<namespace_id>/<hash>")
-    s3_region: str = "us-east-1"
-    s3_virtual_addressing: bool = False
+    s3_region: str = Field("us-east-1", description="region of the S3 tier's bucket")
+    s3_virtual_addressing: bool = Field(False, description="bucket.host URLs instead of host/bucket paths")
     token: str | None = Field(None, description="worker-scope token for the directory (KVSTORE_TOKEN also works)")
     ca_file: str | None = Field(None, description="CA bundle the directory's HTTPS certificate is checked against")
     tls_cert: Path | None = Field(None, description="certificate of the control endpoint (HTTPS); needs tls_key")
     tls_key: Path | None = Field(None, description="private key of the control endpoint's certificate")
     bounce_bytes: int = Field(64 << 20, ge=1 << 20, description="DRAM buffer for copies to S3 (>= one block)")
+    open_metrics: bool = Field(False, description="serve GET /metrics on the control port without a credential")
+    metrics_token: str | None = Field(None, min_length=16, max_length=256,
+                                      description="bearer token that GET /metrics accepts (for Prometheus)")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -17,3 +17,10 @@ def directory_settings(database_url):
 def stack(directory_settings):
     with directory_stack(directory_settings) as s:  # 32 pages: room for 16 blocks of NS
         yield s
+
+
+@pytest.fixture
+def secure(database_url):
+    """The stack with credentials required; its client holds an admin token."""
+    with directory_stack(make_settings(database_url, require_auth=True)) as s:
+        yield s

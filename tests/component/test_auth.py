@@ -27,12 +27,6 @@ from tests.stacks import NS, PAGE, directory_stack, make_settings
 PARAMS = {"{name}": "w0", "{namespace_id}": "0" * 16, "{token_id}": "0" * 16}
 
 
-@pytest.fixture
-def secure(database_url):
-    with directory_stack(make_settings(database_url, require_auth=True)) as s:
-        yield s
-
-
 def _routes(stack) -> list[tuple[str, str]]:
     return sorted((m, r.path) for r in flat_routes(stack.app.fastapi.routes) for m in r.methods if m != "HEAD")
 
@@ -230,11 +224,28 @@ def test_the_bootstrap_token_file_is_private_and_kept_while_valid(secure, tmp_pa
     elsewhere.write_text("someone else's file\n")
     path.symlink_to(elsewhere)  # replaced, never followed
     tokens = secure.app.state.tokens
-    assert bootstrap_token(tokens, path, "admin")
+    assert bootstrap_token(tokens, path, "admin") == "written"
     assert not path.is_symlink() and elsewhere.read_text() == "someone else's file\n"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     first = path.read_text().strip()
     assert tokens.authenticate(first).scopes == {"admin"}
-    assert not bootstrap_token(tokens, path, "admin")  # valid: kept
+    assert bootstrap_token(tokens, path, "admin") == "kept"
     tokens.revoke(tokens.authenticate(first).id)
-    assert bootstrap_token(tokens, path, "admin") and path.read_text().strip() != first
+    assert bootstrap_token(tokens, path, "admin") == "written" and path.read_text().strip() != first
+
+
+def test_a_token_the_operator_chose_is_adopted_from_a_read_only_file(secure, tmp_path):
+    tokens, path = secure.app.state.tokens, tmp_path / "worker.token"
+    chosen = "kvs_" + "A" * 43
+    path.write_text(chosen + "\n")
+    path.chmod(0o400)
+    assert tokens.authenticate(chosen) is None
+    assert bootstrap_token(tokens, path, "worker") == "adopted"
+    assert tokens.authenticate(chosen).scopes == {"worker"} and path.read_text().strip() == chosen
+    assert bootstrap_token(tokens, path, "worker") == "kept"
+    tokens.revoke(tokens.authenticate(chosen).id)  # a revoked token is never adopted again
+    path.chmod(0o600)
+    assert bootstrap_token(tokens, path, "worker") == "written" and path.read_text().strip() != chosen
+    assert tokens.authenticate(chosen) is None
+    path.write_text("kvs_short\n")  # not a token: replaced
+    assert bootstrap_token(tokens, path, "worker") == "written"

@@ -201,14 +201,6 @@ def test_lookup_under_another_namespace_finds_nothing(stack):
     assert stack.client.lookup_tokens(stack.namespace_id, list(range(11))).hit_tokens == 8
 
 
-def test_a_token_lookup_in_a_namespace_hashed_by_its_engine_is_refused_not_a_false_miss(stack):
-    vllm_like = Namespace(**{**NS.to_dict(), "hash_scheme": "vllm-sha256-none:0123456789abcdef"})
-    ns_id = stack.client.register_namespace(vllm_like)
-    with pytest.raises(KVStoreError) as refused:
-        stack.client.lookup_tokens(ns_id, list(range(8)))
-    assert refused.value.kind == "invalid" and "POST /v1/lookup" in refused.value.message
-
-
 def test_unknown_namespace_and_bad_bodies_get_error_bodies(stack):
     answer = stack.http.post("/v1/lookup", json={"namespace_id": "0" * 16, "hashes": []})
     assert answer.status_code == 404 and answer.json()["error"] == "not_found"

@@ -38,8 +38,11 @@ def test_an_engine_killed_mid_load_gives_its_pins_back_and_others_still_load(sta
 
 def test_renewal_keeps_slow_transfers_alive_and_without_it_they_are_misses(stack):
     slow = str(2 * TTL_S)  # each transfer outlasts the TTL twice over
-    assert stack.engine("save", "--slow-s", slow, seed=1)["stored_tokens"] == FULL  # renewed reservation
-    assert stack.engine("save", "--slow-s", slow, "--no-renew", seed=2)["stored_tokens"] == 0  # expired
+    renewed = stack.engine("save", "--slow-s", slow, seed=1, wait=False)  # side by side: other prompts
+    unrenewed = stack.engine("save", "--slow-s", slow, "--no-renew", seed=2, wait=False)
+    assert renewed.wait(timeout=300) == 0 and unrenewed.wait(timeout=300) == 0
+    assert stack.result("save", 1)["stored_tokens"] == FULL  # renewed reservation
+    assert stack.result("save", 2)["stored_tokens"] == 0  # expired
     stack.settled()
     kept = stack.engine("load", "--slow-s", slow, seed=1)
     assert kept["loaded_tokens"] == FULL and kept["max_abs_diff"] <= 1e-4, kept

@@ -13,7 +13,6 @@ from collections import Counter
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
@@ -22,8 +21,9 @@ from kvstore.directory.auth import ROUTES
 from tests.stacks import directory_stack, make_settings
 
 RANDOM = bool(os.environ.get("KVSTORE_FUZZ_RANDOM"))  # explore new inputs instead of the fixed ones
-EXAMPLES = 40  # per operation and caller, bodies that follow the schema and bodies that break it
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+EXAMPLES = 25  # per operation and caller, bodies that follow the schema and bodies that break it
+# not_a_server_error is asserted in `run`: /readyz answers 503 when it cannot serve, as documented
+CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 CALLS: Counter = Counter()
 
 
@@ -55,6 +55,9 @@ def test_no_5xx_and_every_answer_follows_the_schema(fuzzed, caller):
         def run(case) -> None:
             response = case.call_and_validate(base_url=fuzzed.url, headers=headers, checks=CHECKS)
             CALLS[(case.method, case.path, caller, response.status_code)] += 1
+            unready = case.path == "/readyz" and response.status_code == 503 and \
+                response.json()["error"] == "unavailable"
+            assert response.status_code < 500 or unready, (case.method, case.path, response.text)
             if caller == "nobody" and case.path not in ("/healthz", "/readyz"):
                 assert response.status_code == 401, (case.method, case.path, response.text)
         run()

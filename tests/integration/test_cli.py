@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 
+import httpx
 import torch
 
 from kvstore.connector import KVStoreClient, Namespace
@@ -39,6 +40,15 @@ def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
         assert tiers["dram"]["capacity_bytes"] == 8 << 20 and tiers["dram"]["used_bytes"] == 10 * 16384
         table = cli("tiers", "--url", url).stdout
         assert "dram" in table and "8.0 MiB" in table
+        prompt = ",".join(map(str, range(170)))  # 10 full blocks and 10 tokens
+        assert cli("lookup", NS.namespace_id, prompt, "--url", url).stdout.split() [:6] == [
+            "160", "of", "170", "tokens", "stored:", "10"]
+        inspected = json.loads(cli("inspect", NS.namespace_id, prompt, "--url", url, "--output", "json").stdout)
+        assert [b["stored"] for b in inspected["blocks"]] == [True] * 10
+        assert {(r["worker"], r["tier"], r["state"], r["pins"]) for b in inspected["blocks"] for r in b["replicas"]} \
+            == {("worker-0", "dram", "ready", 0)}
+        other = cli("inspect", NS.namespace_id, "9,8,7,6,5,4,3,2,1,0,1,2,3,4,5,6", "--url", url)
+        assert "not stored" in other.stdout and other.returncode == 0
 
         dry = cli("evict", "--tier", "dram", "--bytes", "40KiB", "--dry-run", "--url", url)
         assert dry.returncode == 0 and "would move 3 blocks" in dry.stdout
@@ -58,6 +68,31 @@ def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
 
         workers = json.loads(cli("workers", "--url", url, "--output", "json").stdout)
         assert [(w["name"], w["state"], w["epoch"]) for w in workers] == [("worker-0", "active", 1)]
+        # the worker counted its moves: 10 blocks dram -> nvme, then 10 dropped at the bottom (no move)
+        scraped = httpx.get(workers[0]["control_url"] + "/metrics").text
+        assert 'kvstore_worker_moves_total{result="ok",route="dram_nvme"} 10.0' in scraped
+        assert f'kvstore_worker_moved_bytes_total{{route="dram_nvme"}} {10.0 * NS.block_nbytes}' in scraped
+        assert 'kvstore_worker_tier_capacity_bytes{tier="nvme"}' in scraped
+
+        with KVStoreClient(url, NS, staging_bytes=1 << 20) as client:
+            assert client.save(list(range(160)), kv) == 160
+        refused = cli("flush", "--namespace", NS.namespace_id, "--url", url)
+        assert refused.returncode == 1 and "--yes" in refused.stderr
+        planned = json.loads(cli("flush", "--namespace", NS.namespace_id, "--dry-run", "--output", "json", "--url",
+                                 url).stdout)
+        assert (planned["dry_run"], planned["replicas"], planned["bytes"]) == (True, 10, 10 * 16384)
+        flushed = cli("flush", "--namespace", NS.namespace_id, "--yes", "--url", url)
+        assert f"namespace {NS.namespace_id}: 10 replicas (160.0 KiB) deleted" in flushed.stdout, flushed.stderr
+        with KVStoreClient(url, NS, staging_bytes=1 << 20) as client:
+            assert client.lookup(list(range(160))) == 0
+        unknown = cli("flush", "--namespace", "0" * 16, "--yes", "--url", url)
+        assert unknown.returncode == 1 and "no namespace" in unknown.stderr
+
+        info = json.loads(cli("info", "--url", url, "--output", "json").stdout)
+        assert info["directory"]["status"] == "ready" and info["packages"]["nixl-cu12"]
+        assert {"UCX", "POSIX"} <= set(info["nixl"]["plugins"]) and info["nixl"]["loads"]["UCX"] is True
+        stats = json.loads(cli("stats", "--url", url, "--output", "json").stdout)
+        assert (stats["blocks"], stats["pins"], stats["leases_active"]) == (0, 0, 0)
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0
@@ -68,7 +103,10 @@ def test_cli_errors_are_one_line_and_a_nonzero_exit():
                           (("evict", "--tier", "tape", "--all"), "--tier must be"),
                           (("tiers", "--url", "http://127.0.0.1:9"), "cannot reach"),
                           (("evict", "--tier", "dram", "--bytes", "lots", "--url", "http://127.0.0.1:9"),
-                           "cannot read 'lots'")):
+                           "cannot read 'lots'"),
+                          (("inspect", "0" * 16, "1,2", "--hashes", "ab"), "not both"),
+                          (("lookup", "0" * 16, "1,two"), "comma-separated integers"),
+                          (("inspect", "0" * 16, "--hashes", "zz[red]"), "hashes.0: String should match pattern")):
         result = cli(*args)
         assert result.returncode == 1, args
         assert message in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
@@ -76,7 +114,11 @@ def test_cli_errors_are_one_line_and_a_nonzero_exit():
 
 
 def test_an_unknown_output_format_is_refused_before_anything_runs():
-    for command in (("tiers",), ("workers",), ("tokens", "list"), ("namespaces",)):
-        result = cli(*command, "--output", "yaml", "--url", "http://127.0.0.1:9")
+    for command in (("tiers",), ("workers",), ("tokens", "list"), ("namespaces",), ("stats",), ("info",),
+                    ("lookup", "x", "1"), ("inspect", "x", "1"), ("flush", "--namespace", "x"), ("tokens", "revoke", "x"),
+                    ("evict", "--tier", "dram", "--all"), ("write-through", "x"), ("workers", "drain", "w"),
+                    ("db", "upgrade"), ("config", "show")):
+        remote = command[0] not in ("db", "config")  # those two call no directory
+        result = cli(*command, "--output", "yaml", *(("--url", "http://127.0.0.1:9") if remote else ()))
         assert result.returncode == 2 and "'yaml' is not one of" in result.stderr, (command, result.stderr)
     assert cli("--version").stdout.startswith("kvstore ")

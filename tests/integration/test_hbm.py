@@ -28,7 +28,7 @@ def gpu_stack(tmp_path, *worker_args: str):
                       tmp_path / "directory.log")
     worker = None
     try:
-        wait_http(url + "/readyz", proc=directory)
+        wait_http(url + "/readyz?workers=0", proc=directory)
         worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "gpu0", "--page-bytes",
                                    "16KiB", "--hbm-bytes", "64MiB", "--dram-bytes", "64MiB", *worker_args),
                        tmp_path / "worker.log")

@@ -34,7 +34,7 @@ def start(tmp_path, s3: MotoServer, port: int, run: int):
     url = f"http://127.0.0.1:{port}"
     directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var")),
                       tmp_path / f"directory-{run}.log")
-    wait_http(url + "/readyz", proc=directory)
+    wait_http(url + "/readyz?workers=0", proc=directory)
     worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
                                "--dram-bytes", "2MiB", "--nvme-bytes", "2MiB", "--nvme-dir", str(tmp_path / "nvme"),
                                "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url, "--s3-prefix", "test"),
@@ -125,7 +125,7 @@ def test_write_through_keeps_a_namespace_durable_without_pressure(tmp_path, s3):
     def start_plain(run: int):
         directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir",
                                       str(tmp_path / "var")), tmp_path / f"wt-directory-{run}.log")
-        wait_http(url + "/readyz", proc=directory)
+        wait_http(url + "/readyz?workers=0", proc=directory)
         worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--dram-bytes",
                                    "64MiB", "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url, "--s3-prefix", "wt"),
                        tmp_path / f"wt-worker-{run}.log")
@@ -169,7 +169,7 @@ def test_a_dram_tier_the_size_of_one_prompt_stores_and_loads_every_prompt_whole(
                                   "--admission", "always"), tmp_path / "directory.log")
     procs = [directory]
     try:
-        wait_http(url + "/readyz", proc=directory)
+        wait_http(url + "/readyz?workers=0", proc=directory)
         procs.insert(0, spawn(kvstore_cmd(
             "worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
             "--dram-bytes", f"{(BLOCKS + 3) * 16}KiB", "--nvme-bytes", f"{3 * BLOCKS * 16}KiB",

@@ -123,7 +123,7 @@ def test_tls_tokens_and_tenants_end_to_end(tmp_path):
 
 def _ready(url: str, ca: str) -> bool:
     try:
-        return DirectoryClient(url, ca_file=ca).call_raw("GET", "/readyz")["status"] == "ready"
+        return DirectoryClient(url, ca_file=ca).call_raw("GET", "/readyz?workers=0")["status"] == "ready"
     except KVStoreError:
         return False
 

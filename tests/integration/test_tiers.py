@@ -21,7 +21,7 @@ def start(tmp_path, port: int, run: int):
     url = f"http://127.0.0.1:{port}"
     directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var")),
                       tmp_path / f"directory-{run}.log")
-    wait_http(url + "/readyz", proc=directory)
+    wait_http(url + "/readyz?workers=0", proc=directory)
     worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
                                "--dram-bytes", "2MiB", "--nvme-bytes", "16MiB",
                                "--nvme-dir", str(tmp_path / "nvme")), tmp_path / f"worker-{run}.log")

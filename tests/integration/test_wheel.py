@@ -74,7 +74,7 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     directory = _serve(tmp_path, "directory.log", cli, "directory", "serve", "--insecure-no-auth", "--port", port,
                        "--data-dir", tmp_path / "dir-only")
     try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc=directory)  # migrations ran from the wheel
+        wait_http(f"http://127.0.0.1:{port}/readyz?workers=0", proc=directory)  # migrations ran from the wheel
     finally:
         stop(directory)
 

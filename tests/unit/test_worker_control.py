@@ -106,3 +106,29 @@ def test_only_the_holder_of_the_workers_secret_is_served():
         assert status == 200
     finally:
         server.stop()
+
+
+def test_metrics_are_served_only_when_open_or_to_the_metrics_token():
+    import httpx
+
+    secret, scrape = "s" * 43, "m" * 32
+    closed = ControlServer({"dram": PageAllocator(8, 128)}, secret=secret, metrics_token=scrape)
+    opened = ControlServer({"dram": PageAllocator(8, 128)}, secret=secret, open_metrics=True)
+    for server in (closed, opened):
+        server.start()
+    try:
+        for header in ({}, {"authorization": "Bearer " + "m" * 31}, {"authorization": scrape}):
+            answer = httpx.get(closed.url + "/metrics", headers=header)
+            assert answer.status_code == 401 and answer.json()["error"] == "unauthorized", header
+        closed.allocators["dram"].allocate("t", 3 * 128)
+        for header in ({"authorization": f"Bearer {scrape}"}, {"authorization": f"Bearer {secret}"}):
+            answer = httpx.get(closed.url + "/metrics", headers=header)
+            assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+            assert 'kvstore_worker_tier_held_bytes{tier="dram"} 384.0' in answer.text
+            assert 'kvstore_worker_tier_capacity_bytes{tier="dram"} 1024.0' in answer.text
+        text = httpx.get(closed.url + "/metrics", headers={"authorization": f"Bearer {scrape}"}).text
+        assert 'kvstore_worker_control_requests_total{path="/metrics",status="401"} 3.0' in text
+        assert httpx.get(opened.url + "/metrics").status_code == 200  # no credential needed
+    finally:
+        for server in (closed, opened):
+            server.stop()

@@ -1,0 +1,36 @@
+"""docs/metrics.md and docs/configuration.md say what the code exports and reads."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts/gen_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_generated_docs_match_the_code():
+    gen = _generator()
+    for name, render in gen.FILES.items():
+        assert (ROOT / "docs" / name).read_text() == render(), f"docs/{name} is stale: python scripts/gen_docs.py"
+
+
+def test_every_metric_and_setting_is_in_them():
+    from kvstore.directory.settings import DirectorySettings
+    from kvstore.worker.metrics import WorkerMetrics
+    from kvstore.worker.settings import WorkerSettings
+
+    gen = _generator()
+    metrics, configuration = gen.metrics_md(), gen.configuration_md()
+    for family in WorkerMetrics().registry.collect():
+        assert f"`{family.name}" in metrics, family.name
+    assert "`kvstore_pins`" in metrics and "`kvstore_request_seconds_bucket" in metrics
+    for cls, prefix in ((DirectorySettings, "KVSTORE_"), (WorkerSettings, "KVSTORE_WORKER_")):
+        for name in cls.model_fields:
+            assert f"`{prefix}{name.upper()}`" in configuration, name
