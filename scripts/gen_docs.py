@@ -103,7 +103,7 @@ def configuration_md() -> str:
         "| `KVSTORE_CA_FILE` | `--ca-file` | CA bundle for an `https` directory |\n"
         "| `KVSTORE_CONFIG` | `--config` | the TOML file above |\n"
         "| `KVSTORE_DATABASE_URL` | `--database-url` | `kvstore db upgrade`'s database |\n"
-        "| `PYTHONHASHSEED` | `--hash-seed` | `lookup`/`inspect` in vLLM namespaces: the engines' seed |\n")
+        "| `KVSTORE_HASH_SEED` | `--hash-seed` | `lookup`/`inspect` in vLLM namespaces: the engines' PYTHONHASHSEED |\n")
 
 
 FILES = {"metrics.md": metrics_md, "configuration.md": configuration_md}

@@ -17,7 +17,8 @@ from rich.text import Text
 from kvstore.client import DirectoryClient
 from kvstore.core.errors import KVStoreError
 
-Url = Annotated[str, typer.Option(envvar="KVSTORE_URL", help="directory URL")]
+Url = Annotated[str, typer.Option(envvar="KVSTORE_URL", help="directory URL; several, comma-separated, are "
+                                  "tried in turn")]
 Token = Annotated[str | None, typer.Option(envvar="KVSTORE_TOKEN", show_envvar=True,
                                            help="bearer token (admin, or read for listings)")]
 CaFile = Annotated[str | None, typer.Option(envvar="KVSTORE_CA_FILE", help="CA bundle for an https directory")]
@@ -30,7 +31,7 @@ class Format(str, Enum):
 
 Output = Annotated[Format, typer.Option(help="table or json", case_sensitive=False)]
 DEFAULT_URL = "http://127.0.0.1:8700"
-console = Console()
+console = Console(markup=False)  # names, tenants and messages come from users: never markup
 
 
 def emit(output: Format, data, table: Callable[[], object] | None = None, text: str | None = None) -> None:

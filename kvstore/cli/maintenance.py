@@ -24,7 +24,7 @@ def _confirm(question: str, yes: bool) -> bool:
         return True
     if not sys.stdin.isatty():
         raise KVStoreError("invalid", f"{question} Add --yes to do it without a prompt")
-    return typer.confirm(question)
+    return typer.confirm(question, err=True)  # stdout carries only the answer (--output json)
 
 
 @one_line_errors

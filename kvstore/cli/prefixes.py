@@ -13,7 +13,7 @@ from kvstore.core.inspection import InspectRequest
 from kvstore.core.sizes import format_size
 
 TokenIds = Annotated[str | None, typer.Argument(help="comma-separated token ids of the prompt")]
-HashSeed = Annotated[str | None, typer.Option(envvar="PYTHONHASHSEED", help="vLLM namespaces: the engines' "
+HashSeed = Annotated[str | None, typer.Option(envvar="KVSTORE_HASH_SEED", help="vLLM namespaces: the engines' "
                                               "PYTHONHASHSEED, if they set one")]
 
 

@@ -47,7 +47,7 @@ DIRECTORY_FLAGS = {
 WORKER_FLAGS = {name: name for name in (
     "directory_url", "name", "host", "port", "dram_bytes", "page_bytes", "hbm_bytes", "hbm_device", "nvme_bytes",
     "nvme_dir", "posix_queue", "gds", "s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "s3_virtual_addressing",
-    "bounce_bytes", "token", "ca_file", "tls_cert", "tls_key", "open_metrics", "metrics_token")}
+    "bounce_bytes", "token", "ca_file", "tls_cert", "tls_key", "open_metrics", "metrics_token", "advertise_host")}
 
 
 def settings_from(cls, flags: dict, names: dict):
@@ -166,20 +166,22 @@ def directory_serve(
 
 
 def bootstrap_token(tokens, path: Path, scope: str) -> str:
-    """Keep the token in `path` if the directory knows it ("kept"); adopt a well-formed token it has
-    never seen, so that an operator may choose it (a Kubernetes Secret: the file may be read-only)
-    ("adopted"); else create one of `scope` and write it there, readable by its owner only ("written")."""
-    import re
-
-    from kvstore.core.credentials import TOKEN_PATTERN, TokenCreate
+    """Keep the token in `path` if the directory knows it ("kept"); adopt a token it has never seen
+    when an operator chose it ("adopted": well formed, random-looking, in a file only its owner,
+    root or this user, may change, e.g. a Kubernetes Secret, which may be read-only); else create
+    one of `scope` and write it there, readable by its owner only ("written")."""
+    from kvstore.core.credentials import TokenCreate
 
     request = TokenCreate(name=f"bootstrap {scope}", scopes=[scope])
     if path.exists():
-        held = path.read_text().strip()
+        try:
+            held = path.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KVStoreError("invalid", f"cannot read the token file {path}: {exc}") from None
         known = tokens.authenticate(held)
         if known is not None and scope in known.scopes:
             return "kept"
-        if known is None and re.fullmatch(TOKEN_PATTERN, held) and tokens.create(request, secret=held):
+        if known is None and adoptable(path, held) and tokens.create(request, secret=held):
             return "adopted"
     fresh = path.with_name(f".{path.name}.{os.getpid()}")
     try:
@@ -190,11 +192,29 @@ def bootstrap_token(tokens, path: Path, scope: str) -> str:
         raise KVStoreError("invalid", f"{path} holds no valid {scope} token and a new one cannot be written "
                            f"there ({exc.strerror}): put a token in it (kvs_ and 43 URL-safe base64 characters) "
                            "or make its directory writable") from None
-    created = tokens.create(request)
-    with os.fdopen(fd, "w") as f:
-        f.write(created.token + "\n")
-    os.replace(fresh, path)  # a link at `path` is replaced, never followed
+    try:
+        created = tokens.create(request)
+        with os.fdopen(fd, "w") as f:
+            f.write(created.token + "\n")
+        os.replace(fresh, path)  # a link at `path` is replaced, never followed
+    except BaseException:
+        fresh.unlink(missing_ok=True)
+        raise
     return "written"
+
+
+def adoptable(path: Path, token: str) -> bool:
+    """A token an operator put there: well formed, not a pattern a person typed (at least 16
+    different characters; 43 random ones have about 30), in a file (the link's target) that no
+    group or other user may change, owned by root or by this user."""
+    import re
+
+    from kvstore.core.credentials import TOKEN_PATTERN
+
+    if not re.fullmatch(TOKEN_PATTERN, token) or len(set(token[4:])) < 16:
+        return False
+    info = path.resolve().stat()
+    return info.st_mode & 0o022 == 0 and info.st_uid in (0, os.getuid())
 
 
 @worker_app.command("serve")
@@ -202,7 +222,9 @@ def worker_serve(
         config: Config = None,
         directory_url: Annotated[str | None, typer.Option(help="directory URL [http://127.0.0.1:8700]")] = None,
         name: Annotated[str | None, typer.Option(help="worker name [worker-HOSTNAME]")] = None,
-        host: Annotated[str | None, typer.Option(help="address of the control endpoint [127.0.0.1]")] = None,
+        host: Annotated[str | None, typer.Option(help="address the control endpoint binds [127.0.0.1]")] = None,
+        advertise_host: Annotated[str | None, typer.Option(help="address the directory calls this worker at, "
+                                                           "if not --host (needed with --host 0.0.0.0)")] = None,
         port: Annotated[int | None, typer.Option(help="control port; 0 = any [0]")] = None,
         dram_bytes: Annotated[str | None, typer.Option(help="DRAM arena [512MiB]")] = None,
         page_bytes: Annotated[str | None, typer.Option(help="page size of every tier [64KiB]")] = None,

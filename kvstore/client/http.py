@@ -4,6 +4,11 @@ The hot calls (lookup, prepare/complete of saves and loads) are a few hundred mi
 directory work, so the client must cost less than that: standard-library connections kept open
 per calling thread, Nagle off, and no per-request URL or header machinery. (An httpx client
 added about 0.3 ms to every call.)
+
+Several servers: `JsonHttp("http://a:8700,http://b:8700")` sends each call to the server that
+answered last; one it cannot reach, or that answers 500 or 503, is skipped for a while (1 s,
+doubling to 30 s while it keeps failing) and the call goes to the next. Only when every server
+fails does the caller see the error.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -24,13 +30,20 @@ from kvstore.core.errors import KVStoreError
 
 M = TypeVar("M", bound=BaseModel)
 JSON = {"content-type": "application/json"}
-MAX_IDLE = 16  # connections kept open per client
+MAX_IDLE = 16  # connections kept open per client and server
+CONNECT_TIMEOUT_S = 3.0  # with several servers, a host that does not answer costs this, not the read timeout
+FAILOVER_STATUSES = (500, 503)  # the server cannot answer now; another one may (502 is a worker's failure)
+BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 
 
 class _NoDelay:
+    read_timeout: float | None = None  # once connected (the connect itself uses `timeout`)
+
     def connect(self) -> None:
         super().connect()
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers and body are two writes
+        if self.read_timeout is not None:
+            self.sock.settimeout(self.read_timeout)
 
 
 class _Connection(_NoDelay, http.client.HTTPConnection):
@@ -59,26 +72,44 @@ def tls_context(ca_file: str | None) -> ssl.SSLContext:
         raise KVStoreError("invalid", f"cannot read the CA file {ca_file!r}: {exc}") from None
 
 
+class _Server:
+    """One server's address, idle connections and back-off."""
+
+    def __init__(self, url: str, ca_file: str | None) -> None:
+        self.url = url.strip().rstrip("/")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise KVStoreError("invalid", f"not an http(s) URL: {url.strip()!r}")
+        if parts.scheme == "https":
+            self.connection_class = functools.partial(_HttpsConnection, context=tls_context(ca_file))
+        else:
+            self.connection_class = _Connection
+        self.host, self.port, self.prefix = parts.hostname, parts.port, parts.path
+        self.idle: list[http.client.HTTPConnection] = []
+        self.skip_until = 0.0  # monotonic time before which calls go elsewhere
+        self.backoff_s = 0.0
+
+
 class JsonHttp:
-    """`token` goes in every request as a bearer credential; `ca_file` (else the system's CAs)
-    checks an https server's certificate."""
+    """`base_url`: one URL, or several separated by commas (tried in turn, see above). `token`
+    goes in every request as a bearer credential; `ca_file` (else the system's CAs) checks an
+    https server's certificate."""
 
     def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None,
                  ca_file: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        parts = urlsplit(self.base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        urls = [u for u in base_url.split(",") if u.strip()]
+        if not urls:
             raise KVStoreError("invalid", f"not an http(s) URL: {base_url!r}")
-        if parts.scheme == "https":
-            context = tls_context(ca_file)
-            self._connection_class = functools.partial(_HttpsConnection, context=context)
-        else:
-            self._connection_class = _Connection
-        self._host, self._port, self._prefix = parts.hostname, parts.port, parts.path
+        self._servers = [_Server(u, ca_file) for u in urls]
+        self._current = 0
         self.timeout_s = timeout_s
         self._headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+
+    @property
+    def base_url(self) -> str:
+        """The server calls go to now."""
+        return self._servers[self._current].url
 
     def call(self, method: str, path: str, body: BaseModel | None, answer: type[M],
              timeout_s: float | None = None) -> M:
@@ -95,23 +126,55 @@ class JsonHttp:
             content, headers = json.dumps(body).encode(), {**self._headers, **JSON}
         else:
             content, headers = None, self._headers
-        status, payload = self._exchange(method, self._prefix + path, content, headers, timeout_s or self.timeout_s)
-        if 200 <= status < 300:
-            return payload
-        try:
-            error = json.loads(payload)
-        except ValueError:
-            error = None
-        if isinstance(error, dict) and "error" in error:
-            raise KVStoreError.from_body(error)
-        raise KVStoreError("internal", f"HTTP {status} from {self.base_url}{path}",
-                           body=payload[:500].decode(errors="replace"))
+        failure: KVStoreError | None = None
+        for index in self._order():
+            server = self._servers[index]
+            try:
+                status, payload = self._exchange(server, method, server.prefix + path, content, headers,
+                                                 timeout_s or self.timeout_s)
+            except KVStoreError as exc:  # unreachable
+                failure = exc
+                self._failed(server)
+                continue
+            if 200 <= status < 300:
+                self._answered(index)
+                return payload
+            error = _error(status, payload, server.url + path)
+            if status in FAILOVER_STATUSES and len(self._servers) > 1:
+                failure = error
+                self._failed(server)
+                continue
+            self._answered(index)
+            raise error
+        raise failure
 
-    def _exchange(self, method: str, path: str, content: bytes | None, headers: dict[str, str],
+    def _order(self) -> list[int]:
+        """The server that answered last, then the others; those backing off go last."""
+        now = time.monotonic()
+        n = len(self._servers)
+        ring = [(self._current + k) % n for k in range(n)]
+        return [i for i in ring if self._servers[i].skip_until <= now] + \
+            [i for i in ring if self._servers[i].skip_until > now]
+
+    def _failed(self, server: _Server) -> None:
+        if len(self._servers) == 1:
+            return
+        with self._lock:
+            server.backoff_s = min(MAX_BACKOFF_S, server.backoff_s * 2 or BACKOFF_S)
+            server.skip_until = time.monotonic() + server.backoff_s
+
+    def _answered(self, index: int) -> None:
+        server = self._servers[index]
+        if server.backoff_s or index != self._current:
+            with self._lock:
+                server.backoff_s, server.skip_until = 0.0, 0.0
+                self._current = index
+
+    def _exchange(self, server: _Server, method: str, path: str, content: bytes | None, headers: dict[str, str],
                   timeout_s: float) -> tuple[int, bytes]:
         """One request and its whole response. A reused connection that fails before any answer
         arrived (the server closed it while idle) is retried once on a new connection."""
-        conn, reused = self._checkout(timeout_s)
+        conn, reused = self._checkout(server, timeout_s)
         try:
             while True:
                 try:
@@ -122,45 +185,63 @@ class JsonHttp:
                 except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
                     conn.close()
                     if not reused:
-                        raise self._unreachable(path, exc) from None
+                        raise _unreachable(server, path, exc) from None
                     reused = False
+                    conn.timeout, conn.read_timeout = self._connect_timeout(timeout_s), timeout_s
                 except (OSError, http.client.HTTPException) as exc:
                     conn.close()
-                    raise self._unreachable(path, exc) from None
+                    raise _unreachable(server, path, exc) from None
         except BaseException:
             conn.close()
             raise
         if response.will_close:
             conn.close()
-        self._checkin(conn)
+        self._checkin(server, conn)
         return response.status, payload
 
-    def _unreachable(self, path: str, exc: Exception) -> KVStoreError:
-        reason = str(exc) or type(exc).__name__
-        return KVStoreError("unavailable", f"cannot reach {self.base_url}: {reason}", url=self.base_url + path)
+    def _connect_timeout(self, timeout_s: float) -> float:
+        return min(timeout_s, CONNECT_TIMEOUT_S) if len(self._servers) > 1 else timeout_s
 
-    def _checkout(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+    def _checkout(self, server: _Server, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
-            conn = self._idle.pop() if self._idle else None
+            conn = server.idle.pop() if server.idle else None
         if conn is not None and _closed_by_peer(conn):
             conn.close()
         if conn is None:
-            conn = self._connection_class(self._host, self._port, timeout=timeout_s)
+            conn = server.connection_class(server.host, server.port, timeout=self._connect_timeout(timeout_s))
+            conn.read_timeout = timeout_s
         if conn.sock is not None:
             conn.sock.settimeout(timeout_s)
             return conn, True
-        conn.timeout = timeout_s
+        conn.timeout, conn.read_timeout = self._connect_timeout(timeout_s), timeout_s
         return conn, False
 
-    def _checkin(self, conn: http.client.HTTPConnection) -> None:
+    def _checkin(self, server: _Server, conn: http.client.HTTPConnection) -> None:
         with self._lock:
-            if len(self._idle) < MAX_IDLE:
-                self._idle.append(conn)
+            if len(server.idle) < MAX_IDLE:
+                server.idle.append(conn)
                 return
         conn.close()
 
     def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        for server in self._servers:
+            with self._lock:
+                idle, server.idle = server.idle, []
+            for conn in idle:
+                conn.close()
+
+
+def _unreachable(server: _Server, path: str, exc: Exception) -> KVStoreError:
+    reason = str(exc) or type(exc).__name__
+    return KVStoreError("unavailable", f"cannot reach {server.url}: {reason}", url=server.url + path)
+
+
+def _error(status: int, payload: bytes, url: str) -> KVStoreError:
+    """The server's error body as a KVStoreError (or a generic one for a body that is not ours)."""
+    try:
+        error = json.loads(payload)
+    except ValueError:
+        error = None
+    if isinstance(error, dict) and "error" in error:
+        return KVStoreError.from_body(error)
+    return KVStoreError("internal", f"HTTP {status} from {url}", body=payload[:500].decode(errors="replace"))

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # while the event loop answers lookups; Python's default, 5 ms, starves them under a lookup load.
 GIL_SWITCH_S = 0.002
 TOKENS_RELOAD_S = 5.0
+READY_CACHE_S = 1.0  # /readyz reads the database at most this often
 
 
 class NamespaceBody(BaseModel):
@@ -96,6 +97,29 @@ def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
     return app
 
 
+class _Readiness:
+    """Whether the database answers, asked at most once per READY_CACHE_S however many probes ask:
+    /readyz is open to anyone and must not become a way to load the database."""
+
+    def __init__(self, service: DirectoryService) -> None:
+        self._service = service
+        self._lock = threading.Lock()
+        self._at, self._failure = -READY_CACHE_S, ""
+
+    def database(self) -> str:
+        """"" when the database answered, else why not."""
+        with self._lock:  # one query at a time; the others wait for it and share its answer
+            if time.monotonic() - self._at >= READY_CACHE_S:
+                try:
+                    self._service.ping_database()
+                    self._failure = ""
+                except Exception as exc:  # noqa: BLE001 (any database failure makes the directory unready)
+                    log.warning("readyz: the database does not answer: %s", exc)
+                    self._failure = type(exc).__name__
+                self._at = time.monotonic()
+            return self._failure
+
+
 def _unready(reason: str, **context) -> JSONResponse:
     return JSONResponse(KVStoreError("unavailable", reason, **context).to_body(), status_code=503)
 
@@ -158,6 +182,8 @@ def _routes(service: DirectoryService) -> APIRouter:
     def healthz() -> dict:
         return {"status": "ok"}
 
+    readiness = _Readiness(service)
+
     @r.get("/readyz")
     def readyz(workers: int = Query(1, ge=0, le=1_000_000, description="live workers needed; 0: only the "
                                     "index and the database")) -> Response:
@@ -165,11 +191,10 @@ def _routes(service: DirectoryService) -> APIRouter:
         `workers` workers are live; 503 with the reason otherwise."""
         if not service.index.ready:
             return _unready("building the lookup index")
-        try:
-            live = service.live_workers()
-        except Exception as exc:  # noqa: BLE001 (any database failure makes the directory unready)
-            log.warning("readyz: the database does not answer: %s", exc)
-            return _unready(f"the database does not answer ({type(exc).__name__})")
+        failure = readiness.database()
+        if failure:
+            return _unready(f"the database does not answer ({failure})")
+        live = service.membership.live_count()
         if live < workers:
             return _unready(f"{live} live workers, {workers} needed", live_workers=live)
         return JSONResponse({"status": "ready", "indexed_blocks": service.index.num_blocks, "live_workers": live})

@@ -22,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from sqlalchemy.exc import IntegrityError
+
 from kvstore.core import credentials as specs
 from kvstore.core.credentials import ADMIN, ENGINE, READ, SCOPES, WORKER
 from kvstore.core.errors import KVStoreError
@@ -45,7 +47,7 @@ ROUTES: dict[tuple[str, str], frozenset[str]] = {
     ("PUT", "/v1/namespaces/{namespace_id}/policy"): _s(ADMIN),
     ("POST", "/v1/lookup"): _s(ENGINE),
     ("POST", "/v1/lookup/batch"): _s(ENGINE),
-    ("POST", "/v1/lookup/tokens"): _s(ENGINE, READ),  # operators' `kvstore lookup`
+    ("POST", "/v1/lookup/tokens"): _s(ENGINE),
     ("POST", "/v1/store/prepare"): _s(ENGINE),
     ("POST", "/v1/store/complete"): _s(ENGINE),
     ("POST", "/v1/store/abort"): _s(ENGINE),
@@ -63,7 +65,7 @@ ROUTES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/tiers"): _s(READ),
     ("GET", "/v1/admin/stats"): _s(READ),
     ("POST", "/v1/admin/evict"): _s(ADMIN),
-    ("POST", "/v1/admin/inspect"): _s(READ),
+    ("POST", "/v1/admin/inspect"): _s(ADMIN),  # what a tenant's prompts hold and when they were read
     ("POST", "/v1/admin/tokens"): _s(ADMIN),
     ("GET", "/v1/admin/tokens"): _s(ADMIN),
     ("POST", "/v1/admin/tokens/{token_id}/revoke"): _s(ADMIN),
@@ -140,7 +142,10 @@ class Tokens:
                 return False
             tx.session.add(row)
             return True
-        if not self._write(job):
+        try:
+            if not self._write(job):
+                return None
+        except IntegrityError:  # another directory adopted the same token just now
             return None
         with self._lock:
             self._changes += 1

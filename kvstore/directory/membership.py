@@ -39,6 +39,7 @@ class Membership:
         self._pools = pools
         self._settings = settings
         self._clock = clock
+        self._beats: dict[str, float] = {}  # worker name -> when this directory last heard from it
 
     def register_worker(self, reg: specs.WorkerRegistration, owner: str = "") -> specs.Registered:
         try:
@@ -48,15 +49,25 @@ class Membership:
         kinds = [t.kind for t in reg.tiers]
         if len(set(kinds)) != len(kinds):
             raise KVStoreError("invalid", f"a worker has at most one tier of each kind, not {kinds}", worker=reg.name)
+        holder = self._write(lambda tx: self._holder(tx, reg.name, self._clock()))
+        if holder and holder != reg.control_url and self._calls.answers(holder):
+            raise KVStoreError("conflict", f"worker name {reg.name!r} is held by a live worker at {holder}, which "
+                               "still answers: give this worker another --name", worker=reg.name)
         worker_id, epoch = self._write(lambda tx: self._register(tx, reg, metadata, owner, self._clock()))
         self._calls.authorize(reg.control_url, reg.control_secret)
+        self._beats[reg.name] = self._clock()
         log.info("worker %s registered with epoch %d", reg.name, epoch)
         self.grant(worker_id)
         return specs.Registered(worker=reg.name, epoch=epoch, heartbeat_interval_s=self._settings.heartbeat_interval_s)
 
+    def _holder(self, tx: Tx, name: str, now: float) -> str | None:
+        """The control URL of the live worker that holds `name`, if one does."""
+        worker = repo.worker_by_name(tx.session, name)
+        return worker.control_url if worker is not None and self._alive(worker, now) else None
+
     def _register(self, tx: Tx, reg: specs.WorkerRegistration, metadata: bytes, owner: str,
                   now: float) -> tuple[int, int]:
-        if reg.control_url and any(w.owner != owner and w.name != reg.name and self.alive(w, now)
+        if reg.control_url and any(w.owner != owner and w.name != reg.name and self._alive(w, now)
                                    for w in tx.session.query(Worker).filter(Worker.control_url == reg.control_url)):
             raise KVStoreError("conflict", f"{reg.control_url} is the endpoint of a live worker registered with "
                                "another token", worker=reg.name)
@@ -64,7 +75,7 @@ class Membership:
         if worker is None:
             worker = Worker(name=reg.name, epoch=0, registered_at=now)
             tx.session.add(worker)
-        elif worker.owner != owner and self.alive(worker, now):
+        elif worker.owner != owner and self._alive(worker, now):
             raise KVStoreError("conflict", f"worker name {reg.name!r} is held by a live worker registered with "
                                "another token", worker=reg.name)
         worker.owner, worker.control_secret = owner, reg.control_secret
@@ -80,7 +91,7 @@ class Membership:
         self._reconcile(tx, worker, reg.inventory, now)
         return worker.id, worker.epoch
 
-    def alive(self, worker: Worker, now: float) -> bool:
+    def _alive(self, worker: Worker, now: float) -> bool:
         return worker.state != "dead" and now - worker.heartbeat_at <= self._settings.heartbeat_timeout_s
 
     def grant(self, worker_id: int) -> None:
@@ -201,6 +212,7 @@ class Membership:
                                    worker=name, epoch=epoch)  # a draining or drained worker keeps beating
             worker.heartbeat_at = self._clock()
         self._write(job)
+        self._beats[name] = self._clock()
 
     def deregister(self, name: str, epoch: int, owner: str = "") -> None:
         """A worker leaving cleanly: its memory tiers go with it, at once."""
@@ -211,6 +223,7 @@ class Membership:
             worker.state = "dead"
             self.drop_volatile(tx, worker)
         self._write(job)
+        self._beats.pop(name, None)
         log.info("worker %s (epoch %d) deregistered", name, epoch)
 
     def workers(self) -> list[specs.WorkerInfo]:
@@ -271,8 +284,15 @@ class Membership:
                 log.warning("worker %s missed heartbeats for %.1fs: dead", worker.name, now - worker.heartbeat_at)
                 worker.state = "dead"
                 self.drop_volatile(tx, worker)
+                self._beats.pop(worker.name, None)
                 dead += 1
         return dead
+
+    def live_count(self) -> int:
+        """Workers heard from (registration or heartbeat) within the heartbeat timeout by this
+        directory, without a read of the database: what /readyz counts."""
+        now = self._clock()
+        return sum(now - beat <= self._settings.heartbeat_timeout_s for beat in list(self._beats.values()))
 
 
 def _owned(worker: Worker | None, owner: str) -> Worker | None:

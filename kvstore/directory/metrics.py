@@ -90,6 +90,7 @@ class DirectoryMetrics:
         with self._render:  # two scrapes at once must not see each other's half-set series
             for name, gauge in self.gauges.items():
                 gauge.set(getattr(stats, name))
+            self.replicas_by_tier.clear()  # a tier whose last replica went shows no stale count
             for kind, count in stats.replicas_by_tier.items():
                 self.replicas_by_tier.labels(kind).set(count)
             for gauge in self._by_worker:

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 FREE_ITEMS_PER_CALL = 10_000  # a worker takes bodies of bounded size
 
 
+PROBE_S = 1.0  # a live worker answers /healthz within this
+
+
 class WorkerCalls:
     def __init__(self, timeout_s: float = 10.0, move_timeout_s: float = 300.0, ca_file: str | None = None) -> None:
         self._timeout_s = timeout_s
@@ -51,6 +54,17 @@ class WorkerCalls:
                 self._clients[url] = WorkerControlClient(url, timeout_s=self._timeout_s, token=self._secrets.get(url),
                                                          ca_file=self._ca_file)
             return self._clients[url]
+
+    def answers(self, url: str, timeout_s: float = PROBE_S) -> bool:
+        """Whether a worker's control endpoint answers /healthz now."""
+        probe = WorkerControlClient(url, timeout_s=timeout_s, ca_file=self._ca_file)
+        try:
+            probe.call_raw("GET", "/healthz")
+            return True
+        except KVStoreError:
+            return False
+        finally:
+            probe.close()
 
     def grant(self, url: str, kind: str, token: str, max_pages: int) -> list[specs.PageRun]:
         return self.client(url).grant(specs.GrantRequest(token=token, kind=kind, max_pages=max_pages)).runs

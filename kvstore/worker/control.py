@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -67,15 +68,20 @@ class _BoundedServer(ThreadingHTTPServer):
             self._slots.release()
 
 
+class _BoundedServer6(_BoundedServer):
+    address_family = socket.AF_INET6
+
+
 class ControlServer:
     def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0,
                  mover=None, on_free=None, object_tiers: dict | None = None, verifier=None,
                  max_connections: int = MAX_CONNECTIONS, secret: str | None = None,
                  tls: tuple[str, str] | None = None, metrics: WorkerMetrics | None = None,
-                 open_metrics: bool = False, metrics_token: str | None = None) -> None:
+                 open_metrics: bool = False, metrics_token: str | None = None, advertise: str | None = None) -> None:
         """`secret`: what every call must carry (None: no check, for tests in one process);
         `tls`: (certificate file, key file) to serve HTTPS; `metrics`: what GET /metrics serves, to
-        anyone with `open_metrics`, else to callers with `metrics_token` or the secret."""
+        anyone with `open_metrics`, else to callers with `metrics_token` or the secret; `advertise`:
+        the host in `url` when it is not the bound address."""
         self.allocators = allocators
         self.secret = secret
         self.metrics = metrics or WorkerMetrics()
@@ -86,7 +92,8 @@ class ControlServer:
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
         self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
         handler = type("Handler", (_Handler,), {"control": self})
-        self._server = _BoundedServer((host, port), handler, max_connections)
+        server_class = _BoundedServer6 if ":" in host else _BoundedServer  # an IPv6 address
+        self._server = server_class((host, port), handler, max_connections)
         self.scheme = "http"
         if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -96,11 +103,12 @@ class ControlServer:
                                                       do_handshake_on_connect=False)
             self.scheme = "https"
         self.host, self.port = self._server.server_address[:2]
+        self.advertised = advertise or self.host
         self._thread = threading.Thread(target=self._server.serve_forever, name="control", daemon=True)
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        host = f"[{self.advertised}]" if ":" in self.advertised else self.advertised  # an IPv6 address
         return f"{self.scheme}://{host}:{self.port}"
 
     def start(self) -> None:

@@ -47,6 +47,10 @@ class SourceCorrupt(str):
     """A move's error saying the source replica failed its checksum: that replica is bad."""
 
 
+class Refused(str):
+    """A move's error found before any byte moved: the request cannot be served here as it is."""
+
+
 BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
 
 
@@ -82,7 +86,7 @@ class Mover:
         errors: dict[int, str | None] = {}
         for i, item in enumerate(req.items):
             if item.dst_kind == "nvme" and self.nvme and not self.nvme.allocator.owns(item.dst_token, item.dst_runs):
-                errors[i] = "the destination pages are not held by this move's token (rolled back?)"
+                errors[i] = Refused("the destination pages are not held by this move's token (rolled back?)")
         by_route: dict[tuple[str, str], list[int]] = {}
         s3_down = self.s3.unreachable() if self.s3 and any("s3" in (i.src_kind, i.dst_kind) for i in req.items) \
             else None
@@ -113,11 +117,12 @@ class Mover:
         ordered = [errors[i] for i in range(len(req.items))]
         codes = ["ok" if e is None else "source_corrupt" if isinstance(e, SourceCorrupt) else "failed"
                  for e in ordered]
-        self._count(req.items, codes, [e is not None and e is s3_down for e in ordered])
+        self._count(req.items, codes, [e is not None and (e is s3_down or isinstance(e, Refused)) for e in ordered])
         return specs.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
 
     def _count(self, items: list[specs.MoveItem], codes: list[str], refused: list[bool]) -> None:
-        """Moves by route and result; checksum failures; S3 failures (refusals were counted already)."""
+        """Moves by route and result; checksum failures; failures of S3 itself (not refusals: an
+        unreachable S3 was counted already, a request this worker cannot serve is not S3's)."""
         m = self.metrics
         for item, code, was_refused in zip(items, codes, refused):
             route = f"{item.src_kind}_{item.dst_kind}"
@@ -175,7 +180,7 @@ class Mover:
     def _move_one(self, item: specs.MoveItem) -> str | None:
         route = (item.src_kind, item.dst_kind)
         if not self._can(route):
-            return f"this worker cannot move {item.src_kind} -> {item.dst_kind}"
+            return Refused(f"this worker cannot move {item.src_kind} -> {item.dst_kind}")
         return getattr(self, "_" + "_to_".join(route))(item)
 
     def _hbm_to_dram(self, item: specs.MoveItem) -> str | None:  # GPU path

@@ -74,7 +74,8 @@ class StorageWorker:
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
                                      on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {},
                                      verifier=self.mover.verify, secret=self.secret, tls=tls, metrics=self.metrics,
-                                     open_metrics=settings.open_metrics, metrics_token=settings.metrics_token)
+                                     open_metrics=settings.open_metrics, metrics_token=settings.metrics_token,
+                                     advertise=settings.advertise_host)
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0, token=settings.token,
                                          ca_file=settings.ca_file)
         self.epoch = 0

@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvstore.core import config
@@ -18,10 +18,14 @@ from kvstore.core.sizes import parse_size
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTORE_WORKER_", frozen=True)
 
-    directory_url: str = Field("http://127.0.0.1:8700", description="the directory this worker registers with")
+    directory_url: str = Field("http://127.0.0.1:8700", description="the directory this worker registers with "
+                               "(several URLs, comma-separated, are tried in turn)")
     name: str = Field(default_factory=lambda: f"worker-{socket.gethostname()}", min_length=1,
                       description="unique among the directory's workers")
-    host: str = Field("127.0.0.1", description="address of the control endpoint")
+    host: str = Field("127.0.0.1", description="address the control endpoint binds (and registers, unless "
+                      "advertise_host is set)")
+    advertise_host: str | None = Field(None, min_length=1, max_length=255, description="address the directory "
+                                       "calls this worker at, when it differs from host (host 0.0.0.0, NAT)")
     port: int = Field(0, ge=0, le=65535, description="control endpoint port; 0 = any free port")
     dram_bytes: int = Field(512 << 20, ge=1 << 20, description="DRAM arena size, allocated and registered once")
     page_bytes: int = Field(64 << 10, ge=4096, le=1 << 30, description="page size of every tier")
@@ -50,6 +54,13 @@ class WorkerSettings(BaseSettings):
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return config.sources(settings_cls, init_settings, env_settings, "worker")
+
+    @model_validator(mode="after")
+    def _reachable(self) -> "WorkerSettings":
+        if self.host in ("0.0.0.0", "::", "") and self.advertise_host is None:
+            raise ValueError(f"host {self.host!r} binds every address, but the directory needs one to call: "
+                             "add advertise_host (--advertise-host)")
+        return self
 
     @field_validator("dram_bytes", "page_bytes", "hbm_bytes", "nvme_bytes", "bounce_bytes", mode="before")
     @classmethod

@@ -235,8 +235,10 @@ def test_the_bootstrap_token_file_is_private_and_kept_while_valid(secure, tmp_pa
 
 
 def test_a_token_the_operator_chose_is_adopted_from_a_read_only_file(secure, tmp_path):
+    import secrets as random
+
     tokens, path = secure.app.state.tokens, tmp_path / "worker.token"
-    chosen = "kvs_" + "A" * 43
+    chosen = "kvs_" + random.token_urlsafe(32)
     path.write_text(chosen + "\n")
     path.chmod(0o400)
     assert tokens.authenticate(chosen) is None
@@ -247,5 +249,13 @@ def test_a_token_the_operator_chose_is_adopted_from_a_read_only_file(secure, tmp
     path.chmod(0o600)
     assert bootstrap_token(tokens, path, "worker") == "written" and path.read_text().strip() != chosen
     assert tokens.authenticate(chosen) is None
-    path.write_text("kvs_short\n")  # not a token: replaced
-    assert bootstrap_token(tokens, path, "worker") == "written"
+    for refused, mode in (("kvs_short", 0o600), ("kvs_" + "A" * 43, 0o600),  # malformed; typed, not drawn
+                          ("kvs_" + random.token_urlsafe(32), 0o620)):  # a file its group may change
+        path.write_text(refused + "\n")
+        path.chmod(mode)
+        assert bootstrap_token(tokens, path, "admin") == "written" and tokens.authenticate(refused) is None
+    path.unlink()
+    path.mkdir()  # not a file: one clear error
+    with pytest.raises(KVStoreError) as unreadable:
+        bootstrap_token(tokens, path, "admin")
+    assert unreadable.value.kind == "invalid" and "cannot read the token file" in unreadable.value.message

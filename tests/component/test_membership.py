@@ -1,9 +1,11 @@
-"""Directory restarts keep committed state; a worker that stops heartbeating is declared dead."""
+"""Directory restarts keep committed state; a worker that stops heartbeating is declared dead; a
+live worker's name is its own."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvstore.core.errors import KVStoreError
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
 from tests.stacks import directory_stack, make_settings
@@ -41,3 +43,25 @@ def test_a_restarted_directory_keeps_committed_blocks(database_url):
             assert s.client.workers()[0].epoch == 1
     finally:
         control.stop()
+
+
+def test_a_live_workers_name_is_refused_to_a_second_worker_and_freed_when_it_stops_answering(database_url):
+    first = ControlServer({"dram": PageAllocator(32, 128)})
+    second = ControlServer({"dram": PageAllocator(32, 128)})
+    for control in (first, second):
+        control.start()
+    try:
+        with directory_stack(make_settings(database_url, heartbeat_timeout_s=600), first) as s:
+            assert s.client.worker("w0").control_url == first.url
+            with pytest.raises(KVStoreError) as refused:  # same token, same name, another live endpoint
+                s.register_worker(control_url=second.url)
+            assert refused.value.kind == "conflict" and first.url in refused.value.message
+            assert s.register_worker(control_url=first.url).epoch == 2  # the holder itself, again: fine
+            first.stop()  # the holder died (its heartbeats would stop too, much later)
+            first = None
+            assert s.register_worker(control_url=second.url).epoch == 3
+            assert s.client.worker("w0").control_url == second.url
+    finally:
+        for control in (first, second):
+            if control is not None:
+                control.stop()

@@ -23,7 +23,7 @@ def s3_stack(tmp_path, monkeypatch):
     moto = MotoServer(tmp_path / "moto.log").start()
     moto.client().create_bucket(Bucket="kv-cache")
     stack = fault_stack(tmp_path, worker_args=["--s3-bucket", "kv-cache", "--s3-endpoint", moto.url,
-                                              "--s3-prefix", "outage"])
+                                              "--s3-prefix", "outage", "--open-metrics"])
     stack.start_directory()
     stack.start_worker()
     yield stack, moto
@@ -32,9 +32,13 @@ def s3_stack(tmp_path, monkeypatch):
 
 
 def move_failures(url: str) -> float:
+    return counted(url, "kvstore_move_failures_total{")
+
+
+def counted(url: str, prefix: str) -> float:
+    """The sum of the series whose line starts with `prefix` on a /metrics page."""
     text = httpx.get(url + "/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("kvstore_move_failures_total{"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def test_an_s3_outage_loses_nothing_and_demotion_resumes_when_it_is_back(s3_stack):
@@ -45,6 +49,10 @@ def test_an_s3_outage_loses_nothing_and_demotion_resumes_when_it_is_back(s3_stac
     assert outcome.demoted == 0 and outcome.dropped == 0
     assert stack.client.stats().replicas_by_tier == {"dram": BLOCKS}  # nothing left the upper tier
     assert move_failures(stack.url) >= BLOCKS
+    worker = stack.client.worker(stack.worker_name).control_url  # what the worker itself counted
+    assert counted(worker, 'kvstore_worker_s3_errors_total{reason="unreachable"}') >= BLOCKS
+    assert counted(worker, 'kvstore_worker_moves_total{result="failed",route="dram_s3"}') >= BLOCKS
+    assert counted(worker, 'kvstore_worker_moves_total{result="ok"') == 0
     assert "failed" in (stack.tmp / "directory.log").read_text()
     during = stack.engine("load", seed=1)
     assert during["loaded_tokens"] == FULL and during["max_abs_diff"] <= 1e-4, during
@@ -59,4 +67,7 @@ def test_an_s3_outage_loses_nothing_and_demotion_resumes_when_it_is_back(s3_stac
     assert "dram" not in stack.client.stats().replicas_by_tier
     after = stack.engine("load", seed=1)  # promoted back from S3
     assert after["loaded_tokens"] == FULL and after["max_abs_diff"] <= 1e-4, after
+    worker = stack.client.worker(stack.worker_name).control_url
+    assert counted(worker, 'kvstore_worker_moves_total{result="ok",route="dram_s3"}') == BLOCKS
+    assert counted(worker, 'kvstore_worker_moved_bytes_total{route="s3_dram"}') > 0
     stack.settled()

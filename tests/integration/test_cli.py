@@ -74,8 +74,10 @@ def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
         assert f'kvstore_worker_moved_bytes_total{{route="dram_nvme"}} {10.0 * NS.block_nbytes}' in scraped
         assert 'kvstore_worker_tier_capacity_bytes{tier="nvme"}' in scraped
 
-        with KVStoreClient(url, NS, staging_bytes=1 << 20) as client:
+        failover = f"http://127.0.0.1:{free_port()},{url}"  # a directory that is gone, then the live one
+        with KVStoreClient(failover, NS, staging_bytes=1 << 20) as client:
             assert client.save(list(range(160)), kv) == 160
+        assert json.loads(cli("stats", "--url", failover, "--output", "json").stdout)["blocks"] == 10
         refused = cli("flush", "--namespace", NS.namespace_id, "--url", url)
         assert refused.returncode == 1 and "--yes" in refused.stderr
         planned = json.loads(cli("flush", "--namespace", NS.namespace_id, "--dry-run", "--output", "json", "--url",

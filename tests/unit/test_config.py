@@ -41,7 +41,8 @@ SAMPLES = {
         "s3_virtual_addressing": (True, False, True), "bounce_bytes": (2 << 20, 3 << 20, 4 << 20),
         "token": ("t1", "t2", "t3"), "ca_file": ("/a.pem", "/b.pem", "/c.pem"),
         "tls_cert": (Path("/c1"), Path("/c2"), Path("/c3")), "tls_key": (Path("/k1"), Path("/k2"), Path("/k3")),
-        "open_metrics": (True, False, True), "metrics_token": ("m" * 16, "n" * 16, "o" * 16)},
+        "open_metrics": (True, False, True), "metrics_token": ("m" * 16, "n" * 16, "o" * 16),
+        "advertise_host": ("w1.example", "w2.example", "w3.example")},
 }
 CASES = [(DirectorySettings, "directory", "KVSTORE_", DIRECTORY_FLAGS, directory_app),
          (WorkerSettings, "worker", "KVSTORE_WORKER_", WORKER_FLAGS, worker_app)]

@@ -6,6 +6,7 @@ import json
 import socket
 import socketserver
 import threading
+import time
 
 import pytest
 
@@ -14,8 +15,9 @@ from kvstore.core.errors import KVStoreError
 
 
 class ScriptedServer(socketserver.ThreadingTCPServer):
-    """Answers each request by `script(n)` (n counts requests): "ok", "error", "close-after"
-    (answer, then close the connection without saying so) or "drop" (close without answering)."""
+    """Answers each request by `script(n)` (n counts requests): "ok", "error" (409), "unready"
+    (503), "worker-failed" (502), "close-after" (answer, then close the connection without saying
+    so) or "drop" (close without answering)."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -43,8 +45,11 @@ class Handler(socketserver.StreamRequestHandler):
             action = self.server.script(len(self.server.requests))
             if action == "drop":
                 return
-            status, payload = (200, {"echo": json.loads(body or b"null")}) if action != "error" else (
-                409, {"error": "conflict", "detail": "already there", "context": {"hash": "ab"}})
+            status, payload = {
+                "error": (409, {"error": "conflict", "detail": "already there", "context": {"hash": "ab"}}),
+                "unready": (503, {"error": "unavailable", "detail": "building the index", "context": {}}),
+                "worker-failed": (502, {"error": "transfer_failed", "detail": "a worker failed", "context": {}}),
+            }.get(action, (200, {"echo": json.loads(body or b"null")}))
             data = json.dumps(payload).encode()
             self.wfile.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: "
                              f"{len(data)}\r\n\r\n".encode() + data)
@@ -115,3 +120,55 @@ def test_unreachable_and_malformed_urls():
     with pytest.raises(KVStoreError) as info:
         JsonHttp("127.0.0.1:8000")
     assert info.value.kind == "invalid"
+
+
+def refused_url() -> tuple[socket.socket, str]:
+    """A URL whose connections are refused (bound, not listening) while the socket is kept."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s, f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_several_servers_a_dead_one_is_skipped_and_backed_off(serve, monkeypatch):
+    import kvstore.client.http as http_module
+
+    alive = serve(lambda n: "ok")
+    held, dead = refused_url()
+    client = JsonHttp(f"{dead}, {alive.url}", timeout_s=5)
+    assert client.base_url == dead
+    assert client.call_raw("POST", "/v1/x", {"i": 0}) == {"echo": {"i": 0}}
+    assert client.base_url == alive.url  # the next calls go there first
+    attempts = []
+    real = client._exchange
+    monkeypatch.setattr(client, "_exchange", lambda server, *a: attempts.append(server.url) or real(server, *a))
+    for i in range(3):
+        client.call_raw("POST", "/v1/x", {"i": i})
+    assert attempts == [alive.url] * 3  # the dead one is not tried while it backs off
+    held.close()
+    now = time.monotonic()
+    monkeypatch.setattr(http_module.time, "monotonic", lambda: now + 2 * http_module.MAX_BACKOFF_S)
+    client.call_raw("POST", "/v1/x", {"i": 9})
+    assert attempts[-1] == alive.url  # back-off over: the server that answered last is still first
+
+
+def test_several_servers_503_and_500_move_on_but_other_errors_do_not(serve):
+    unready, ok = serve(lambda n: "unready"), serve(lambda n: "ok")
+    assert JsonHttp(f"{unready.url},{ok.url}").call_raw("POST", "/v1/x", {"i": 1}) == {"echo": {"i": 1}}
+    assert len(unready.requests) == 1
+    for action, kind in (("worker-failed", "transfer_failed"), ("error", "conflict")):
+        first, second = serve(lambda n, a=action: a), serve(lambda n: "ok")
+        with pytest.raises(KVStoreError) as info:
+            JsonHttp(f"{first.url},{second.url}").call_raw("POST", "/v1/x", {"i": 1})
+        assert info.value.kind == kind and second.requests == []  # the answer stands: no second try
+
+
+def test_several_servers_all_failing_raise_the_last_failure(serve):
+    unready = serve(lambda n: "unready")
+    held, dead = refused_url()
+    with held, pytest.raises(KVStoreError) as info:
+        JsonHttp(f"{unready.url},{dead}", timeout_s=5).call_raw("GET", "/v1/y")
+    assert info.value.kind == "unavailable" and dead in info.value.message
+    only = serve(lambda n: "unready")  # one server: its 503 is the caller's answer, as always
+    with pytest.raises(KVStoreError) as info:
+        JsonHttp(only.url).call_raw("GET", "/v1/y")
+    assert info.value.message == "building the index"

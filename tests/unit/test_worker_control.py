@@ -132,3 +132,22 @@ def test_metrics_are_served_only_when_open_or_to_the_metrics_token():
     finally:
         for server in (closed, opened):
             server.stop()
+
+
+def test_a_worker_bound_to_every_address_advertises_the_one_it_is_told():
+    import httpx
+    from pydantic import ValidationError
+
+    from kvstore.worker.settings import WorkerSettings
+
+    server = ControlServer({"dram": PageAllocator(8, 128)}, host="0.0.0.0", advertise="127.0.0.1")
+    server.start()
+    try:
+        assert server.url == f"http://127.0.0.1:{server.port}"
+        assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
+    finally:
+        server.stop()
+    assert ControlServer({}, host="::1", port=0, advertise=None).url.startswith("http://[::1]:")
+    with pytest.raises(ValidationError, match="advertise_host"):
+        WorkerSettings(host="0.0.0.0")
+    assert WorkerSettings(host="0.0.0.0", advertise_host="10.0.0.7").advertise_host == "10.0.0.7"
