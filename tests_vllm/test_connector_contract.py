@@ -39,12 +39,18 @@ def test_the_factory_builds_both_roles_from_a_vllm_config():
     assert KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config).requires_piecewise_for_cudagraph({})
 
 
-def test_a_config_without_directory_url_is_refused_with_one_clear_message():
+def test_a_config_without_directory_url_or_with_bad_hosts_is_refused_with_one_clear_message():
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connector.vllm",
                                 kv_role="kv_both")
     vllm_config = VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=BLOCK))
     _, kv_cache_config = configs("http://127.0.0.1:1")
     with pytest.raises(KVStoreError, match="needs directory_url"):
+        KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connector.vllm",
+                                kv_role="kv_both", kv_connector_extra_config={
+                                    "directory_url": "http://127.0.0.1:1", "hosts": "10.0.0.7"})
+    vllm_config = VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=BLOCK))
+    with pytest.raises(KVStoreError, match="hosts must be a list"):
         KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 

@@ -28,7 +28,7 @@ from kvstore.client import DirectoryClient
 from kvstore.connector import layout
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
-from kvstore.connector.peers import Peers
+from kvstore.connector.peers import Peers, own_hosts
 from kvstore.connector.renewal import Renewal
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
@@ -44,9 +44,10 @@ READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this siz
 class KVStoreClient:
     def __init__(self, url: str, namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True,
-                 token: str | None = None, ca_file: str | None = None) -> None:
+                 token: str | None = None, ca_file: str | None = None, hosts: list[str] | None = None) -> None:
         """`token`: an engine token of the namespace's tenant (default: $KVSTORE_TOKEN); `ca_file`:
-        the CA bundle of an https directory (default: $KVSTORE_CA_FILE)."""
+        the CA bundle of an https directory (default: $KVSTORE_CA_FILE); `hosts`: addresses of this
+        host a worker may have registered, beyond its names and addresses (saves prefer such workers)."""
         if namespace.layout != LAYOUTS[0]:
             raise KVStoreError("invalid", f"KVStoreClient packs blocks as {LAYOUTS[0]}; namespace layout "
                                f"{namespace.layout!r} is written by another connector (kvstore.connector.vllm)")
@@ -54,6 +55,7 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.renew_leases = renew_leases  # keep leases and reservations alive during long transfers
         self.directory = DirectoryClient(url, timeout_s=timeout_s, token=token, ca_file=ca_file)
+        self.hosts = own_hosts(hosts or ())
         self.namespace_id = self.directory.register_namespace(namespace)
         assert self.namespace_id == namespace.namespace_id, "directory computed another namespace id"
         self.agent = Agent(name or f"kvstore-client-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
@@ -151,7 +153,7 @@ class KVStoreClient:
         clock = _PhaseClock()
         parents = [parent] + hashes[:-1]
         prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore(
-            namespace_id=self.namespace_id, writer=self.agent.name, blocks=[
+            namespace_id=self.namespace_id, writer=self.agent.name, hosts=self.hosts, blocks=[
                 specs.BlockToStore(hash=h.hex(), parent=p.hex() if p else None, nbytes=b.nbytes)
                 for h, p, b in zip(hashes, parents, blocks)]))
         admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]

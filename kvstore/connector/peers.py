@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import socket
 import threading
 
 from kvstore.client import DirectoryClient
@@ -50,3 +51,20 @@ class Peers:
         for _, name in self._known.values():
             self._agent.remove_peer(name)
         self._known.clear()
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_HOSTS = 16
+
+
+def own_hosts(extra=()) -> list[str]:
+    """What the workers on this engine's host may have registered as their address: `extra` (an
+    address only the operator knows, e.g. a Kubernetes node's), the host's names, the addresses
+    they resolve to, and loopback. Sent with every save, so that the directory puts blocks on a
+    worker of this host when one has room."""
+    names = [*extra, socket.gethostname(), socket.getfqdn()]
+    try:
+        names += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)]
+    except OSError:  # a host name that does not resolve: names and loopback still count
+        pass
+    return list(dict.fromkeys(n for n in [*names, *LOOPBACK] if n))[:MAX_HOSTS]

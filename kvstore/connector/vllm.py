@@ -116,6 +116,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not extra.get("directory_url"):
             raise KVStoreError("invalid", "kv_connector_extra_config needs directory_url, e.g. "
                                '{"directory_url": "http://127.0.0.1:8700"}')
+        hosts = extra.get("hosts", [])
+        if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
+            raise KVStoreError("invalid", 'kv_connector_extra_config.hosts must be a list of host names or '
+                               'addresses, e.g. ["10.0.0.7"]')
         self._spec = check_kv_cache_config(kv_cache_config)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise KVStoreError("invalid", "KVStoreConnector does not handle pipeline parallelism yet "
@@ -145,7 +149,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = None
         if role == KVConnectorRole.WORKER:
             page = (self._spec.num_kv_heads, self.block_size, 2 * self._spec.head_size)
-            self._worker = PagedKVWorker(self.directory, self._layer_names, page, self._spec.dtype, self.timeout_s)
+            self._worker = PagedKVWorker(self.directory, self._layer_names, page, self._spec.dtype, self.timeout_s,
+                                         hosts=self.extra.get("hosts", []))
         if role == KVConnectorRole.SCHEDULER and self.hash_algo.startswith("xxhash") \
                 and os.environ.get("PYTHONHASHSEED") is None:
             log.warning("prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block hashes at "

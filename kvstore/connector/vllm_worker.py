@@ -32,7 +32,7 @@ from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
-from kvstore.connector.peers import Peers
+from kvstore.connector.peers import Peers, own_hosts
 from kvstore.connector.renewal import Renewal
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
@@ -75,8 +75,9 @@ class _SaveStep:
 
 class PagedKVWorker:
     def __init__(self, directory: DirectoryClient, layer_names: list[str], page_shape: tuple[int, int, int],
-                 dtype: torch.dtype, timeout_s: float = 30.0) -> None:
+                 dtype: torch.dtype, timeout_s: float = 30.0, hosts: list[str] | None = None) -> None:
         self.directory, self.layer_names, self.page_shape, self.dtype = directory, layer_names, page_shape, dtype
+        self.hosts = own_hosts(hosts or ())  # saves prefer a worker on this host
         self.timeout_s = timeout_s
         self.agent = Agent(f"vllm-kvstore-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
         self.peers = Peers(self.agent, directory)
@@ -315,7 +316,7 @@ class PagedKVWorker:
         parents = [plan.parent] + plan.hashes[:-1]
         try:
             prepared = self.directory.prepare_store(specs.PrepareStore(
-                namespace_id=namespace_id, writer=self.agent.name,
+                namespace_id=namespace_id, writer=self.agent.name, hosts=self.hosts,
                 blocks=[specs.BlockToStore(hash=h, parent=p, nbytes=nbytes) for h, p in zip(plan.hashes, parents)]))
         except KVStoreError as exc:
             log.warning("save of %s skipped: %s", plan.req_id, exc)

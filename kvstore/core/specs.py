@@ -1,8 +1,6 @@
-"""The wire values exchanged between connector, directory and worker.
-
-Pydantic models, so the directory validates every body it receives and the
-client parses every answer it gets with the same definitions. Hashes travel as
-lowercase hex; NIXL agent metadata as base64.
+"""The wire values exchanged between connector, directory and worker: pydantic models, so the
+directory validates every body it receives and the client parses every answer it gets with the
+same definitions. Hashes travel as lowercase hex; NIXL agent metadata as base64.
 """
 
 from __future__ import annotations
@@ -128,6 +126,8 @@ class PrepareStore(_Spec):
     namespace_id: str
     blocks: list[BlockToStore] = Field(min_length=1, max_length=MAX_BLOCKS)
     writer: str = Field("", max_length=200)
+    hosts: list[Annotated[str, Field(max_length=255)]] = Field([], max_length=16, description="the engine's "
+                                                               "host names and addresses: its workers come first")
 
 
 StoreStatus = Literal["admitted", "exists", "in_progress", "rejected"]

@@ -20,6 +20,7 @@ import secrets
 import threading
 from collections.abc import Callable
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
@@ -99,7 +100,8 @@ class Store:
                     wanted.append(block)
             token = secrets.token_hex(16)
             expires_at = now + self._settings.reservation_ttl_s
-            admitted = self._place(req.namespace_id, wanted, token, expires_at, decisions, room_first)
+            admitted = self._place(req.namespace_id, wanted, token, expires_at, decisions, room_first,
+                                   frozenset(req.hosts))
         if isinstance(admitted, _NeedRoom):
             return admitted
         return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
@@ -118,13 +120,13 @@ class Store:
         return worker is not None and worker.epoch == r.epoch
 
     def _place(self, namespace_id: str, wanted: list, token: str, expires_at: float, decisions: dict,
-               room_first: bool) -> int | _NeedRoom:
+               room_first: bool, hosts: frozenset[str] = frozenset()) -> int | _NeedRoom:
         """Pages for `wanted` on the placement tier, from the page pool, as one reservation; fills
         `decisions`. With `room_first`, a request the pool cannot hold changes nothing and asks for
         room instead."""
         if not wanted:
             return 0
-        choice = _placement(self._index, self._pools)
+        choice = _placement(self._index, self._pools, hosts, sum(b.nbytes for b in wanted))
         if choice is None:
             for block in wanted:
                 decisions[block.hash] = _rejected(block.hash, "no_worker")
@@ -276,18 +278,26 @@ class PlacementTier(NamedTuple):
     base_addr: int
 
 
-def _placement(index: Index, pools: PagePools) -> tuple[PlacementTier, WorkerView] | None:
-    """The memory tier new blocks go to: the fastest kind any active worker has, and of those the one
-    with the most page credit left."""
+def _placement(index: Index, pools: PagePools, hosts: frozenset[str] = frozenset(),
+               need: int = 0) -> tuple[PlacementTier, WorkerView] | None:
+    """The memory tier new blocks go to: the fastest kind any active worker has; of those, one on
+    the engine's own host (`hosts`) whose page credit holds `need` bytes, else the one with the
+    most page credit left."""
     for kind in tiers.MEMORY:
         candidates = [(t, index.workers[t.worker_id]) for t in index.tiers.values()
                       if t.kind == kind and index.workers[t.worker_id].state == "active"]
         if candidates:
-            tier, worker = max(candidates, key=lambda tw: pools.free_bytes(tw[0].id, tw[1].epoch))
+            local = [(t, w) for t, w in candidates if _host(w.control_url) in hosts
+                     and pools.free_bytes(t.id, w.epoch) >= need] if hosts else []
+            tier, worker = max(local or candidates, key=lambda tw: pools.free_bytes(tw[0].id, tw[1].epoch))
             used = pools.granted_bytes(tier.id, worker.epoch) - pools.free_bytes(tier.id, worker.epoch)
             return PlacementTier(tier.id, tier.worker_id, kind, tier.capacity_bytes, used, tier.page_bytes,
                                  tier.base_addr), worker
     return None
+
+
+def _host(url: str) -> str | None:
+    return urlsplit(url).hostname if url else None
 
 
 class _NeedRoom(NamedTuple):

@@ -46,6 +46,7 @@ class PrepareStore(_Body):
     namespace_id: NamespaceId
     blocks: Annotated[list[BlockToStore], Meta(min_length=1, max_length=MAX_BLOCKS)]
     writer: Reader = ""
+    hosts: Annotated[list[Annotated[str, Meta(max_length=255)]], Meta(max_length=16)] = []
 
 
 class BlockWritten(_Body):

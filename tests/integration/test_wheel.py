@@ -65,16 +65,21 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     python, cli = venv / "bin/python", venv / "bin/kvstore"
     _run(python, "-m", "pip", "install", "--quiet", f"{wheel}[directory]", cwd=tmp_path)
-    assert _run(cli, "--version", cwd=tmp_path).strip() == f"kvstore {kvstore.__version__}"
+    version = _run(cli, "--version", cwd=tmp_path).strip()
+    assert version == f"kvstore {kvstore.__version__}"
+    print(f"\nwheel: {wheel.name} ({wheel.stat().st_size} bytes, {len(names)} files); "
+          f"directory-only venv: `kvstore --version` -> {version}")
     missing = subprocess.run([python, "-c", "import torch"], capture_output=True, cwd=tmp_path)
     assert missing.returncode != 0, "a directory-only install pulled torch"
     assert subprocess.run([python, "-c", "import nixl_cu12"], capture_output=True, cwd=tmp_path).returncode != 0
+    print("directory-only venv: import torch fails, import nixl_cu12 fails")
 
     port = free_port()
     directory = _serve(tmp_path, "directory.log", cli, "directory", "serve", "--insecure-no-auth", "--port", port,
                        "--data-dir", tmp_path / "dir-only")
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz?workers=0", proc=directory)  # migrations ran from the wheel
+        print("directory-only venv: `kvstore directory serve` migrated its database and is ready")
     finally:
         stop(directory)
 
@@ -89,7 +94,9 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
         wait_until(lambda: '"active"' in _run(cli, "workers", "--url", url, "--output", "json", cwd=tmp_path), 60,
                    "the worker registered")
         (tmp_path / "load.py").write_text(LOAD_SCRIPT)
-        assert "saved and loaded 64 tokens" in _run(python, tmp_path / "load.py", url, cwd=tmp_path)
+        loaded = _run(python, tmp_path / "load.py", url, cwd=tmp_path)
+        assert "saved and loaded 64 tokens" in loaded
+        print(f"venv with every extra, `kvstore up`: {loaded.strip()}")
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0, (tmp_path / "up.log").read_text()[-3000:]
