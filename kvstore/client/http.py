@@ -6,9 +6,9 @@ per calling thread, Nagle off, and no per-request URL or header machinery. (An h
 added about 0.3 ms to every call.)
 
 Several servers: `JsonHttp("http://a:8700,http://b:8700")` sends each call to the server that
-answered last; one it cannot reach, or that answers 500 or 503, is skipped for a while (1 s,
-doubling to 30 s while it keeps failing) and the call goes to the next. Only when every server
-fails does the caller see the error.
+answered last; one it cannot reach, or that answers 500 or 503, goes to the back of the order for
+a while (1 s, doubling to 30 s while it keeps failing) and the call goes to the next. Only when
+every server fails does the caller see the error.
 """
 
 from __future__ import annotations
