@@ -80,8 +80,14 @@ def one_line_errors(command):
         except KVStoreError as exc:
             _fail(str(exc))
         except ValidationError as exc:  # a request the command built from bad arguments
-            _fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in exc.errors()[:5]))
+            _fail(problems(exc, "input", limit=5))
     return wrapper
+
+
+def problems(exc: ValidationError, whole: str, limit: int | None = None) -> str:
+    """A validation error's problems on one line: `field: message; ...` (`whole` names a problem
+    of the whole object)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors()[:limit])
 
 
 def _fail(message: str):

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from kvstore.cli.common import Output, console
+from kvstore.cli.common import Output, console, problems
 from kvstore.core.config import CONFIG_ENV, redact_url
 from kvstore.core.errors import KVStoreError
 
@@ -58,7 +58,7 @@ def settings_from(cls, flags: dict, names: dict):
     try:
         return cls(**given)
     except ValidationError as exc:
-        raise typer.BadParameter(problems(exc)) from None
+        raise typer.BadParameter(problems(exc, "settings")) from None
     except ValueError as exc:  # the config file
         raise typer.BadParameter(str(exc)) from None
 
@@ -286,10 +286,6 @@ def is_loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def problems(exc) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
 
 
 def service_logging() -> None:

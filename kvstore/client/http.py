@@ -187,7 +187,7 @@ class JsonHttp:
                     if not reused:
                         raise _unreachable(server, path, exc) from None
                     reused = False
-                    conn.timeout, conn.read_timeout = self._connect_timeout(timeout_s), timeout_s
+                    self._arm(conn, timeout_s)
                 except (OSError, http.client.HTTPException) as exc:
                     conn.close()
                     raise _unreachable(server, path, exc) from None
@@ -208,13 +208,17 @@ class JsonHttp:
         if conn is not None and _closed_by_peer(conn):
             conn.close()
         if conn is None:
-            conn = server.connection_class(server.host, server.port, timeout=self._connect_timeout(timeout_s))
-            conn.read_timeout = timeout_s
+            conn = server.connection_class(server.host, server.port)
         if conn.sock is not None:
             conn.sock.settimeout(timeout_s)
             return conn, True
-        conn.timeout, conn.read_timeout = self._connect_timeout(timeout_s), timeout_s
+        self._arm(conn, timeout_s)
         return conn, False
+
+    def _arm(self, conn: http.client.HTTPConnection, timeout_s: float) -> None:
+        """Timeouts of a connection about to connect: short for the connect when other servers can
+        answer instead, `timeout_s` for the exchange."""
+        conn.timeout, conn.read_timeout = self._connect_timeout(timeout_s), timeout_s
 
     def _checkin(self, server: _Server, conn: http.client.HTTPConnection) -> None:
         with self._lock:
