@@ -24,33 +24,42 @@ from tests.helpers import free_port, kvstore_cmd, stop, wait_http, wait_until  #
 
 @contextmanager
 def local_stack(dram_bytes: str, page_bytes: str = "64KiB", worker_args: tuple[str, ...] = (),
-                pids: dict[str, int] | None = None, directory_args: tuple[str, ...] = ()):
-    """Directory (SQLite in a temp dir) and one worker, as separate processes on loopback; their
-    process ids go into `pids` ("directory", "worker") when it is given."""
+                pids: dict[str, int] | None = None, directory_args: tuple[str, ...] = (),
+                database_url: str | None = None, replicas: int = 1):
+    """Directory (SQLite in a temp dir, or `database_url`) and one worker, as separate processes on
+    loopback; yields the directory URL, or the comma-separated URLs of `replicas` directory replicas
+    (PostgreSQL only; the first started leads). Process ids go into `pids` ("directory" or
+    "directory-0", "directory-1", ..., and "worker") when it is given."""
     from kvstore.client import DirectoryClient
 
+    assert replicas == 1 or database_url, "several directory replicas need a PostgreSQL database"
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
+        ports = [free_port() for _ in range(replicas)]
+        url = ",".join(f"http://127.0.0.1:{port}" for port in ports)
         logs = open(Path(tmp) / "stack.log", "wb")
-        directory = subprocess.Popen(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port),
-                                                 "--data-dir", tmp, *directory_args),
-                                     stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)
-        worker = None
+        database = ("--database-url", database_url) if database_url else ("--data-dir", tmp)
+        directories, worker = [], None
         try:
-            wait_http(url + "/readyz?workers=0", proc=directory)
+            for port in ports:
+                directories.append(subprocess.Popen(
+                    kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), *database,
+                                *directory_args), stdout=logs, stderr=subprocess.STDOUT, cwd=REPO))
+                wait_http(f"http://127.0.0.1:{port}/readyz?workers=0", proc=directories[-1])
             worker = subprocess.Popen(kvstore_cmd("worker", "serve", "--directory-url", url, "--dram-bytes",
                                                   dram_bytes, "--page-bytes", page_bytes, *worker_args),
                                       stdout=logs, stderr=subprocess.STDOUT, cwd=REPO)
             if pids is not None:
-                pids.update(directory=directory.pid, worker=worker.pid)
+                pids.update({"directory": directories[0].pid} if replicas == 1 else
+                            {f"directory-{i}": d.pid for i, d in enumerate(directories)})
+                pids["worker"] = worker.pid
             client = DirectoryClient(url)
             wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker registered")
             yield url
         finally:
             if worker is not None:
                 stop(worker)
-            stop(directory)
+            for directory in directories:
+                stop(directory)
 
 
 def cpu_s(pid: int) -> float:

@@ -1,10 +1,13 @@
 """Load test: engine processes replay a request trace through the real stack, side by side.
 
     python bench/load.py (--trace PATH | --synthetic chat|rag|mixed) [--requests 2000]
-                         [--engines 1,4] [--capacity 0.05] [--json bench/out/load.json]
+                         [--engines 1,4] [--replicas 1,3] [--database sqlite|postgresql]
+                         [--capacity 0.05] [--json bench/out/load.json]
 
-A directory and one worker run as processes on loopback (SQLite; the DRAM tier sized to
-`--capacity` of the trace's distinct blocks, LRU eviction, adaptive admission). For each engine
+A directory and one worker run as processes on loopback (SQLite, or a throw-away PostgreSQL
+cluster; the DRAM tier sized to `--capacity` of the trace's distinct blocks, LRU eviction,
+adaptive admission). With R > 1 directory replicas (PostgreSQL; a fresh database per run) engine
+i lists the replicas starting from replica i mod R, so lookups spread over them. For each engine
 count K, K engine processes take every K-th request of the trace and, per request, look up its
 prefix, load the hit (checking every loaded block's bytes), and save the rest. Block i of a
 request is 16 tokens that all carry the trace's hash id, so equal ids are equal prefixes.
@@ -12,8 +15,8 @@ request is 16 tokens that all carry the trace's hash id, so equal ids are equal 
 Reported per K: requests/s; lookup, load-prepare and save-prepare latency (p50/p99); the prefix
 hit ratio realised, beside the policy simulator's on the same trace and capacity (the simulator
 replays the requests in order; K engines interleave them); errors and wrong bytes (must be 0);
-and the directory's and the worker's CPU seconds per 1,000 requests, lookups and stored blocks,
-so that scaling can be read from cost on a machine with few cores.
+and the directory's (each replica's) and the worker's CPU seconds per 1,000 requests, lookups and
+stored blocks, so that scaling can be read from cost on a machine with few cores.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 from common import REPO, cpu_s, local_stack, machine, print_table, write_json
 
 from hit_ratio import load_trace, simulate  # noqa: E402
+from tests.helpers import PostgresCluster  # noqa: E402
 from kvstore.policies import make_admission, make_eviction  # noqa: E402
 
 BLOCK_TOKENS, HEAD_DIM = 16, 64
@@ -84,16 +88,19 @@ def engine(args) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
-def run(requests: list[list[int]], engines: int, capacity_blocks: int, tmp: Path) -> dict:
+def run(requests: list[list[int]], engines: int, capacity_blocks: int, tmp: Path, replicas: int = 1,
+        database_url: str | None = None) -> dict:
     requests_file = tmp / "requests.json"
     requests_file.write_text(json.dumps(requests))
     pids: dict[str, int] = {}
     dram = f"{max(1 << 20, capacity_blocks * PAGE)}"
-    with local_stack(dram, page_bytes=str(PAGE), pids=pids,
-                     directory_args=("--eviction", "lru", "--admission", "adaptive")) as url:
+    with local_stack(dram, page_bytes=str(PAGE), pids=pids, database_url=database_url, replicas=replicas,
+                     directory_args=("--eviction", "lru", "--admission", "adaptive")) as urls:
         before = {name: cpu_s(pid) for name, pid in pids.items()}
+        ring = urls.split(",")
         t0 = time.perf_counter()
-        procs = [subprocess.Popen([sys.executable, __file__, "engine", "--url", url, "--requests-file",
+        procs = [subprocess.Popen([sys.executable, __file__, "engine", "--url",
+                                   ",".join(ring[i % replicas:] + ring[:i % replicas]), "--requests-file",
                                    str(requests_file), "--index", str(i), "--of", str(engines), "--out",
                                    str(tmp / f"engine-{i}.json")], cwd=REPO) for i in range(engines)]
         codes = [p.wait() for p in procs]
@@ -108,11 +115,13 @@ def run(requests: list[list[int]], engines: int, capacity_blocks: int, tmp: Path
         values = [x for r in results for x in r[key]]
         return float(np.percentile(values, q)) * 1e3 if values else 0.0
 
+    spent["directory"] = sum(v for k, v in spent.items() if k.startswith("directory"))  # all replicas
     per = {f"{name}_cpu_s_per_1k": {what: spent[name] / max(1, total[count]) * 1000
                                     for what, count in (("requests", "requests"), ("lookups", "requests"),
                                                         ("stored_blocks", "stored_blocks"))}
            for name in spent}
-    return {"engines": engines, "wall_s": wall, "requests_per_s": total["requests"] / wall, **total,
+    return {"replicas": replicas, "database": "postgresql" if database_url else "sqlite", "engines": engines,
+            "wall_s": wall, "requests_per_s": total["requests"] / wall, **total,
             "prefix_hit_ratio": total["hit_blocks"] / max(1, total["blocks"]),
             "lookup_ms": {"p50": pct("lookup_s", 50), "p99": pct("lookup_s", 99)},
             "load_prepare_ms": {"p50": pct("load_prepare_s", 50), "p99": pct("load_prepare_s", 99)},
@@ -127,6 +136,9 @@ def main() -> None:
     source.add_argument("--synthetic", choices=["chat", "rag", "mixed"], help="a trace from bench/synth_trace.py")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--engines", default="1,4")
+    parser.add_argument("--replicas", default="1", help="directory replicas, e.g. 1,3 (more than 1: PostgreSQL)")
+    parser.add_argument("--database", choices=["sqlite", "postgresql"], default="sqlite",
+                        help="the directory's database; postgresql starts a throw-away cluster")
     parser.add_argument("--capacity", type=float, default=0.05, help="DRAM tier as a fraction of distinct blocks")
     parser.add_argument("--json", default="bench/out/load.json")
     args = parser.parse_args()
@@ -142,17 +154,26 @@ def main() -> None:
         distinct = len({i for r in requests for i in r})
         capacity = max(1, int(distinct * args.capacity))
         simulated = simulate(make_eviction("lru", capacity), requests, capacity, make_admission("adaptive", capacity))
-        rows = [run(requests, int(k), capacity, Path(tmp)) for k in args.engines.split(",")]
+        counts = [int(r) for r in args.replicas.split(",")]
+        cluster = PostgresCluster().start() if args.database == "postgresql" or max(counts) > 1 else None
+        try:
+            rows = [run(requests, int(k), capacity, Path(tmp), r, cluster.create_database() if cluster else None)
+                    for r in counts for k in args.engines.split(",")]
+        finally:
+            if cluster is not None:
+                cluster.stop()
     print(f"{source}: {len(requests)} requests, {distinct} distinct blocks, DRAM tier {capacity} blocks "
           f"({args.capacity:.0%}); simulator's prefix hit ratio {simulated['prefix_hit_ratio']:.3f}")
-    print_table(["engines", "req/s", "lookup p50/p99 ms", "load prep p50/p99 ms", "save prep p50/p99 ms",
+    print_table(["database", "replicas", "engines", "req/s", "lookup p50/p99 ms", "load prep p50/p99 ms", "save prep p50/p99 ms",
                  "hit ratio", "errors", "wrong", "directory CPU s/1k req", "worker CPU s/1k req",
-                 "directory CPU s/1k stored"],
-                [[r["engines"], r["requests_per_s"], f"{r['lookup_ms']['p50']:.2f}/{r['lookup_ms']['p99']:.2f}",
+                 "directory CPU s/1k stored", "per replica CPU s/1k req"],
+                [[r["database"], r["replicas"], r["engines"], r["requests_per_s"], f"{r['lookup_ms']['p50']:.2f}/{r['lookup_ms']['p99']:.2f}",
                   f"{r['load_prepare_ms']['p50']:.2f}/{r['load_prepare_ms']['p99']:.2f}",
                   f"{r['save_prepare_ms']['p50']:.2f}/{r['save_prepare_ms']['p99']:.2f}", r["prefix_hit_ratio"],
                   r["errors"], r["wrong_blocks"], r["directory_cpu_s_per_1k"]["requests"],
-                  r["worker_cpu_s_per_1k"]["requests"], r["directory_cpu_s_per_1k"]["stored_blocks"]]
+                  r["worker_cpu_s_per_1k"]["requests"], r["directory_cpu_s_per_1k"]["stored_blocks"],
+                  "/".join(f"{r[f'directory-{i}_cpu_s_per_1k']['requests']:.2f}" for i in range(r["replicas"]))
+                  if r["replicas"] > 1 else "-"]
                  for r in rows])
     write_json(args.json, {"benchmark": "load", "machine": machine(), "trace": source, "requests": len(requests),
                            "distinct_blocks": distinct, "capacity_blocks": capacity,

@@ -73,10 +73,10 @@ def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
 class ServerThread:
     """A uvicorn server for an ASGI app on a free loopback port, in a thread of this process."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, port: int | None = None) -> None:
         import uvicorn
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)

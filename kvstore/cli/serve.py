@@ -43,7 +43,7 @@ DIRECTORY_FLAGS = {
     "eviction": "eviction", "admission": "admission", "eviction_by_tier": "eviction_by_tier",
     "admission_by_tier": "admission_by_tier", "require_auth": "require_auth", "open_metrics": "open_metrics",
     "engine_rate": "engine_rate", "engine_burst": "engine_burst", "verify_writes": "verify_writes",
-    "ca_file": "ca_file"}
+    "ca_file": "ca_file", "advertise_url": "advertise_url"}
 WORKER_FLAGS = {name: name for name in (
     "directory_url", "name", "host", "port", "dram_bytes", "page_bytes", "hbm_bytes", "hbm_device", "nvme_bytes",
     "nvme_dir", "posix_queue", "gds", "s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "s3_virtual_addressing",
@@ -120,6 +120,9 @@ def directory_serve(
                                                            help="a worker checksums every block before it is "
                                                                 "committed")] = None,
         ca_file: CaFile = None,
+        advertise_url: Annotated[str | None, typer.Option(help="URL the other directory replicas on the same "
+                                                               "PostgreSQL database reach this one at "
+                                                               "[http(s)://HOST:PORT]")] = None,
         admin_token_file: Annotated[Path | None, typer.Option(help="write a new admin token here unless it "
                                                                    "holds a valid one")] = None,
         worker_token_file: Annotated[Path | None, typer.Option(help="the same, for a worker token")] = None,
@@ -140,6 +143,12 @@ def directory_serve(
     if "database_url" not in settings.model_fields_set:  # nobody named one: SQLite in the data dir
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database holds the workers' secrets
         settings = settings.model_copy(update={"database_url": f"sqlite:///{(data_dir / 'directory.db').resolve()}"})
+    if settings.advertise_url is None:
+        if settings.database_url.startswith("postgresql") and host in ("0.0.0.0", "::", ""):
+            raise typer.BadParameter(f"{host} is every address of this host; other directory replicas need one "
+                                     "they can reach: add --advertise-url", param_hint="--host")
+        named = f"[{host}]" if ":" in host else host
+        settings = settings.model_copy(update={"advertise_url": f"{'https' if tls_cert else 'http'}://{named}:{port}"})
     app = create_app(settings)
     sqlite_file = settings.database_url.removeprefix("sqlite:///")
     if settings.database_url.startswith("sqlite:///") and os.path.exists(sqlite_file):

@@ -118,6 +118,13 @@ class JsonHttp:
     def call_raw(self, method: str, path: str, body: BaseModel | dict | None = None):
         return json.loads(self._request(method, path, body))
 
+    def exchange(self, method: str, target: str, content: bytes | None, headers: dict[str, str]) -> tuple[int, bytes]:
+        """One request as given (the target with its query, the body as bytes) to the first server,
+        and its status and body whatever they are: what a directory replica that forwards a call
+        needs. Raises KVStoreError("unavailable") only when the server cannot be reached."""
+        server = self._servers[0]
+        return self._exchange(server, method, server.prefix + target, content, headers, self.timeout_s)
+
     def _request(self, method: str, path: str, body: BaseModel | dict | None,
                  timeout_s: float | None = None) -> bytes:
         if isinstance(body, BaseModel):

@@ -285,6 +285,7 @@ class Stats(_Spec):
     indexed_blocks: int = 0  # blocks the lookup index holds
     commit_groups: int = 0  # group commits since start
     committed_jobs: int = 0  # jobs those commits carried (jobs / groups: how much grouping helps)
+    leader: bool = True  # this directory replica writes (the others forward to it)
 
 
 class Renewed(_Spec):

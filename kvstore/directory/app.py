@@ -22,6 +22,7 @@ from kvstore.directory import db, wire
 from kvstore.directory.auth import NOBODY, PRINCIPAL, Guard, Principal, RateLimit, Tokens
 from kvstore.directory.hot import HotCalls, HotPath, document_bodies, hot_routes
 from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.replicas import Replicas
 from kvstore.directory.service import DirectoryService
 from kvstore.directory.settings import DirectorySettings
 
@@ -59,7 +60,7 @@ def create_app(settings: DirectorySettings | None = None):
     settings = app.state.service.settings
     guard = Guard(app.routes, app.state.tokens, settings.require_auth, settings.open_metrics,
                   RateLimit(settings.engine_rate, settings.engine_burst))
-    fast = HotPath(app, app.state.hot, guard, app.state.service.metrics)
+    fast = HotPath(app, app.state.hot, guard, app.state.service.metrics, app.state.replicas)
     fast.state, fast.fastapi = app.state, app
     return fast
 
@@ -73,23 +74,26 @@ def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
     service = DirectoryService(sessions, settings, DirectoryMetrics())
     tokens = Tokens(sessions, service.writer.run)
     tokens.load()
+    replicas = Replicas(service, engine, settings.advertise_url)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         stop = threading.Event()
-        reaper = threading.Thread(target=_start_then_reap, args=(service, tokens, stop), name="reaper", daemon=True)
+        reaper = threading.Thread(target=_background, args=(service, replicas, tokens, stop), name="reaper",
+                                  daemon=True)
         reaper.start()
         yield
         stop.set()
         reaper.join(timeout=5)
+        replicas.close()
         service.close()
         engine.dispose()
 
     sys.setswitchinterval(GIL_SWITCH_S)
     app = FastAPI(title="kvstore directory", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.service, app.state.tokens = service, tokens
+    app.state.service, app.state.tokens, app.state.replicas = service, tokens, replicas
     _add_error_handlers(app)
-    app.include_router(_routes(service), responses=ERRORS)
+    app.include_router(_routes(service, replicas), responses=ERRORS)
     app.include_router(_token_routes(tokens), responses=ERRORS)
     app.state.hot = HotCalls(service)
     app.include_router(hot_routes(app.state.hot), responses=ERRORS)
@@ -124,22 +128,28 @@ def _unready(reason: str, **context) -> JSONResponse:
     return JSONResponse(KVStoreError("unavailable", reason, **context).to_body(), status_code=503)
 
 
-def _start_then_reap(service: DirectoryService, tokens: Tokens, stop: threading.Event) -> None:
-    """Build the index (readyz answers 503 until then), then reap every tick; read the tokens
-    again every TOKENS_RELOAD_S (another directory on the same database may have changed them)."""
-    service.start()
-    loaded = time.monotonic()
-    while not stop.wait(service.settings.reaper_interval_s):
+def _background(service: DirectoryService, replicas: Replicas, tokens: Tokens, stop: threading.Event) -> None:
+    """Build the index (readyz answers 503 until then); the leader reaps every tick; every replica
+    reads the tokens again every TOKENS_RELOAD_S (the leader may have changed them)."""
+    loaded = [time.monotonic()]
+
+    def reap() -> None:
         try:
             service.reap()
         except Exception:  # the loop must survive a bad tick (e.g. database briefly away)
             log.exception("reaper tick failed")
-        if time.monotonic() - loaded > TOKENS_RELOAD_S:
+
+    def refresh() -> None:
+        if time.monotonic() - loaded[0] > TOKENS_RELOAD_S:
             try:
                 tokens.load()
-                loaded = time.monotonic()
+                loaded[0] = time.monotonic()
             except Exception:
                 log.exception("reading the tokens again failed")
+    try:
+        replicas.run(stop, reap, refresh)
+    except Exception:
+        log.exception("the directory's background thread stopped")
 
 
 def caller(request: Request) -> Principal:
@@ -175,12 +185,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(KVStoreError("internal", type(exc).__name__).to_body(), status_code=500)
 
 
-def _routes(service: DirectoryService) -> APIRouter:
+def _routes(service: DirectoryService, replicas: Replicas) -> APIRouter:
     r = APIRouter()
 
     @r.get("/healthz")
-    def healthz() -> dict:
-        return {"status": "ok"}
+    def healthz() -> Response:
+        """200 while the process serves; 503 once a replica that lost the lead stopped serving."""
+        if replicas.retired:
+            return _unready(f"this directory replica stopped serving: {replicas.retired}; restart it")
+        return JSONResponse({"status": "ok"})
 
     readiness = _Readiness(service)
 
@@ -189,19 +202,25 @@ def _routes(service: DirectoryService) -> APIRouter:
                                     "index and the database")) -> Response:
         """200 when the directory can serve: its index is built, the database answers, and at least
         `workers` workers are live; 503 with the reason otherwise."""
+        if replicas.retired:
+            return _unready(f"this directory replica stopped serving: {replicas.retired}")
         if not service.index.ready:
             return _unready("building the lookup index")
         failure = readiness.database()
         if failure:
             return _unready(f"the database does not answer ({failure})")
-        live = service.membership.live_count()
+        if not replicas.leading and not replicas.leader_url:
+            return _unready("no directory replica leads yet")
+        live = service.membership.live_count() if replicas.leading else replicas.live_workers
         if live < workers:
             return _unready(f"{live} live workers, {workers} needed", live_workers=live)
-        return JSONResponse({"status": "ready", "indexed_blocks": service.index.num_blocks, "live_workers": live})
+        return JSONResponse({"status": "ready", "indexed_blocks": service.index.num_blocks, "live_workers": live,
+                             "leader": replicas.leading})
 
     @r.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
-        body = service.metrics.render(service.stats(), service.tiers(), service.membership.workers())
+        body = service.metrics.render(service.stats(), service.tiers() if replicas.leading else [],
+                                      service.membership.workers())
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @r.post("/v1/namespaces")

@@ -3,7 +3,9 @@
 Bodies are decoded by msgspec (`wire.py`) and answers encoded once from plain
 values; no pydantic model is built per block. `HotPath` answers them in front
 of FastAPI. Until the index is built every hot call answers 503, which a
-connector treats as a miss.
+connector treats as a miss. On a directory replica that does not lead, every
+call but lookups, health, metrics and stats is sent on to the leader as it
+came (`replicas.py`).
 
 The OpenAPI document describes these routes with the pydantic specs of
 `kvstore.core.specs` (`document_bodies`), which define the same fields.
@@ -31,6 +33,10 @@ from kvstore.directory.service import DirectoryService
 
 log = logging.getLogger(__name__)
 _BODIES: dict[str, type[BaseModel]] = {}  # operation path -> the spec its body follows
+HEALTH = {("GET", "/healthz"), ("GET", "/readyz")}
+LOCAL = HEALTH | {("GET", "/metrics"), ("GET", "/v1/admin/stats"), ("POST", "/v1/lookup"),  # a follower's own
+                  ("POST", "/v1/lookup/batch"), ("POST", "/v1/lookup/tokens")}
+FORWARDED_HEADERS = (b"authorization", b"content-type")
 
 
 def _body(path: str, model: type[BaseModel]) -> dict:
@@ -115,11 +121,12 @@ class HotPath:
     """ASGI in front of the app: the hot calls answered without the framework's routing, middleware,
     request and response objects (they cost more than a lookup itself)."""
 
-    def __init__(self, app, calls: HotCalls, guard: Guard, metrics: DirectoryMetrics) -> None:
+    def __init__(self, app, calls: HotCalls, guard: Guard, metrics: DirectoryMetrics, replicas) -> None:
         self.app = app
         self.calls = calls
         self.guard = guard
         self.metrics = metrics
+        self.replicas = replicas
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -143,6 +150,14 @@ class HotPath:
     async def _serve(self, scope, receive, send, route) -> None:
         headers = dict(scope["headers"])
         method, path = scope["method"], scope["path"]
+        if route is not None and not self.replicas.leading:
+            if self.replicas.retired and (method, route[0]) not in HEALTH:
+                exc = KVStoreError("unavailable", f"this directory replica stopped serving: {self.replicas.retired}")
+                await _answer(send, exc.http_status, wire.encode(exc.to_body()))
+                return
+            if (method, route[0]) not in LOCAL:
+                await self._forward(scope, receive, send, headers)
+                return
         try:  # refused before a byte of the body is read
             who = scope[PRINCIPAL] = self.guard.admit(method, path, headers.get(b"authorization"), route)
             limit = _body_limit(method, path)
@@ -168,6 +183,23 @@ class HotPath:
         except Exception as exc:  # a bug: the same answer as every other route's
             log.exception("unhandled error in %s", path)
             status, payload = 500, wire.encode(KVStoreError("internal", type(exc).__name__).to_body())
+        await _answer(send, status, payload)
+
+
+    async def _forward(self, scope, receive, send, headers: dict) -> None:
+        """The call as it came, to the leader, and its answer back (bounded like every body here)."""
+        method = scope["method"]
+        limit = _body_limit(method, scope["path"])
+        try:
+            body_length(headers.get(b"content-length"), limit)
+            body = await _read_body(receive, limit)
+            query = scope.get("query_string", b"")
+            target = scope.get("raw_path", scope["path"].encode()).decode("latin-1") + \
+                ("?" + query.decode("latin-1") if query else "")
+            sent = {k.decode(): v.decode("latin-1") for k, v in headers.items() if k in FORWARDED_HEADERS}
+            status, payload = await run_in_threadpool(self.replicas.forward, method, target, body, sent)
+        except KVStoreError as exc:
+            status, payload = exc.http_status, wire.encode(exc.to_body())
         await _answer(send, status, payload)
 
 

@@ -56,8 +56,9 @@ log = logging.getLogger(__name__)
 class DirectoryService:
     def __init__(self, sessions: sessionmaker[Session], settings: DirectorySettings,
                  metrics: DirectoryMetrics, clock: Callable[[], float] = time.time) -> None:
-        self._sessions = sessions
+        self._sessions = self.sessions = sessions
         self.settings = settings
+        self.leading = True  # among several replicas, whether this one writes (replicas.py says)
         self.metrics = metrics
         self._clock = clock
         self.policies = TierPolicies(settings.tier_eviction(), settings.tier_admission())
@@ -93,21 +94,27 @@ class DirectoryService:
 
     # ---- start -------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Recover from the stop, then build the index, the page pools and the namespaces from SQL."""
+    def start(self, rebuild_index: bool = True) -> None:
+        """Recover from the stop, then build the index, the page pools and the namespaces from SQL
+        (a follower that becomes the leader has its index already: it followed every commit)."""
         self.recover()
         t0 = time.perf_counter()
 
         def build(tx: Tx) -> None:  # a job: nothing commits while the index is read from SQL
-            self._namespaces.update({row.id: Namespace.from_dict(row.spec)
-                                     for row in tx.session.query(NamespaceRow)})
+            self.load_namespaces(tx.session)
             for worker in repo.workers(tx.session):
                 if worker.state != "dead":  # a dead row may name the endpoint a live worker has now
                     self.calls.authorize(worker.control_url, worker.control_secret)
-            self.index.rebuild(tx.session)
+            if rebuild_index:
+                self.index.rebuild(tx.session)
+            else:
+                self.index.reload_topology(tx.session)
             self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
         self.writer.run(build)
         log.info("index of %d blocks built in %.1f s", self.index.num_blocks, time.perf_counter() - t0)
+
+    def load_namespaces(self, session: Session) -> None:
+        self._namespaces.update({row.id: Namespace.from_dict(row.spec) for row in session.query(NamespaceRow)})
 
     def recover(self) -> int:
         """Reservations open when the directory stopped are rolled back (their writers got no answer
@@ -318,7 +325,7 @@ class DirectoryService:
                                     page_bytes=t.page_bytes,
                                     high_watermark=t.high_watermark, low_watermark=t.low_watermark,
                                     credit_free_bytes=self.pools.free_bytes(t.id, w.epoch)
-                                    if t.kind in MEMORY else None)
+                                    if t.kind in MEMORY and self.leading else None)
                     for t, w, n in repo.tier_usage(session)]
 
     def ping_database(self) -> None:
@@ -331,7 +338,7 @@ class DirectoryService:
             counts = repo.counts(session)  # its reservations are the moves' destinations
             counts["reservations"] += self.reservations.blocks
             return specs.Stats(**counts, replicas_by_tier=repo.replicas_by_tier(session),
-                               indexed_blocks=self.index.num_blocks,
+                               indexed_blocks=self.index.num_blocks, leader=self.leading,
                                commit_groups=self.writer.groups, committed_jobs=self.writer.jobs)
 
     def close(self) -> None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -33,6 +35,10 @@ class DirectorySettings(BaseSettings):
     verify_writes: bool = Field(False, description="a worker checksums every block at commit; a block whose bytes "
                                 "do not match its writer's checksum is not committed")
     ca_file: str | None = Field(None, description="CA bundle that workers' HTTPS certificates are checked against")
+    advertise_url: str | None = Field(None, max_length=512, pattern=r"^https?://[^/\s]+$",
+                                      description="URL the other directory replicas on the same PostgreSQL database "
+                                      "send calls to while this one leads (default: http(s)://HOST:PORT of the "
+                                      "serve command)")
     migrate_on_start: bool = Field(True, description="run alembic upgrade head at start-up")
     eviction: str = Field(DEFAULT_EVICTION, description="eviction policy of every tier (kvstore/policies)")
     admission: str = Field(DEFAULT_ADMISSION, description="admission of the memory tiers (and of NVMe/S3 where "
@@ -52,6 +58,13 @@ class DirectorySettings(BaseSettings):
         unknown = sorted(set(value) - set(TIER_KINDS))
         if unknown:
             raise ValueError(f"unknown tier kinds {unknown}; choose from {list(TIER_KINDS)}")
+        return value
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _reachable(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).hostname in ("0.0.0.0", "::", ""):
+            raise ValueError(f"{value}: other replicas cannot call a wildcard address; name this host")
         return value
 
     @model_validator(mode="after")

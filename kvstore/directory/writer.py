@@ -13,7 +13,9 @@ SAVEPOINT: the transaction is its own). Only after the COMMIT returns does the
 writer call `on_commit` (the lookup index follows the rows the group touched)
 and then the jobs' `after_commit` calls (worker frees, page pools), and only
 then are the callers answered: nothing a caller is told about is lost, and
-nothing a lookup sees is uncommitted.
+nothing a lookup sees is uncommitted. `before_commit`, when set, runs last in every group's
+transaction: the leader of several directory replicas checks its term there and logs what the
+group changed for the others (`replicas.py`); what it raises rolls the group back.
 
 Jobs must not do I/O other than SQL: worker calls happen before or after a
 job, never inside one.
@@ -59,6 +61,7 @@ class Writer:
                  on_commit: Callable[[set[int], bool, list], None] | None = None) -> None:
         self._sessions = sessions
         self._on_commit = on_commit or (lambda blocks, topology, committed: None)
+        self.before_commit: Callable[[Session, set[int], bool, bool, list], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.groups = self.jobs = 0  # for the group-commit ratio in /v1/admin/stats
         event.listen(sessions, "after_flush", _note_flushed)
@@ -128,8 +131,11 @@ class Writer:
                     outcomes.append((tx, future, None, exc))
             touched = session.info.pop("touched_blocks", set())
             topology = session.info.pop("topology", False)
+            namespaces = session.info.pop("namespaces", False)
             session.info.pop("committed")
             try:
+                if self.before_commit is not None:
+                    self.before_commit(session, touched, topology, namespaces, committed)
                 session.commit()
             except BaseException as exc:
                 session.rollback()
@@ -162,6 +168,8 @@ def _note_flushed(session: Session, _flush_context) -> None:
             touched.add(obj.id)
         elif name in ("Worker", "Tier"):
             session.info["topology"] = True
+        elif name == "NamespaceRow":
+            session.info["namespaces"] = True
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:

@@ -1,0 +1,37 @@
+"""directory_leader (who leads, its term) and changes (the leader's commits, for the other replicas)
+
+Revision ID: 0006
+Revises: 0005
+"""
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    leader = op.create_table(
+        "directory_leader",
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column("term", sa.BigInteger(), nullable=False),
+        sa.Column("url", sa.String(512), nullable=False),
+        sa.Column("since", sa.Float(), nullable=False),
+        sa.Column("pruned_below", sa.BigInteger(), nullable=False),
+    )
+    op.bulk_insert(leader, [{"id": 1, "term": 0, "url": "", "since": 0.0, "pruned_below": 0}])
+    op.create_table(
+        "changes",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True),
+        sa.Column("at", sa.Float(), nullable=False),
+        sa.Column("blocks", sa.Text(), nullable=False),
+        sa.Column("topology", sa.Boolean(), nullable=False),
+        sa.Column("namespaces", sa.Boolean(), nullable=False),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("changes")
+    op.drop_table("directory_leader")

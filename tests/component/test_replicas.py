@@ -1,0 +1,119 @@
+"""Directory replicas on one PostgreSQL database, in this process over real HTTP: a follower answers
+lookups from an index that follows the leader's commits and forwards every other call, the
+caller's credential with it; a leader whose term another replica took writes nothing more; on
+SQLite there is one directory, the leader, and no change log."""
+
+from __future__ import annotations
+
+import base64
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from kvstore.client import DirectoryClient
+from kvstore.core import specs
+from kvstore.core.credentials import TokenCreate
+from kvstore.core.errors import KVStoreError
+from kvstore.core.pages import PageAllocator
+from kvstore.directory.app import create_app
+from kvstore.worker.control import ControlServer
+from tests.helpers import ServerThread, free_port, wait_until
+from tests.stacks import NS, PAGE, Verdicts, make_settings
+
+
+@contextmanager
+def replica(database_url: str, **overrides):
+    port = free_port()
+    app = create_app(make_settings(database_url, advertise_url=f"http://127.0.0.1:{port}", **overrides))
+    with ServerThread(app, port=port) as server:
+        yield app, server.url
+
+
+def registration(control_url: str) -> specs.WorkerRegistration:
+    return specs.WorkerRegistration(
+        name="w0", agent_name="w0-agent", agent_metadata=base64.b64encode(b"md").decode(), control_url=control_url,
+        pid=1, backends=["UCX"], tiers=[specs.TierSpec(kind="dram", capacity_bytes=32 * PAGE, page_bytes=PAGE,
+                                                       base_addr=1 << 20, high_watermark=1.0, low_watermark=1.0)])
+
+
+def save(client: DirectoryClient, namespace_id: str, hashes: list[str]) -> int:
+    blocks = [specs.BlockToStore(hash=h, parent=p, nbytes=NS.block_nbytes)
+              for h, p in zip(hashes, [None, *hashes[:-1]])]
+    prepared = client.prepare_store(specs.PrepareStore(namespace_id=namespace_id, blocks=blocks))
+    done = [specs.BlockWritten(hash=b.hash, ok=True, checksum="0" * 16) for b in prepared.blocks]
+    return client.complete_store(specs.CompleteStore(token=prepared.token, blocks=done)).committed
+
+
+@pytest.mark.postgres
+def test_a_follower_serves_lookups_and_forwards_the_rest_with_the_callers_credential(postgres):
+    database_url = postgres.create_database()
+    control = ControlServer({"dram": PageAllocator(num_pages=32, page_bytes=PAGE)}, verifier=Verdicts())
+    control.start()
+    try:
+        with replica(database_url, require_auth=True) as (leader_app, leader_url):
+            tokens = leader_app.state.tokens
+            engine, worker, admin = (tokens.create(TokenCreate(name=s, scopes=[s], tenants=t)).token
+                                     for s, t in (("engine", [NS.tenant]), ("worker", []), ("admin", [])))
+            with replica(database_url, require_auth=True) as (_, url):  # reads the tokens at its start
+                as_engine = DirectoryClient(url, token=engine)
+                assert not DirectoryClient(url, token=admin).stats().leader
+                assert DirectoryClient(leader_url, token=admin).stats().leader
+                for token in (None, "kvs_" + "x" * 43):  # the leader checks the credential it is sent
+                    with pytest.raises(KVStoreError) as refused:
+                        DirectoryClient(url, token=token).register_namespace(NS)
+                    assert refused.value.kind == "unauthorized"
+                with pytest.raises(KVStoreError) as refused:  # an engine may not register workers
+                    DirectoryClient(url, token=engine).register_worker(registration(control.url))
+                assert refused.value.kind == "forbidden"
+                DirectoryClient(url, token=worker).register_worker(registration(control.url))
+                namespace_id = as_engine.register_namespace(NS)
+                hashes = [f"{i:032x}" for i in range(1, 5)]
+                assert save(as_engine, namespace_id, hashes) == 4
+                # the follower's index follows the leader's commit
+                wait_until(lambda: as_engine.lookup(namespace_id, hashes).num_hit_blocks == 4, 5, "hits on follower")
+                tier = DirectoryClient(url, token=admin).tiers()[0]  # forwarded: the leader's page credit
+                assert tier.credit_free_bytes == (32 - 4 * NS.block_nbytes // PAGE) * PAGE
+                bad = httpx.post(url + "/v1/store/prepare", headers={"authorization": f"Bearer {engine}"},
+                                 json={"namespace_id": namespace_id, "blocks": [{"hash": "zz", "nbytes": 1}]})
+                assert bad.status_code == 400 and bad.json()["error"] == "invalid"
+                huge = httpx.post(url + "/v1/namespaces", headers={"authorization": f"Bearer {engine}"},
+                                  content=b"{" + b" " * (40 << 20) + b"}")
+                assert huge.status_code == 413  # bounded before it is sent on
+                # an eviction through the follower: the blocks leave its index too
+                DirectoryClient(url, token=admin).evict(namespace_id)
+                wait_until(lambda: as_engine.lookup(namespace_id, hashes).num_hit_blocks == 0, 5, "misses on follower")
+    finally:
+        control.stop()
+
+
+@pytest.mark.postgres
+def test_a_leader_whose_term_was_taken_writes_nothing_more(postgres):
+    database_url = postgres.create_database()
+    with replica(database_url) as (app, url):
+        client = DirectoryClient(url)
+        assert client.stats().leader
+        engine = create_engine(database_url)
+        with engine.begin() as conn:  # what a new leader does first
+            conn.execute(text("UPDATE directory_leader SET term = term + 1"))
+        with pytest.raises(KVStoreError) as refused:
+            client.register_namespace(NS)
+        assert refused.value.kind == "unavailable"
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM namespaces")).scalar() == 0  # rolled back
+        assert httpx.get(url + "/healthz").status_code == 503  # its supervisor restarts it
+        assert httpx.get(url + "/v1/admin/stats").status_code == 503
+        engine.dispose()
+
+
+def test_on_sqlite_the_one_directory_leads_and_logs_no_changes(tmp_path):
+    database_url = f"sqlite:///{tmp_path / 'd.db'}"
+    with replica(database_url) as (_, url):
+        client = DirectoryClient(url)
+        namespace_id = client.register_namespace(NS)
+        assert client.stats().leader and namespace_id
+    engine = create_engine(database_url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM changes")).scalar() == 0
+    engine.dispose()

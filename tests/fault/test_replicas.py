@@ -1,0 +1,192 @@
+"""Three directory replicas on one PostgreSQL database and three workers on distinct loopback
+addresses (standing for hosts), as real processes, while two engines save and load in a loop:
+
+(a) the leading replica is SIGKILLed: a follower takes over, the engines see no exception and
+    only misses meanwhile; the killed replica comes back as a follower;
+(b) a following replica is SIGKILLed: nothing but the engines that used it notice (they move on);
+(c) a worker is drained: its DRAM goes down to its NVMe and its blocks stay readable;
+(d) a worker is SIGKILLed: its blocks become misses and are saved again elsewhere.
+
+Throughout, every load is byte-exact or a miss; at the end pins, leases and reservations are back
+to 0 and every surviving replica answers the same /v1/admin/stats. The failover times measured
+are written to the test's log (pytest -s shows them)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import DirectoryClient
+from tests.fault.conftest import SETTLE_S, TTL_S
+from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, prompt
+from tests.helpers import REPO, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+
+pytestmark = pytest.mark.postgres
+PER_PROCESS = ("leader", "commit_groups", "committed_jobs")  # what differs between replicas by design
+
+
+class Cluster:
+    def __init__(self, tmp: Path, database_url: str) -> None:
+        self.tmp, self.database_url = tmp, database_url
+        self.ports = [free_port() for _ in range(3)]
+        self.replicas: list[subprocess.Popen | None] = [None] * 3
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.env = {"KVSTORE_RESERVATION_TTL_S": str(TTL_S)}
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.ports[i]}"
+
+    @property
+    def urls(self) -> str:
+        return ",".join(self.url(i) for i in range(3))
+
+    def start_replica(self, i: int) -> None:
+        self.replicas[i] = spawn(kvstore_cmd(
+            "directory", "serve", "--insecure-no-auth", "--port", str(self.ports[i]), "--database-url",
+            self.database_url, "--lease-ttl", str(TTL_S), "--heartbeat-timeout", str(TTL_S)),
+            self.tmp / f"directory-{i}.log", env=self.env)
+        wait_http(self.url(i) + "/readyz?workers=0", proc=self.replicas[i])
+
+    def start_worker(self, i: int) -> None:
+        name = f"w{i}"
+        self.workers[name] = spawn(kvstore_cmd(
+            "worker", "serve", "--directory-url", self.urls, "--name", name, "--host", f"127.0.0.{2 + i}",
+            "--dram-bytes", "2MiB", "--page-bytes", "16KiB", "--nvme-bytes", "8MiB",
+            "--nvme-dir", str(self.tmp / f"nvme-{i}")), self.tmp / f"worker-{i}.log", env=self.env)
+
+    def live(self) -> list[int]:
+        return [i for i, p in enumerate(self.replicas) if p is not None and p.poll() is None]
+
+    def client(self, i: int) -> DirectoryClient:
+        return DirectoryClient(self.url(i))
+
+    def leader(self) -> int | None:
+        for i in self.live():
+            try:
+                if self.client(i).stats().leader:
+                    return i
+            except Exception:  # noqa: BLE001 (a replica that does not answer leads nothing)
+                pass
+        return None
+
+    def kill_replica(self, i: int) -> float:
+        self.replicas[i].send_signal(signal.SIGKILL)
+        self.replicas[i].wait()
+        return time.time()
+
+    def close(self) -> None:
+        for proc in [*self.workers.values(), *self.replicas]:
+            if proc is not None:
+                stop(proc)
+
+
+@pytest.fixture
+def cluster(tmp_path, postgres):
+    c = Cluster(tmp_path, postgres.create_database())
+    try:
+        for i in range(3):
+            c.start_replica(i)
+        for i in range(3):
+            c.start_worker(i)
+        wait_until(lambda: sorted(w.name for w in c.client(1).workers() if w.state == "active")
+                   == ["w0", "w1", "w2"], 60, "three active workers")
+        yield c
+    finally:
+        c.close()
+
+
+def engine(c: Cluster, urls: str, seed: int) -> tuple[subprocess.Popen, Path]:
+    markers = c.tmp / f"markers-{seed}"
+    markers.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fault.loop_engine", "--url", urls, "--seed", str(seed),
+                             "--out", str(c.tmp / f"engine-{seed}.json"), "--markers", str(markers)],
+                            cwd=REPO, stdout=open(c.tmp / f"engine-{seed}.log", "wb"), stderr=subprocess.STDOUT)
+    return proc, markers
+
+
+def hits_after(c: Cluster, t: float, markers: list[Path]) -> None:
+    """Wait until each engine has loaded a whole prompt after `t` (the store serves again)."""
+    def served() -> bool:
+        return all((m / "last_exact").exists() and float((m / "last_exact").read_text()) > t for m in markers)
+    wait_until(served, 60, "an exact load by every engine")
+
+
+def same_stats(c: Cluster) -> dict:
+    """Every live replica answers the same stats (per-process counters aside), within the settle time."""
+    def agree() -> bool:
+        seen = [{k: v for k, v in c.client(i).stats().model_dump().items() if k not in PER_PROCESS} for i in c.live()]
+        return all(s == seen[0] for s in seen)
+    wait_until(agree, SETTLE_S, "the same stats on every live replica")
+    return c.client(c.live()[0]).stats().model_dump()
+
+
+def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster):
+    c = cluster
+    assert c.leader() == 0  # the first to start took the lead
+    assert not c.client(1).stats().leader and not c.client(2).stats().leader
+    # engines list the replicas in different orders: one talks to the leader, one to a follower
+    engines = [engine(c, c.urls, seed=1), engine(c, ",".join(c.url(i) for i in (1, 2, 0)), seed=2)]
+    markers = [m for _, m in engines]
+    wait_until(lambda: all((m / "ready").exists() for m in markers), 120, "a first round by every engine")
+    timings = {}
+
+    # (a) the leader dies
+    killed = c.kill_replica(0)
+    wait_until(lambda: c.leader() is not None, 15, "a new leader")
+    timings["new_leader_s"] = time.time() - killed
+    hits_after(c, killed, markers)
+    timings["exact_loads_again_s"] = time.time() - killed
+    assert timings["exact_loads_again_s"] < 3.0, timings  # at most 3 s of misses
+    c.start_replica(0)  # back as a follower
+    assert not c.client(0).stats().leader
+
+    # (b) a follower dies
+    follower = next(i for i in c.live() if i != c.leader())
+    killed = c.kill_replica(follower)
+    hits_after(c, killed, markers)
+    timings["follower_death_exact_loads_again_s"] = time.time() - killed
+    assert timings["follower_death_exact_loads_again_s"] < 3.0, timings
+    assert c.leader() is not None and c.leader() != follower
+
+    # (c) a worker drains: DRAM down to its NVMe, still readable
+    any_replica = DirectoryClient(c.urls)
+    any_replica.drain("w0")
+    wait_until(lambda: any_replica.worker("w0").state == "drained", 60, "w0 drained")
+    drained = time.time()
+    hits_after(c, drained, markers)
+
+    # (d) a worker dies
+    c.workers["w1"].send_signal(signal.SIGKILL)
+    killed = time.time()
+    wait_until(lambda: any_replica.worker("w1").state == "dead", 30, "w1 dead")
+    hits_after(c, killed, markers)
+
+    for _, m in engines:
+        (m / "stop").touch()
+    results = []
+    for (proc, _), seed in zip(engines, (1, 2)):
+        assert proc.wait(timeout=120) == 0, (c.tmp / f"engine-{seed}.log").read_text()[-3000:]
+        results.append(json.loads((c.tmp / f"engine-{seed}.json").read_text()))
+    for r in results:
+        assert r["errors"] == [], r["errors"][:2]  # the store is a cache: no exception reaches an engine
+        outcomes = [e[2] for e in r["events"] if e[1] == "load"]
+        assert "wrong" not in outcomes  # never a wrong byte
+        assert outcomes.count("exact") > len(outcomes) // 3, outcomes
+    assert c.leader() is not None
+    stats = same_stats(c)
+    for seed in (1, 2):  # every live replica finds the same prefixes
+        chains = [[h.hex() for h in prompt(seed, k, np.zeros(BLOCKS * NAMESPACE.block_nbytes, np.uint8))[0]]
+                  for k in range(PROMPTS)]
+        found = [[c.client(i).lookup(NAMESPACE.namespace_id, chain).num_hit_blocks for chain in chains]
+                 for i in c.live()]
+        assert all(f == found[0] for f in found) and sum(found[0]) > 0, found
+    wait_until(lambda: all((s := c.client(i).stats()).pins == s.leases_active == s.reservations == 0
+                           for i in c.live()), SETTLE_S, "no pins, leases or reservations")
+    print(f"\nreplica failover: {json.dumps(timings)}; final stats {stats}")
