@@ -15,7 +15,7 @@ from rich.table import Table
 from kvstore import __version__
 from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, ago, console, directory, emit, one_line_errors
 from kvstore.cli.info import info
-from kvstore.cli.maintenance import evict, flush, write_through
+from kvstore.cli.maintenance import evict, flush, replicas, write_through
 from kvstore.cli.prefixes import inspect, lookup
 from kvstore.cli.run import up
 from kvstore.cli.serve import config_app, directory_app, worker_app
@@ -38,6 +38,7 @@ app.command()(inspect)
 app.command()(evict)
 app.command()(flush)
 app.command("write-through")(write_through)
+app.command()(replicas)
 
 
 def _print_version(wanted: bool) -> None:
@@ -78,13 +79,13 @@ def namespaces(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = No
         return
     table = Table()
     table.add_column("namespace_id", no_wrap=True, min_width=16)  # the id other commands take: never cut
-    for header in ("tenant", "model", "block", "blocks by tier", "write-through"):  # hash scheme: --output json
+    for header in ("tenant", "model", "block", "blocks by tier", "write-through", "replicas"):  # hash scheme: --output json
         table.add_column(header)
     for r in rows:
         table.add_row(r.namespace_id, r.tenant, r.model_id + (f"@{r.model_revision}" if r.model_revision else ""),
                       f"{r.block_tokens} tok, {format_size(r.block_nbytes)}",
                       " ".join(f"{k}:{n} ({format_size(r.bytes.get(k, 0))})" for k, n in sorted(r.blocks.items()))
-                      or "-", "on" if r.write_through else "")
+                      or "-", "on" if r.write_through else "", str(r.replicas))
     console.print(table)
 
 

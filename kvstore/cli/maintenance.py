@@ -1,4 +1,5 @@
-"""`kvstore evict`, `kvstore flush` and `kvstore write-through`: what operators change in the store."""
+"""`kvstore evict`, `kvstore flush`, `kvstore write-through` and `kvstore replicas`: what operators change
+in the store."""
 
 from __future__ import annotations
 
@@ -106,3 +107,14 @@ def write_through(namespace_id: str, off: Annotated[bool, typer.Option("--off", 
     emit(output, {"namespace_id": namespace_id, **policy.model_dump()},
          text=f"{namespace_id}: write-through {'on' if policy.write_through else 'off'}")
 
+
+
+@one_line_errors
+def replicas(namespace_id: str,
+             count: Annotated[int, typer.Argument(min=1, max=3, help="workers that hold each block (1-3)")],
+             url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, output: Output = "table") -> None:
+    """Keep each block of a namespace on COUNT workers (DRAM or NVMe), so that losing a worker loses no
+    prefix; the directory makes the copies in the background, worker to worker."""
+    policy = directory(url, token, ca_file).set_policy(namespace_id, specs.NamespacePolicy(replicas=count))
+    emit(output, {"namespace_id": namespace_id, **policy.model_dump()},
+         text=f"{namespace_id}: {policy.replicas} replica{'s' if policy.replicas > 1 else ''} per block")

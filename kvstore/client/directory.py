@@ -28,7 +28,10 @@ class DirectoryClient(JsonHttp):
         return [NamespaceInfo.model_validate(n) for n in self.call_raw("GET", "/v1/namespaces")]
 
     def set_policy(self, namespace_id: str, policy: specs.NamespacePolicy) -> specs.NamespacePolicy:
-        return self.call("PUT", f"/v1/namespaces/{quote(namespace_id, safe='')}/policy", policy, specs.NamespacePolicy)
+        """Sends only the fields `policy` was given: the others keep their values."""
+        answer = self.call_raw("PUT", f"/v1/namespaces/{quote(namespace_id, safe='')}/policy",
+                               policy.model_dump(exclude_unset=True))
+        return specs.NamespacePolicy.model_validate(answer)
 
     def register_worker(self, body: specs.WorkerRegistration) -> specs.Registered:
         return self.call("POST", "/v1/workers", body, specs.Registered)

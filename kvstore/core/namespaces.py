@@ -16,5 +16,6 @@ class NamespaceInfo(BaseModel):
     block_tokens: int
     block_nbytes: int
     write_through: bool
+    replicas: int = 1  # workers that hold each block (DRAM or NVMe)
     blocks: dict[str, int]  # tier kind -> visible replicas
     bytes: dict[str, int]  # tier kind -> their bytes

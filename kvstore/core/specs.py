@@ -362,8 +362,18 @@ class MoveItem(_Spec):
     hash: str
 
 
+class Peer(_Spec):
+    """Directory -> worker: another worker whose DRAM a move writes into (worker to worker, UCX)."""
+
+    agent_name: str = Field(max_length=200)
+    agent_metadata: str = Field(max_length=16 << 20, description="base64 of its NIXL agent metadata")
+    base_addr: int = Field(ge=0, description="address of its DRAM arena")
+    page_bytes: int = Field(gt=0)
+
+
 class MoveRequest(_Spec):
     items: list[MoveItem] = Field(min_length=1)
+    peer: Peer | None = Field(None, description="every item goes to this worker's DRAM (dst_runs are its pages)")
     expires_at: float | None = Field(None, description="unix time after which the worker must not start "
                                      "writing: the directory holds the destinations until then, no longer")
 
@@ -399,3 +409,5 @@ class NamespacePolicy(_Spec):
     """How the directory keeps a namespace's blocks; does not change its keys."""
 
     write_through: bool = Field(False, description="also keep a copy of every block in S3, for durability")
+    replicas: int = Field(1, ge=1, le=3, description="workers that hold each block in DRAM or NVMe (copies are "
+                          "made in the background), so that losing one worker loses no prefix")

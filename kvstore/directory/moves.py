@@ -1,6 +1,11 @@
-"""Copying blocks between two tiers of one worker: reserve, move, finish.
+"""Copying blocks between two tiers of one worker, or into another worker's DRAM: reserve, move, finish.
 
-    moves.copy(worker_id, source_tier_id, dest_kind, replica_ids, source_stays) -> {replica id: bytes}
+    moves.copy(worker_id, source_tier_id, dest_kind, replica_ids, source_stays[, dest_worker_id])
+        -> {replica id: bytes}
+
+A copy to another worker (`dest_worker_id`) is a UCX WRITE by the source worker into the
+destination's arena, in pages of the directory's credit there; the destination worker then checks
+each block's checksum (`POST /v1/verify`) before it counts.
 
 Three steps, so no job spans worker I/O:
 1. reserve (a job): destination pages (the directory's page pool for a memory
@@ -19,6 +24,7 @@ Three steps, so no job spans worker I/O:
 
 from __future__ import annotations
 
+import base64
 import logging
 import secrets
 import time
@@ -53,6 +59,9 @@ class _Source(NamedTuple):
     source: tuple  # (tier id, kind)
     dest: tuple | None  # (tier id, kind, page_bytes)
     rows: list  # (replica id, block id, nbytes)
+    dest_epoch: int  # the destination worker's (the source's own unless a peer)
+    dest_url: str
+    peer: specs.Peer | None  # the destination worker, when it is another
 
 
 class Moves:
@@ -70,13 +79,16 @@ class Moves:
         return self._backoff.get(tier_id, (0.0, 0.0))[0] > time.monotonic()
 
     def copy(self, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int],
-             source_stays: bool) -> dict[int, int]:
+             source_stays: bool, dest_worker_id: int | None = None) -> dict[int, int]:
         """The source replicas copied, with the bytes each held (freed by a move down once unpinned)."""
         if not replica_ids:
             return {}
-        found = self._write(lambda tx: _sources(tx, worker_id, source_tier_id, dest_kind, replica_ids))
+        found = self._write(lambda tx: _sources(tx, worker_id, source_tier_id, dest_kind, replica_ids,
+                                                dest_worker_id))
         if found is None or found.dest is None or not found.rows:
             return {}
+        if found.peer is not None and (found.source[1], dest_kind) != ("dram", "dram"):
+            raise ValueError("a copy to another worker goes DRAM to DRAM")
         token = "move-" + secrets.token_hex(16)  # recognised at a directory restart
         runs = None
         if found.dest[1] == "nvme":  # the worker owns its disk pages: ask it, outside every job
@@ -86,8 +98,11 @@ class Moves:
         if not plan:
             return {}
         t0 = time.perf_counter()
-        result = self._calls.move(found.worker_url, [m.item for m in plan], deadline)
+        result = self._calls.move(found.worker_url, [m.item for m in plan], deadline, found.peer)
         route = f"{found.source[1]} -> {found.dest[1]}"
+        if found.peer is not None:
+            route += " (another worker)"
+            result = self._checked_at_peer(found, plan, result)
         self._note_outcome(found.dest[0], route, result)
         done = self._write(lambda tx: self._finish(tx, plan, result, source_stays))
         log.debug("copied %d of %d blocks %s in %.1f ms", len(done), len(plan), route,
@@ -97,7 +112,7 @@ class Moves:
     def _reserve(self, tx: Tx, found: _Source, token: str, runs, deadline: float, only_ready: bool) -> list[_Move]:
         """Destination replicas for the sources still readable; what was allocated and not used goes back."""
         dest_id, dest_kind, page_bytes = found.dest
-        worker_epoch = found.worker_epoch
+        worker_epoch = found.dest_epoch  # the destination's pages and its replica's epoch
         sources = repo_moves.replicas_by_id(tx.session, [r for r, _, _ in found.rows])
         blocks = {b.id: b for b in tx.session.query(Block).filter(Block.id.in_([b for _, b, _ in found.rows]))}
         plan, taken, used = [], set(), 0
@@ -157,6 +172,25 @@ class Moves:
         self._reclaim.collect_deleting(tx)
         return done
 
+    def _checked_at_peer(self, found: _Source, plan: list[_Move], result: specs.MoveResult) -> specs.MoveResult:
+        """The destination worker hashes what it received; a block it does not confirm failed (its
+        pages go back: the source answered, so nothing writes them any more)."""
+        codes = list(result.codes or ["ok" if ok else "failed" for ok in result.ok])
+        copied = [k for k, code in enumerate(codes) if code == "ok"]
+        if not copied:
+            return result
+        matches = self._calls.verify(found.dest_url, [(found.dest[1], plan[k].item.dst_runs, plan[k].item.nbytes,
+                                                       plan[k].item.checksum) for k in copied])
+        errors = list(result.errors)
+        for k, match in zip(copied, matches):
+            if match is not True:
+                codes[k] = "failed"
+                errors[k] = "the destination worker did not confirm the block's checksum"
+        if any(m is not True for m in matches):
+            log.warning("%d of %d blocks copied to worker at %s not confirmed there",
+                        sum(m is not True for m in matches), len(copied), found.dest_url)
+        return specs.MoveResult(ok=[c == "ok" for c in codes], errors=errors, codes=codes)
+
     def _note_outcome(self, dest_tier_id: int, route: str, result: specs.MoveResult) -> None:
         """Count failed moves; a route whose every move failed backs off (1 s doubling to 60 s)."""
         failed = len(result.ok) - sum(result.ok)
@@ -172,16 +206,21 @@ class Moves:
             log.info("moves %s succeed again", route)
 
 
-def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int]) -> _Source | None:
+def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int],
+             dest_worker_id: int | None = None) -> _Source | None:
     worker = tx.session.get(Worker, worker_id)
     source = tx.session.get(Tier, source_tier_id)
-    if worker is None or source is None:
+    target = tx.session.get(Worker, dest_worker_id) if dest_worker_id is not None else worker
+    if worker is None or source is None or target is None or (target is not worker and target.state != "active"):
         return None
-    dest = repo.tiers_of(tx.session, worker_id).get(dest_kind)
+    dest = repo.tiers_of(tx.session, target.id).get(dest_kind)
     pairs = repo_moves.replica_block_pairs(tx.session, replica_ids)
+    peer = specs.Peer(agent_name=target.agent_name, agent_metadata=base64.b64encode(target.agent_metadata).decode(),
+                      base_addr=dest.base_addr, page_bytes=dest.page_bytes) \
+        if target is not worker and dest is not None else None
     return _Source(worker.control_url, worker.epoch, (source.id, source.kind),
                    (dest.id, dest.kind, dest.page_bytes) if dest is not None else None,
-                   [(r.id, b.id, b.nbytes) for r, b in pairs])
+                   [(r.id, b.id, b.nbytes) for r, b in pairs], target.epoch, target.control_url, peer)
 
 
 def _item(replica: Replica, source_kind: str, dest_kind: str, token: str, runs, block: Block) -> specs.MoveItem:

@@ -1,8 +1,8 @@
-"""SQL only, for moving blocks between tiers: victims, copies, write-through."""
+"""SQL only, for moving blocks between tiers and workers: victims, copies, write-through, replication."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import case, distinct, func, select
 from sqlalchemy.orm import Session, aliased
 
 from kvstore.directory.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
@@ -106,3 +106,21 @@ def ready_replicas_by_key(session: Session, tier_id: int, keys: list[str]) -> li
                             Block.hash.in_(chunk)))
             found.update((f"{namespace_id}/{b.hash}", (r, b)) for r, b in session.execute(query).tuples())
     return [found[k] for k in keys if k in found]
+
+
+def replicated_namespaces(session: Session) -> dict[str, int]:
+    """Namespaces that want each block on more than one worker, and how many."""
+    query = select(NamespaceRow.id, NamespaceRow.replicas).where(NamespaceRow.replicas > 1)
+    return {namespace_id: n for namespace_id, n in session.execute(query)}
+
+
+def under_replicated(session: Session, namespace_id: str, wanted: int, limit: int) -> list[int]:
+    """Blocks of a namespace that a live worker holds (READY or MOVING, in HBM, DRAM or NVMe) but fewer
+    than `wanted` active workers do, oldest first."""
+    active = func.count(distinct(case((Worker.state == "active", Tier.worker_id))))
+    query = (select(Replica.block_id).join(Tier, Replica.tier_id == Tier.id).join(Worker, Tier.worker_id == Worker.id)
+             .join(Block, Replica.block_id == Block.id)
+             .where(Block.namespace_id == namespace_id, Replica.state.in_(VISIBLE),
+                    Tier.kind.in_(("hbm", "dram", "nvme")), Worker.state != "dead")
+             .group_by(Replica.block_id).having(active < wanted).order_by(Replica.block_id).limit(limit))
+    return list(session.scalars(query))

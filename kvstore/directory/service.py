@@ -7,7 +7,8 @@ Calls, in the order a block lives through them:
     loads.lookup                                        (the in-memory index: no lock, no SQL)
     loads.prepare -> loads.complete                     (promotes to memory if needed; pins under a lease)
     reap()                                              (expired leases and reservations, dead workers,
-                                                         access statistics, demotion, write-through)
+                                                         access statistics, drains, demotion, write-through,
+                                                         copies to other workers for replicated namespaces)
 
 Every change to SQL is a job on the one writer (`writer.py`, group commit);
 worker calls are made outside jobs.
@@ -46,6 +47,7 @@ from kvstore.directory.pools import PagePools
 from kvstore.directory.reclaim import Reclaim
 from kvstore.directory.reservations import Reservations
 from kvstore.directory.settings import DirectorySettings
+from kvstore.directory.spread import Spread
 from kvstore.directory.store import Store
 from kvstore.directory.workercalls import WorkerCalls
 from kvstore.directory.writer import Tx, Writer
@@ -69,8 +71,9 @@ class DirectoryService:
         self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s, ca_file=settings.ca_file)
         reclaim = Reclaim(self.calls, self.pools)
         self.reservations = Reservations()
-        self.movement = Movement(write, Moves(write, self.calls, reclaim, self.pools, metrics, clock), reclaim,
-                                 self.pools, self.policies, self.reservations.reserved_bytes)
+        moves = Moves(write, self.calls, reclaim, self.pools, metrics, clock)
+        self.movement = Movement(write, moves, reclaim, self.pools, self.policies, self.reservations.reserved_bytes)
+        self.spread = Spread(write, moves, reclaim, self.pools)
         self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock)
         self.store = Store(self.writer, self.index, self.pools, self.reservations, self.policies, metrics, settings,
                            self.movement.make_room, clock)
@@ -178,18 +181,21 @@ class DirectoryService:
             out.append(NamespaceInfo(namespace_id=row.id, tenant=ns.tenant, model_id=ns.model_id,
                                      model_revision=ns.model_revision, hash_scheme=ns.hash_scheme,
                                      block_tokens=ns.block_tokens, block_nbytes=ns.block_nbytes,
-                                     write_through=bool(row.write_through),
+                                     write_through=bool(row.write_through), replicas=row.replicas or 1,
                                      blocks={k: n for k, (n, _) in held.items()},
                                      bytes={k: b for k, (_, b) in held.items()}))
         return out
 
     def set_policy(self, namespace_id: str, policy: specs.NamespacePolicy) -> specs.NamespacePolicy:
+        """Changes the fields the body names (the others keep their values); returns the whole policy."""
         self.namespace(namespace_id)
 
-        def job(tx: Tx) -> None:
-            repo.namespace(tx.session, namespace_id).write_through = policy.write_through
-        self.writer.run(job)
-        return policy
+        def job(tx: Tx) -> specs.NamespacePolicy:
+            row = repo.namespace(tx.session, namespace_id)
+            for name in policy.model_fields_set:
+                setattr(row, name, getattr(policy, name))
+            return specs.NamespacePolicy(write_through=bool(row.write_through), replicas=row.replicas or 1)
+        return self.writer.run(job)
 
     # ---- the hot calls, checked -------------------------------------------------------------------
 
@@ -280,11 +286,13 @@ class DirectoryService:
         self.loads.flush_accesses()
         for worker_id in self.membership.ungranted():
             self.membership.grant(worker_id)
-        drained = self.movement.drain(draining) if draining else 0
+        drained = sum(self.spread.drain(w) for w in draining)  # onto other workers first
+        drained += self.movement.drain(draining) if draining else 0  # what found no room there: a tier down
         demoted = self.movement.demote()
         copied = self.movement.write_through()
+        replicated = self.spread.replicate()
         return {"leases": leases, "reservations": tokens, "dead_workers": dead, "drained": drained,
-                "demoted": demoted, "written_through": copied}
+                "demoted": demoted, "written_through": copied, "replicated": replicated}
 
     # ---- operators ------------------------------------------------------------------------
 

@@ -72,11 +72,13 @@ class WorkerCalls:
     def allocate(self, url: str, kind: str, token: str, sizes: list[int]) -> list[list[specs.PageRun] | None]:
         return self.client(url).allocate(specs.AllocRequest(token=token, kind=kind, sizes=sizes)).runs
 
-    def move(self, url: str, items: list[specs.MoveItem], deadline: float) -> specs.MoveResult:
+    def move(self, url: str, items: list[specs.MoveItem], deadline: float,
+             peer: specs.Peer | None = None) -> specs.MoveResult:
         """The worker must not start after `deadline` (unix time) nor wait past it; we wait for its
-        answer until a little after. No answer: every item is `unreachable` (outcome unknown)."""
+        answer until a little after. No answer: every item is `unreachable` (outcome unknown).
+        `peer`: the items go into that worker's DRAM."""
         try:
-            return self.client(url).move(specs.MoveRequest(items=items, expires_at=deadline),
+            return self.client(url).move(specs.MoveRequest(items=items, expires_at=deadline, peer=peer),
                                          timeout_s=self.move_timeout_s + min(5.0, self.move_timeout_s / 2))
         except KVStoreError as exc:
             return specs.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),

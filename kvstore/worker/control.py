@@ -7,7 +7,7 @@ and key it serves HTTPS.
     POST /v1/grant  GrantRequest -> GrantResult   (page credit: many free pages of a memory tier at once)
     POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with the reservation token)
     POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
-    POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers)
+    POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers, or into another worker's DRAM)
     POST /v1/verify VerifyRequest -> VerifyResult  (do replicas still hash to their checksums?)
     GET  /healthz
     GET  /metrics   Prometheus text; open with `open_metrics`, else it needs the metrics token (or the secret)

@@ -14,12 +14,15 @@ fails the item, so corrupt bytes never become a replica.
     nvme -> s3     through the bounce buffer (registered once)
     hbm <-> dram   UCX on VRAM, loopback (GPU path, never run here)
     hbm <-> nvme   GDS_MT (cuFile), VRAM <-> slab file, when the worker has it (GPU path, never run here)
+    dram -> a peer's dram   UCX WRITE into another worker's arena (the request names the peer: its
+                   agent metadata and arena); the directory has the peer check what arrived
 
 All blocks of one route in a request travel in one NIXL request.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -72,6 +75,8 @@ class Mover:
         self.s3 = s3
         self.hbm = hbm
         self.gds = gds
+        self._peers: dict[str, str] = {}  # agent name -> the name NIXL loaded it under
+        self._peers_lock = threading.Lock()
 
     def move(self, req: specs.MoveRequest) -> specs.MoveResult:
         if req.expires_at is not None and time.time() >= req.expires_at:
@@ -80,7 +85,49 @@ class Mover:
             return specs.MoveResult(ok=[False] * n, errors=["the move's deadline passed before it started"] * n,
                                     codes=["expired"] * n)
         _deadline.at = req.expires_at
-        return self._move(req)
+        return self._to_peer(req) if req.peer is not None else self._move(req)
+
+    def _to_peer(self, req: specs.MoveRequest) -> specs.MoveResult:
+        """Every item from this worker's DRAM into the peer's, in one UCX request; each source is
+        checked against its checksum first."""
+        started = time.perf_counter()
+        errors: dict[int, str | None] = {}
+        todo = []
+        for i, item in enumerate(req.items):
+            if (item.src_kind, item.dst_kind) != ("dram", "dram"):
+                errors[i] = Refused(f"a copy to another worker goes DRAM to DRAM, not {item.src_kind} -> "
+                                    f"{item.dst_kind}")
+            elif self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
+                errors[i] = SourceCorrupt("checksum mismatch in DRAM before the copy to another worker")
+            else:
+                todo.append(i)
+        if todo:
+            peer = req.peer
+            try:
+                name = self._peer(peer)
+                pairs = [_paired(self.dram_rows(req.items[i].src_runs, req.items[i].nbytes),
+                                 np.array(specs.page_spans(peer.base_addr, peer.page_bytes, req.items[i].dst_runs,
+                                                           req.items[i].nbytes), dtype=np.uint64)) for i in todo]
+                error = self._post("WRITE", np.concatenate([p[0] for p in pairs]),
+                                   np.concatenate([p[1] for p in pairs]), "DRAM", peer=name)
+            except Exception as exc:  # noqa: BLE001 (bad metadata or a peer NIXL cannot load: the items fail)
+                error = f"cannot write to worker agent {peer.agent_name}: {exc}"
+            errors.update((i, error) for i in todo)
+            if error:
+                log.warning("copy of %d blocks to worker agent %s failed: %s", len(todo), peer.agent_name, error)
+        self.metrics.move_seconds.labels("dram_peer_dram").observe(time.perf_counter() - started)
+        ordered = [errors[i] for i in range(len(req.items))]
+        codes = ["ok" if e is None else "source_corrupt" if isinstance(e, SourceCorrupt) else "failed"
+                 for e in ordered]
+        self._count(req.items, codes, [isinstance(e, Refused) for e in ordered])
+        return specs.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
+
+    def _peer(self, peer: specs.Peer) -> str:
+        """The peer's agent, loaded once per agent name (a restarted worker has a new one)."""
+        with self._peers_lock:
+            if peer.agent_name not in self._peers:
+                self._peers[peer.agent_name] = self.agent.add_peer(base64.b64decode(peer.agent_metadata))
+            return self._peers[peer.agent_name]
 
     def _move(self, req: specs.MoveRequest) -> specs.MoveResult:
         errors: dict[int, str | None] = {}
@@ -284,9 +331,10 @@ class Mover:
         return self._post(op, local, remote, "OBJ")
 
     def _post(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str,
-              local_mem: str = "DRAM") -> str | None:
-        """One NIXL request between local memory and one of this worker's own tiers; None when done."""
-        transfer = self.agent.submit(op, local, remote, self.agent.name, local_mem, remote_mem)
+              local_mem: str = "DRAM", peer: str | None = None) -> str | None:
+        """One NIXL request between local memory and one of this worker's own tiers (or a peer's
+        memory); None when done."""
+        transfer = self.agent.submit(op, local, remote, peer or self.agent.name, local_mem, remote_mem)
         deadline = getattr(_deadline, "at", None)
         wait_s = MAX_WAIT_S if deadline is None else max(0.0, min(MAX_WAIT_S, deadline - time.time()))
         if transfer.wait(wait_s) == "done":

@@ -408,7 +408,14 @@ def test_operator_eviction_by_bytes_with_a_dry_run(stack):
 
 def test_namespace_policy_is_stored_and_unknown_namespaces_are_404(stack):
     answer = stack.http.put(f"/v1/namespaces/{stack.namespace_id}/policy", json={"write_through": True})
-    assert answer.status_code == 200 and answer.json() == {"write_through": True}
+    assert answer.status_code == 200 and answer.json() == {"write_through": True, "replicas": 1}
+    answer = stack.http.put(f"/v1/namespaces/{stack.namespace_id}/policy", json={"replicas": 2})
+    assert answer.json() == {"write_through": True, "replicas": 2}  # what the body does not name stays
+    assert stack.client.set_policy(stack.namespace_id, specs.NamespacePolicy(write_through=False)).replicas == 2
+    assert [n.replicas for n in stack.client.namespaces()] == [2]
+    for bad in (0, 4, "two"):
+        answer = stack.http.put(f"/v1/namespaces/{stack.namespace_id}/policy", json={"replicas": bad})
+        assert answer.status_code == 400 and answer.json()["error"] == "invalid", bad
     answer = stack.http.put("/v1/namespaces/0000000000000000/policy", json={"write_through": True})
     assert answer.status_code == 404 and answer.json()["error"] == "not_found"
     answer = stack.http.put(f"/v1/namespaces/{stack.namespace_id}/policy", json={"write_through": "maybe"})

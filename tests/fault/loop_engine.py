@@ -1,10 +1,10 @@
 """An engine that saves and loads prompts in a loop until told to stop (the replica fault tests).
 
-    python -m tests.fault.loop_engine --url URL1,URL2,... --out R.json --markers DIR [--seed S]
+    python -m tests.fault.loop_engine --url URL1,URL2,... --out R.json --markers DIR [--seed S] [--rounds N]
 
 Prompt k is BLOCKS blocks whose bytes follow from (seed, k) alone, so every load is checked byte
 for byte. Each round loads every prompt and saves again whatever missed. The engine writes
-DIR/ready after its first round and stops when DIR/stop appears; --out then gets every call's
+DIR/ready after its first round and stops when DIR/stop appears (or after --rounds); --out then gets every call's
 outcome with its time: a load is `exact` (all blocks, right bytes), `partial` (a verified prefix,
 right bytes), `miss`, or `wrong` (bytes that differ: must never happen); a call that raised is
 recorded with its exception (must never happen either: the store is a cache).
@@ -49,7 +49,7 @@ def run(args) -> dict:
     with KVStoreClient(args.url, NAMESPACE, staging_bytes=BLOCKS * NAMESPACE.block_nbytes) as client:
         client.register_buffer(memory)
         rounds = 0
-        while not (markers / "stop").exists():
+        while not (markers / "stop").exists() and (not args.rounds or rounds < args.rounds):
             for hashes, blocks in prompts:
                 chunks[-1][:] = 0
                 try:
@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--markers", required=True)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: at DIR/stop)")
     args = p.parse_args()
     Path(args.out).write_text(json.dumps(run(args)))
 

@@ -1,15 +1,18 @@
 """Three directory replicas on one PostgreSQL database and three workers on distinct loopback
-addresses (standing for hosts), as real processes, while two engines save and load in a loop:
+addresses (standing for hosts), as real processes, while two engines save and load in a loop in a
+namespace whose blocks are kept on two workers (`replicas` 2):
 
-(a) the leading replica is SIGKILLed: a follower takes over, the engines see no exception and
-    only misses meanwhile; the killed replica comes back as a follower;
-(b) a following replica is SIGKILLed: nothing but the engines that used it notice (they move on);
-(c) a worker is drained: its DRAM goes down to its NVMe and its blocks stay readable;
-(d) a worker is SIGKILLed: its blocks become misses and are saved again elsewhere.
+(a) the leading replica is SIGKILLed: a follower takes over, the engines see no exception and at
+    most 3 s of misses; the killed replica comes back as a follower;
+(b) a following replica is SIGKILLed: the engines that used it move on at once;
+(c) a worker is drained: its DRAM blocks go to the other workers (worker to worker), none to its
+    own NVMe, and every block is on two workers again;
+(d) a worker is SIGKILLed once every block is on two workers: no prefix is lost (a new engine
+    loads every prompt whole at its first try).
 
 Throughout, every load is byte-exact or a miss; at the end pins, leases and reservations are back
-to 0 and every surviving replica answers the same /v1/admin/stats. The failover times measured
-are written to the test's log (pytest -s shows them)."""
+to 0 and every surviving replica answers the same /v1/admin/stats and lookups. The failover times
+measured are printed (pytest -s shows them)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import numpy as np
 import pytest
 
 from kvstore.client import DirectoryClient
+from kvstore.core.inspection import InspectRequest
+from kvstore.core.specs import NamespacePolicy
 from tests.fault.conftest import SETTLE_S, TTL_S
 from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, prompt
 from tests.helpers import REPO, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
@@ -38,6 +43,7 @@ class Cluster:
         self.ports = [free_port() for _ in range(3)]
         self.replicas: list[subprocess.Popen | None] = [None] * 3
         self.workers: dict[str, subprocess.Popen] = {}
+        self.engines: list[subprocess.Popen] = []  # killed at the end, whatever happened
         self.env = {"KVSTORE_RESERVATION_TTL_S": str(TTL_S)}
 
     def url(self, i: int) -> str:
@@ -82,6 +88,9 @@ class Cluster:
         return time.time()
 
     def close(self) -> None:
+        for proc in self.engines:
+            proc.kill()
+            proc.wait()
         for proc in [*self.workers.values(), *self.replicas]:
             if proc is not None:
                 stop(proc)
@@ -102,13 +111,29 @@ def cluster(tmp_path, postgres):
         c.close()
 
 
-def engine(c: Cluster, urls: str, seed: int) -> tuple[subprocess.Popen, Path]:
-    markers = c.tmp / f"markers-{seed}"
+def engine(c: Cluster, urls: str, seed: int, run: str = "", *args: str) -> tuple[subprocess.Popen, Path]:
+    markers = c.tmp / f"markers-{seed}{run}"
     markers.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "tests.fault.loop_engine", "--url", urls, "--seed", str(seed),
-                             "--out", str(c.tmp / f"engine-{seed}.json"), "--markers", str(markers)],
-                            cwd=REPO, stdout=open(c.tmp / f"engine-{seed}.log", "wb"), stderr=subprocess.STDOUT)
+                             "--out", str(c.tmp / f"engine-{seed}{run}.json"), "--markers", str(markers), *args],
+                            cwd=REPO, stdout=open(c.tmp / f"engine-{seed}{run}.log", "wb"), stderr=subprocess.STDOUT)
+    c.engines.append(proc)
     return proc, markers
+
+
+def chains(seed: int) -> list[list[str]]:
+    scratch = np.zeros(BLOCKS * NAMESPACE.block_nbytes, np.uint8)
+    return [[h.hex() for h in prompt(seed, k, scratch)[0]] for k in range(PROMPTS)]
+
+
+def workers_per_block(client: DirectoryClient, seeds=(1, 2)) -> list[set[str]]:
+    """For every block of the engines' prompts, the workers holding it (READY, any tier but S3)."""
+    held = []
+    for seed in seeds:
+        for chain in chains(seed):
+            result = client.inspect(InspectRequest(namespace_id=NAMESPACE.namespace_id, hashes=chain))
+            held += [{r.worker for r in b.replicas if r.state == "ready" and r.tier != "s3"} for b in result.blocks]
+    return held
 
 
 def hits_after(c: Cluster, t: float, markers: list[Path]) -> None:
@@ -131,6 +156,9 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
     c = cluster
     assert c.leader() == 0  # the first to start took the lead
     assert not c.client(1).stats().leader and not c.client(2).stats().leader
+    any_replica = DirectoryClient(c.urls)
+    any_replica.register_namespace(NAMESPACE)
+    assert any_replica.set_policy(NAMESPACE.namespace_id, NamespacePolicy(replicas=2)).replicas == 2
     # engines list the replicas in different orders: one talks to the leader, one to a follower
     engines = [engine(c, c.urls, seed=1), engine(c, ",".join(c.url(i) for i in (1, 2, 0)), seed=2)]
     markers = [m for _, m in engines]
@@ -155,18 +183,12 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
     assert timings["follower_death_exact_loads_again_s"] < 3.0, timings
     assert c.leader() is not None and c.leader() != follower
 
-    # (c) a worker drains: DRAM down to its NVMe, still readable
-    any_replica = DirectoryClient(c.urls)
+    # (c) a worker drains: its DRAM goes to the other workers, not to its own NVMe
     any_replica.drain("w0")
     wait_until(lambda: any_replica.worker("w0").state == "drained", 60, "w0 drained")
     drained = time.time()
     hits_after(c, drained, markers)
-
-    # (d) a worker dies
-    c.workers["w1"].send_signal(signal.SIGKILL)
-    killed = time.time()
-    wait_until(lambda: any_replica.worker("w1").state == "dead", 30, "w1 dead")
-    hits_after(c, killed, markers)
+    assert all("w0" not in held for held in workers_per_block(any_replica))  # nothing left on w0, NVMe included
 
     for _, m in engines:
         (m / "stop").touch()
@@ -174,6 +196,18 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
     for (proc, _), seed in zip(engines, (1, 2)):
         assert proc.wait(timeout=120) == 0, (c.tmp / f"engine-{seed}.log").read_text()[-3000:]
         results.append(json.loads((c.tmp / f"engine-{seed}.json").read_text()))
+
+    # (d) a worker dies once every block is on two workers: nothing is lost
+    wait_until(lambda: all(held == {"w1", "w2"} for held in workers_per_block(any_replica)), 60,
+               "every block on w1 and w2")
+    c.workers["w1"].send_signal(signal.SIGKILL)
+    wait_until(lambda: any_replica.worker("w1").state == "dead", 30, "w1 dead")
+    for seed in (1, 2):
+        proc, _ = engine(c, c.urls, seed, "-after", "--rounds", "1")
+        assert proc.wait(timeout=120) == 0, (c.tmp / f"engine-{seed}-after.log").read_text()[-3000:]
+        after = json.loads((c.tmp / f"engine-{seed}-after.json").read_text())
+        assert after["errors"] == [] and [e[2] for e in after["events"]] == ["exact"] * PROMPTS, after["events"]
+
     for r in results:
         assert r["errors"] == [], r["errors"][:2]  # the store is a cache: no exception reaches an engine
         outcomes = [e[2] for e in r["events"] if e[1] == "load"]
@@ -181,12 +215,10 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
         assert outcomes.count("exact") > len(outcomes) // 3, outcomes
     assert c.leader() is not None
     stats = same_stats(c)
-    for seed in (1, 2):  # every live replica finds the same prefixes
-        chains = [[h.hex() for h in prompt(seed, k, np.zeros(BLOCKS * NAMESPACE.block_nbytes, np.uint8))[0]]
-                  for k in range(PROMPTS)]
-        found = [[c.client(i).lookup(NAMESPACE.namespace_id, chain).num_hit_blocks for chain in chains]
+    for seed in (1, 2):  # every live replica finds every prefix whole
+        found = [[c.client(i).lookup(NAMESPACE.namespace_id, chain).num_hit_blocks for chain in chains(seed)]
                  for i in c.live()]
-        assert all(f == found[0] for f in found) and sum(found[0]) > 0, found
+        assert all(f == [BLOCKS] * PROMPTS for f in found), found
     wait_until(lambda: all((s := c.client(i).stats()).pins == s.leases_active == s.reservations == 0
                            for i in c.live()), SETTLE_S, "no pins, leases or reservations")
     print(f"\nreplica failover: {json.dumps(timings)}; final stats {stats}")

@@ -118,9 +118,12 @@ def test_cli_errors_are_one_line_and_a_nonzero_exit():
 def test_an_unknown_output_format_is_refused_before_anything_runs():
     for command in (("tiers",), ("workers",), ("tokens", "list"), ("namespaces",), ("stats",), ("info",),
                     ("lookup", "x", "1"), ("inspect", "x", "1"), ("flush", "--namespace", "x"), ("tokens", "revoke", "x"),
-                    ("evict", "--tier", "dram", "--all"), ("write-through", "x"), ("workers", "drain", "w"),
+                    ("evict", "--tier", "dram", "--all"), ("write-through", "x"), ("replicas", "x", "2"),
+                    ("workers", "drain", "w"),
                     ("db", "upgrade"), ("config", "show")):
         remote = command[0] not in ("db", "config")  # those two call no directory
         result = cli(*command, "--output", "yaml", *(("--url", "http://127.0.0.1:9") if remote else ()))
         assert result.returncode == 2 and "'yaml' is not one of" in result.stderr, (command, result.stderr)
+    too_many = cli("replicas", "x", "4", "--url", "http://127.0.0.1:9")
+    assert too_many.returncode == 2 and "less than or equal to 3" in too_many.stderr, too_many.stderr
     assert cli("--version").stdout.startswith("kvstore ")

@@ -1,4 +1,4 @@
-from sqlalchemy import JSON, Boolean, Float, String, false
+from sqlalchemy import JSON, Boolean, Float, Integer, String, false, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from kvstore.directory.models.base import Base
@@ -11,3 +11,4 @@ class NamespaceRow(Base):
     spec: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float)
     write_through: Mapped[bool] = mapped_column(Boolean, server_default=false(), default=False)  # copy to S3
+    replicas: Mapped[int] = mapped_column(Integer, server_default=text("1"), default=1)  # workers per block

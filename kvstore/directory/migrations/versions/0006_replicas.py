@@ -1,4 +1,5 @@
-"""directory_leader (who leads, its term) and changes (the leader's commits, for the other replicas)
+"""directory_leader (who leads, its term), changes (the leader's commits, for the other replicas),
+namespaces.replicas (workers that hold each block)
 
 Revision ID: 0006
 Revises: 0005
@@ -30,8 +31,12 @@ def upgrade() -> None:
         sa.Column("topology", sa.Boolean(), nullable=False),
         sa.Column("namespaces", sa.Boolean(), nullable=False),
     )
+    with op.batch_alter_table("namespaces") as batch_op:
+        batch_op.add_column(sa.Column("replicas", sa.Integer(), server_default="1", nullable=False))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("namespaces") as batch_op:
+        batch_op.drop_column("replicas")
     op.drop_table("changes")
     op.drop_table("directory_leader")
