@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from urllib.parse import quote
 
 from kvstore.client.http import JsonHttp
@@ -15,7 +16,7 @@ from kvstore.core.namespaces import NamespaceInfo
 class DirectoryClient(JsonHttp):
     """`token` defaults to $KVSTORE_TOKEN, `ca_file` to $KVSTORE_CA_FILE."""
 
-    def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None,
+    def __init__(self, base_url: str | Sequence[str], timeout_s: float = 30.0, token: str | None = None,
                  ca_file: str | None = None) -> None:
         super().__init__(base_url, timeout_s, token or os.environ.get("KVSTORE_TOKEN") or None,
                          ca_file or os.environ.get("KVSTORE_CA_FILE") or None)

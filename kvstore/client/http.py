@@ -21,6 +21,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -91,13 +92,13 @@ class _Server:
 
 
 class JsonHttp:
-    """`base_url`: one URL, or several separated by commas (tried in turn, see above). `token`
+    """`base_url`: one URL, or several separated by commas or as a list (tried in turn, see above). `token`
     goes in every request as a bearer credential; `ca_file` (else the system's CAs) checks an
     https server's certificate."""
 
-    def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None,
+    def __init__(self, base_url: str | Sequence[str], timeout_s: float = 30.0, token: str | None = None,
                  ca_file: str | None = None) -> None:
-        urls = [u for u in base_url.split(",") if u.strip()]
+        urls = [u for u in (base_url.split(",") if isinstance(base_url, str) else base_url) if u.strip()]
         if not urls:
             raise KVStoreError("invalid", f"not an http(s) URL: {base_url!r}")
         self._servers = [_Server(u, ca_file) for u in urls]

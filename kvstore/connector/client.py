@@ -42,10 +42,11 @@ READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this siz
 
 
 class KVStoreClient:
-    def __init__(self, url: str, namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
+    def __init__(self, url: str | Sequence[str], namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True,
                  token: str | None = None, ca_file: str | None = None, hosts: list[str] | None = None) -> None:
-        """`token`: an engine token of the namespace's tenant (default: $KVSTORE_TOKEN); `ca_file`:
+        """`url`: the directory, or its replicas (comma-separated, or a list): calls move to the next
+        on a connection error or a 5xx. `token`: an engine token of the namespace's tenant (default: $KVSTORE_TOKEN); `ca_file`:
         the CA bundle of an https directory (default: $KVSTORE_CA_FILE); `hosts`: addresses of this
         host a worker may have registered, beyond its names and addresses (saves prefer such workers)."""
         if namespace.layout != LAYOUTS[0]:

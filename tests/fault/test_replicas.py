@@ -1,5 +1,5 @@
 """Three directory replicas on one PostgreSQL database and three workers on distinct loopback
-addresses (standing for hosts), as real processes, while two engines save and load in a loop in a
+addresses (standing for hosts) with DRAM, NVMe and an S3 tier (moto), as real processes, while two engines save and load in a loop in a
 namespace whose blocks are kept on two workers (`replicas` 2):
 
 (a) the leading replica is SIGKILLed: a follower takes over, the engines see no exception and at
@@ -7,8 +7,8 @@ namespace whose blocks are kept on two workers (`replicas` 2):
 (b) a following replica is SIGKILLed: the engines that used it move on at once;
 (c) a worker is drained: its DRAM blocks go to the other workers (worker to worker), none to its
     own NVMe, and every block is on two workers again;
-(d) a worker is SIGKILLed once every block is on two workers: no prefix is lost (a new engine
-    loads every prompt whole at its first try).
+(d) a worker is SIGKILLed while the engines load, once every block is on two workers: no prefix
+    is lost (then a new engine loads every prompt whole at its first try).
 
 Throughout, every load is byte-exact or a miss; at the end pins, leases and reservations are back
 to 0 and every surviving replica answers the same /v1/admin/stats and lookups. The failover times
@@ -31,20 +31,20 @@ from kvstore.core.inspection import InspectRequest
 from kvstore.core.specs import NamespacePolicy
 from tests.fault.conftest import SETTLE_S, TTL_S
 from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, prompt
-from tests.helpers import REPO, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.helpers import REPO, MotoServer, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
 
 pytestmark = pytest.mark.postgres
 PER_PROCESS = ("leader", "commit_groups", "committed_jobs")  # what differs between replicas by design
 
 
 class Cluster:
-    def __init__(self, tmp: Path, database_url: str) -> None:
-        self.tmp, self.database_url = tmp, database_url
+    def __init__(self, tmp: Path, database_url: str, s3_url: str) -> None:
+        self.tmp, self.database_url, self.s3_url = tmp, database_url, s3_url
         self.ports = [free_port() for _ in range(3)]
         self.replicas: list[subprocess.Popen | None] = [None] * 3
         self.workers: dict[str, subprocess.Popen] = {}
         self.engines: list[subprocess.Popen] = []  # killed at the end, whatever happened
-        self.env = {"KVSTORE_RESERVATION_TTL_S": str(TTL_S)}
+        self.env = {"KVSTORE_RESERVATION_TTL_S": str(TTL_S), **MotoServer.CREDENTIALS}
 
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.ports[i]}"
@@ -65,7 +65,8 @@ class Cluster:
         self.workers[name] = spawn(kvstore_cmd(
             "worker", "serve", "--directory-url", self.urls, "--name", name, "--host", f"127.0.0.{2 + i}",
             "--dram-bytes", "2MiB", "--page-bytes", "16KiB", "--nvme-bytes", "8MiB",
-            "--nvme-dir", str(self.tmp / f"nvme-{i}")), self.tmp / f"worker-{i}.log", env=self.env)
+            "--nvme-dir", str(self.tmp / f"nvme-{i}"), "--s3-bucket", "kv-replicas", "--s3-endpoint", self.s3_url,
+            "--s3-prefix", name, "--bounce-bytes", "1MiB"), self.tmp / f"worker-{i}.log", env=self.env)
 
     def live(self) -> list[int]:
         return [i for i, p in enumerate(self.replicas) if p is not None and p.poll() is None]
@@ -97,8 +98,12 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path, postgres):
-    c = Cluster(tmp_path, postgres.create_database())
+def cluster(tmp_path, postgres, monkeypatch):
+    for key, value in MotoServer.CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    moto = MotoServer(tmp_path / "moto.log").start()
+    moto.client().create_bucket(Bucket="kv-replicas")
+    c = Cluster(tmp_path, postgres.create_database(), moto.url)
     try:
         for i in range(3):
             c.start_replica(i)
@@ -109,6 +114,7 @@ def cluster(tmp_path, postgres):
         yield c
     finally:
         c.close()
+        moto.stop()
 
 
 def engine(c: Cluster, urls: str, seed: int, run: str = "", *args: str) -> tuple[subprocess.Popen, Path]:
@@ -190,18 +196,19 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
     hits_after(c, drained, markers)
     assert all("w0" not in held for held in workers_per_block(any_replica))  # nothing left on w0, NVMe included
 
+    # (d) a worker dies, while the engines load, once every block is on two workers: nothing is lost
+    wait_until(lambda: all(held == {"w1", "w2"} for held in workers_per_block(any_replica)), 60,
+               "every block on w1 and w2")
+    c.workers["w1"].send_signal(signal.SIGKILL)
+    killed = time.time()
+    wait_until(lambda: any_replica.worker("w1").state == "dead", 30, "w1 dead")
+    hits_after(c, killed, markers)
     for _, m in engines:
         (m / "stop").touch()
     results = []
     for (proc, _), seed in zip(engines, (1, 2)):
         assert proc.wait(timeout=120) == 0, (c.tmp / f"engine-{seed}.log").read_text()[-3000:]
         results.append(json.loads((c.tmp / f"engine-{seed}.json").read_text()))
-
-    # (d) a worker dies once every block is on two workers: nothing is lost
-    wait_until(lambda: all(held == {"w1", "w2"} for held in workers_per_block(any_replica)), 60,
-               "every block on w1 and w2")
-    c.workers["w1"].send_signal(signal.SIGKILL)
-    wait_until(lambda: any_replica.worker("w1").state == "dead", 30, "w1 dead")
     for seed in (1, 2):
         proc, _ = engine(c, c.urls, seed, "-after", "--rounds", "1")
         assert proc.wait(timeout=120) == 0, (c.tmp / f"engine-{seed}-after.log").read_text()[-3000:]

@@ -136,6 +136,7 @@ def test_several_servers_a_dead_one_is_skipped_and_backed_off(serve, monkeypatch
     held, dead = refused_url()
     client = JsonHttp(f"{dead}, {alive.url}", timeout_s=5)
     assert client.base_url == dead
+    assert [s.url for s in JsonHttp([dead, alive.url])._servers] == [s.url for s in client._servers]  # a list too
     assert client.call_raw("POST", "/v1/x", {"i": 0}) == {"echo": {"i": 0}}
     assert client.base_url == alive.url  # the next calls go there first
     attempts = []
