@@ -94,16 +94,20 @@ class Replicas:
             self._prune()
             refresh()
 
-    def _connect(self) -> None:
+    def _connect(self, listen: bool = True) -> None:
         import psycopg  # the PostgreSQL driver: present wherever a postgresql+psycopg URL works
 
         url = self._engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         self._conn = psycopg.connect(url, autocommit=True)
-        self._conn.execute(f"LISTEN {CHANNEL}")
+        if listen:
+            self._conn.execute(f"LISTEN {CHANNEL}")
+
+    def _try_lock(self) -> bool:
+        return self._conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]
 
     def _campaign(self) -> bool:
         """Take the lock if it is free; else learn who leads and how many workers live."""
-        if self._conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]:
+        if self._try_lock():
             return True
         now = self._clock()
         with self._sessions() as session:
@@ -143,9 +147,8 @@ class Replicas:
         except Exception:  # noqa: BLE001 (already broken)
             pass
         try:
-            self._connect()
-            self._conn.execute(f"UNLISTEN {CHANNEL}")
-            if not self._conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]:
+            self._connect(listen=False)
+            if not self._try_lock():
                 return False
             with self._sessions() as session:
                 if session.scalar(select(LeaderRow.term).where(LeaderRow.id == 1)) != self.term:
