@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from kvstore.client import DirectoryClient
-from kvstore.core import specs
+from kvstore.core import moving, specs
 from kvstore.core.credentials import TokenCreate
 from kvstore.core.keys import Namespace
 from kvstore.core.pages import PageAllocator
@@ -77,11 +77,11 @@ class Verdicts:
 
     def __init__(self, intact: bool = False) -> None:
         self.intact = intact
-        self.asked: list[specs.VerifyItem] = []
+        self.asked: list[moving.VerifyItem] = []
 
-    def __call__(self, req: specs.VerifyRequest) -> specs.VerifyResult:
+    def __call__(self, req: moving.VerifyRequest) -> moving.VerifyResult:
         self.asked += req.items
-        return specs.VerifyResult(matches=[self.intact] * len(req.items))
+        return moving.VerifyResult(matches=[self.intact] * len(req.items))
 
 
 def make_settings(database_url: str, **overrides) -> DirectorySettings:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstore.client.http import JsonHttp
-from kvstore.core import specs
+from kvstore.core import moving, specs
 
 
 class WorkerControlClient(JsonHttp):
@@ -16,8 +16,8 @@ class WorkerControlClient(JsonHttp):
     def grant(self, body: specs.GrantRequest) -> specs.GrantResult:
         return self.call("POST", "/v1/grant", body, specs.GrantResult)
 
-    def move(self, body: specs.MoveRequest, timeout_s: float | None = None) -> specs.MoveResult:
-        return self.call("POST", "/v1/move", body, specs.MoveResult, timeout_s)
+    def move(self, body: moving.MoveRequest, timeout_s: float | None = None) -> moving.MoveResult:
+        return self.call("POST", "/v1/move", body, moving.MoveResult, timeout_s)
 
-    def verify(self, body: specs.VerifyRequest) -> specs.VerifyResult:
-        return self.call("POST", "/v1/verify", body, specs.VerifyResult)
+    def verify(self, body: moving.VerifyRequest) -> moving.VerifyResult:
+        return self.call("POST", "/v1/verify", body, moving.VerifyResult)

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from kvstore.core import specs, tiers
+from kvstore.core import moving, specs, tiers
 from kvstore.directory import repo_moves
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
@@ -50,7 +50,7 @@ class _Move(NamedTuple):
     block_id: int
     source_id: int
     dest_id: int
-    item: specs.MoveItem
+    item: moving.MoveItem
 
 
 class _Source(NamedTuple):
@@ -61,7 +61,7 @@ class _Source(NamedTuple):
     rows: list  # (replica id, block id, nbytes)
     dest_epoch: int  # the destination worker's (the source's own unless a peer)
     dest_url: str
-    peer: specs.Peer | None  # the destination worker, when it is another
+    peer: moving.Peer | None  # the destination worker, when it is another
 
 
 class Moves:
@@ -148,7 +148,7 @@ class Moves:
         return [_Move(block.id, source.id, dest.id, _item(source, found.source[1], dest_kind, token, pages, block))
                 for source, block, pages, dest in plan]
 
-    def _finish(self, tx: Tx, plan: list[_Move], result: specs.MoveResult, source_stays: bool) -> dict[int, int]:
+    def _finish(self, tx: Tx, plan: list[_Move], result: moving.MoveResult, source_stays: bool) -> dict[int, int]:
         done, dropped = {}, []
         rows = repo_moves.replicas_by_id(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
         codes = result.codes or ["ok" if ok else "failed" for ok in result.ok]
@@ -172,7 +172,7 @@ class Moves:
         self._reclaim.collect_deleting(tx)
         return done
 
-    def _checked_at_peer(self, found: _Source, plan: list[_Move], result: specs.MoveResult) -> specs.MoveResult:
+    def _checked_at_peer(self, found: _Source, plan: list[_Move], result: moving.MoveResult) -> moving.MoveResult:
         """The destination worker hashes what it received; a block it does not confirm failed (its
         pages go back: the source answered, so nothing writes them any more)."""
         codes = list(result.codes or ["ok" if ok else "failed" for ok in result.ok])
@@ -189,9 +189,9 @@ class Moves:
         if any(m is not True for m in matches):
             log.warning("%d of %d blocks copied to worker at %s not confirmed there",
                         sum(m is not True for m in matches), len(copied), found.dest_url)
-        return specs.MoveResult(ok=[c == "ok" for c in codes], errors=errors, codes=codes)
+        return moving.MoveResult(ok=[c == "ok" for c in codes], errors=errors, codes=codes)
 
-    def _note_outcome(self, dest_tier_id: int, route: str, result: specs.MoveResult) -> None:
+    def _note_outcome(self, dest_tier_id: int, route: str, result: moving.MoveResult) -> None:
         """Count failed moves; a route whose every move failed backs off (1 s doubling to 60 s)."""
         failed = len(result.ok) - sum(result.ok)
         if failed:
@@ -215,7 +215,7 @@ def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replic
         return None
     dest = repo.tiers_of(tx.session, target.id).get(dest_kind)
     pairs = repo_moves.replica_block_pairs(tx.session, replica_ids)
-    peer = specs.Peer(agent_name=target.agent_name, agent_metadata=base64.b64encode(target.agent_metadata).decode(),
+    peer = moving.Peer(agent_name=target.agent_name, agent_metadata=base64.b64encode(target.agent_metadata).decode(),
                       base_addr=dest.base_addr, page_bytes=dest.page_bytes) \
         if target is not worker and dest is not None else None
     return _Source(worker.control_url, worker.epoch, (source.id, source.kind),
@@ -223,7 +223,7 @@ def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replic
                    [(r.id, b.id, b.nbytes) for r, b in pairs], target.epoch, target.control_url, peer)
 
 
-def _item(replica: Replica, source_kind: str, dest_kind: str, token: str, runs, block: Block) -> specs.MoveItem:
-    return specs.MoveItem(src_kind=source_kind, src_runs=[specs.PageRun(first=f, count=c) for f, c in replica.pages],
+def _item(replica: Replica, source_kind: str, dest_kind: str, token: str, runs, block: Block) -> moving.MoveItem:
+    return moving.MoveItem(src_kind=source_kind, src_runs=[specs.PageRun(first=f, count=c) for f, c in replica.pages],
                           dst_kind=dest_kind, dst_runs=runs, dst_token=token, nbytes=block.nbytes,
                           checksum=block.checksum, namespace_id=block.namespace_id, hash=block.hash)

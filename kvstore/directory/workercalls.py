@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.client.worker import WorkerControlClient
-from kvstore.core import specs
+from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
 
 log = logging.getLogger(__name__)
@@ -72,25 +72,25 @@ class WorkerCalls:
     def allocate(self, url: str, kind: str, token: str, sizes: list[int]) -> list[list[specs.PageRun] | None]:
         return self.client(url).allocate(specs.AllocRequest(token=token, kind=kind, sizes=sizes)).runs
 
-    def move(self, url: str, items: list[specs.MoveItem], deadline: float,
-             peer: specs.Peer | None = None) -> specs.MoveResult:
+    def move(self, url: str, items: list[moving.MoveItem], deadline: float,
+             peer: moving.Peer | None = None) -> moving.MoveResult:
         """The worker must not start after `deadline` (unix time) nor wait past it; we wait for its
         answer until a little after. No answer: every item is `unreachable` (outcome unknown).
         `peer`: the items go into that worker's DRAM."""
         try:
-            return self.client(url).move(specs.MoveRequest(items=items, expires_at=deadline, peer=peer),
+            return self.client(url).move(moving.MoveRequest(items=items, expires_at=deadline, peer=peer),
                                          timeout_s=self.move_timeout_s + min(5.0, self.move_timeout_s / 2))
         except KVStoreError as exc:
-            return specs.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
+            return moving.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
                                     codes=["unreachable"] * len(items))
 
     def verify(self, url: str, replicas: list[tuple]) -> list[bool | None]:
         """Per replica (tier kind, page runs, nbytes, checksum), whether the worker found its bytes
         intact; None when it could not say."""
-        items = [specs.VerifyItem(kind=kind, runs=[_page_run(r) for r in runs], nbytes=nbytes, checksum=checksum)
+        items = [moving.VerifyItem(kind=kind, runs=[_page_run(r) for r in runs], nbytes=nbytes, checksum=checksum)
                  for kind, runs, nbytes, checksum in replicas]
         try:
-            return self.client(url).verify(specs.VerifyRequest(items=items)).matches
+            return self.client(url).verify(moving.VerifyRequest(items=items)).matches
         except KVStoreError as exc:
             log.warning("verifying %d replicas on %s failed: %s", len(items), url, exc)
             return [None] * len(items)

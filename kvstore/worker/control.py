@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pydantic import ValidationError
 
-from kvstore.core import specs
+from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.pages import PageAllocator
 from kvstore.core.sizes import body_length
@@ -166,14 +166,14 @@ class ControlServer:
                 log.warning("free of pages not held by token %s ignored", item.token)
         return freed
 
-    def move(self, req: specs.MoveRequest) -> specs.MoveResult:
+    def move(self, req: moving.MoveRequest) -> moving.MoveResult:
         if self.mover is None:
             raise KVStoreError("not_found", "this worker has no tier to move blocks to")
         return self.mover(req)
 
-    def verify(self, req: specs.VerifyRequest) -> specs.VerifyResult:
+    def verify(self, req: moving.VerifyRequest) -> moving.VerifyResult:
         if self.verifier is None:
-            return specs.VerifyResult(matches=[None] * len(req.items))
+            return moving.VerifyResult(matches=[None] * len(req.items))
         return self.verifier(req)
 
     def _allocator(self, kind: str) -> PageAllocator:
@@ -210,8 +210,8 @@ class _Handler(BaseHTTPRequestHandler):
         routes = {"/v1/grant": (specs.GrantRequest, lambda b: self.control.grant(b).model_dump()),
                   "/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
                   "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)}),
-                  "/v1/move": (specs.MoveRequest, lambda b: self.control.move(b).model_dump()),
-                  "/v1/verify": (specs.VerifyRequest, lambda b: self.control.verify(b).model_dump())}
+                  "/v1/move": (moving.MoveRequest, lambda b: self.control.move(b).model_dump()),
+                  "/v1/verify": (moving.VerifyRequest, lambda b: self.control.verify(b).model_dump())}
         if self.path not in routes:
             self.close_connection = True  # its body was not read
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())

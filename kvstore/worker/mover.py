@@ -30,7 +30,7 @@ import time
 import numpy as np
 import xxhash
 
-from kvstore.core import specs
+from kvstore.core import moving, specs
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent
 from kvstore.core.pages import PageAllocator
@@ -78,16 +78,16 @@ class Mover:
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL loaded it under
         self._peers_lock = threading.Lock()
 
-    def move(self, req: specs.MoveRequest) -> specs.MoveResult:
+    def move(self, req: moving.MoveRequest) -> moving.MoveResult:
         if req.expires_at is not None and time.time() >= req.expires_at:
             n = len(req.items)
             self._count(req.items, ["expired"] * n, [False] * n)
-            return specs.MoveResult(ok=[False] * n, errors=["the move's deadline passed before it started"] * n,
+            return moving.MoveResult(ok=[False] * n, errors=["the move's deadline passed before it started"] * n,
                                     codes=["expired"] * n)
         _deadline.at = req.expires_at
         return self._to_peer(req) if req.peer is not None else self._move(req)
 
-    def _to_peer(self, req: specs.MoveRequest) -> specs.MoveResult:
+    def _to_peer(self, req: moving.MoveRequest) -> moving.MoveResult:
         """Every item from this worker's DRAM into the peer's, in one UCX request; each source is
         checked against its checksum first."""
         started = time.perf_counter()
@@ -120,16 +120,16 @@ class Mover:
         codes = ["ok" if e is None else "source_corrupt" if isinstance(e, SourceCorrupt) else "failed"
                  for e in ordered]
         self._count(req.items, codes, [isinstance(e, Refused) for e in ordered])
-        return specs.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
+        return moving.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
 
-    def _peer(self, peer: specs.Peer) -> str:
+    def _peer(self, peer: moving.Peer) -> str:
         """The peer's agent, loaded once per agent name (a restarted worker has a new one)."""
         with self._peers_lock:
             if peer.agent_name not in self._peers:
                 self._peers[peer.agent_name] = self.agent.add_peer(base64.b64decode(peer.agent_metadata))
             return self._peers[peer.agent_name]
 
-    def _move(self, req: specs.MoveRequest) -> specs.MoveResult:
+    def _move(self, req: moving.MoveRequest) -> moving.MoveResult:
         errors: dict[int, str | None] = {}
         for i, item in enumerate(req.items):
             if item.dst_kind == "nvme" and self.nvme and not self.nvme.allocator.owns(item.dst_token, item.dst_runs):
@@ -165,9 +165,9 @@ class Mover:
         codes = ["ok" if e is None else "source_corrupt" if isinstance(e, SourceCorrupt) else "failed"
                  for e in ordered]
         self._count(req.items, codes, [e is not None and (e is s3_down or isinstance(e, Refused)) for e in ordered])
-        return specs.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
+        return moving.MoveResult(ok=[e is None for e in ordered], errors=ordered, codes=codes)
 
-    def _count(self, items: list[specs.MoveItem], codes: list[str], refused: list[bool]) -> None:
+    def _count(self, items: list[moving.MoveItem], codes: list[str], refused: list[bool]) -> None:
         """Moves by route and result; checksum failures; failures of S3 itself (not refusals: an
         unreachable S3 was counted already, a request this worker cannot serve is not S3's)."""
         m = self.metrics
@@ -181,7 +181,7 @@ class Mover:
             elif code == "failed" and "s3" in (item.src_kind, item.dst_kind) and not was_refused:
                 m.s3_errors.labels("failed").inc()
 
-    def _batch(self, route: tuple[str, str], items: list[tuple[int, specs.MoveItem]]) -> dict[int, str | None]:
+    def _batch(self, route: tuple[str, str], items: list[tuple[int, moving.MoveItem]]) -> dict[int, str | None]:
         """All items of one route in a single NIXL request (POSIX queues, OBJ threads work in parallel);
         checksums are checked per block, and a failed request falls back to one request per block."""
         errors: dict[int, str | None] = {}
@@ -208,7 +208,7 @@ class Mover:
                 errors[i] = self._move_one(item)
         return errors
 
-    def _route_rows(self, route: tuple[str, str], item: specs.MoveItem):
+    def _route_rows(self, route: tuple[str, str], item: moving.MoveItem):
         dram_runs = item.src_runs if route[0] == "dram" else item.dst_runs
         other_runs = item.dst_runs if route[0] == "dram" else item.src_runs
         dram = self.dram_rows(dram_runs, item.nbytes)
@@ -224,13 +224,13 @@ class Mover:
             return self.gds
         return route in ROUTES and present[route[0]] and present[route[1]]
 
-    def _move_one(self, item: specs.MoveItem) -> str | None:
+    def _move_one(self, item: moving.MoveItem) -> str | None:
         route = (item.src_kind, item.dst_kind)
         if not self._can(route):
             return Refused(f"this worker cannot move {item.src_kind} -> {item.dst_kind}")
         return getattr(self, "_" + "_to_".join(route))(item)
 
-    def _hbm_to_dram(self, item: specs.MoveItem) -> str | None:  # GPU path
+    def _hbm_to_dram(self, item: moving.MoveItem) -> str | None:  # GPU path
         if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
             return SourceCorrupt("checksum mismatch in HBM before demotion")
         local, remote = _paired(self.dram_rows(item.dst_runs, item.nbytes), self.hbm.rows(item.src_runs, item.nbytes))
@@ -240,7 +240,7 @@ class Mover:
         return None if self.dram_checksum(item.dst_runs, item.nbytes) == item.checksum else \
             "checksum mismatch after copying from HBM"
 
-    def _dram_to_hbm(self, item: specs.MoveItem) -> str | None:  # GPU path
+    def _dram_to_hbm(self, item: moving.MoveItem) -> str | None:  # GPU path
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
             return SourceCorrupt("checksum mismatch in DRAM before promotion")
         local, remote = _paired(self.dram_rows(item.src_runs, item.nbytes), self.hbm.rows(item.dst_runs, item.nbytes))
@@ -250,7 +250,7 @@ class Mover:
         return None if self.hbm.checksum(item.dst_runs, item.nbytes) == item.checksum else \
             "checksum mismatch after copying to HBM"
 
-    def _hbm_to_nvme(self, item: specs.MoveItem) -> str | None:  # GPU path (GDS)
+    def _hbm_to_nvme(self, item: moving.MoveItem) -> str | None:  # GPU path (GDS)
         if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
             return SourceCorrupt("checksum mismatch in HBM before demotion")
         local, remote = _paired(self.hbm.rows(item.src_runs, item.nbytes), self.nvme.rows(item.dst_runs, item.nbytes))
@@ -259,14 +259,14 @@ class Mover:
             self.nvme.record(item)
         return error
 
-    def _nvme_to_hbm(self, item: specs.MoveItem) -> str | None:  # GPU path (GDS)
+    def _nvme_to_hbm(self, item: moving.MoveItem) -> str | None:  # GPU path (GDS)
         local, remote = _paired(self.hbm.rows(item.dst_runs, item.nbytes), self.nvme.rows(item.src_runs, item.nbytes))
         error = self._post("READ", local, remote, "FILE", local_mem="VRAM")
         if error is None and self.hbm.checksum(item.dst_runs, item.nbytes) != item.checksum:
             return SourceCorrupt("checksum mismatch after reading from NVMe")
         return error
 
-    def _dram_to_nvme(self, item: specs.MoveItem) -> str | None:
+    def _dram_to_nvme(self, item: moving.MoveItem) -> str | None:
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
             return SourceCorrupt("checksum mismatch in DRAM before demotion")
         error = self._file("WRITE", item.src_runs, item.dst_runs, item.nbytes)
@@ -274,13 +274,13 @@ class Mover:
             self.nvme.record(item)
         return error
 
-    def _nvme_to_dram(self, item: specs.MoveItem) -> str | None:
+    def _nvme_to_dram(self, item: moving.MoveItem) -> str | None:
         error = self._file("READ", item.dst_runs, item.src_runs, item.nbytes)
         if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
             return SourceCorrupt("checksum mismatch after reading from NVMe")
         return error
 
-    def _dram_to_s3(self, item: specs.MoveItem) -> str | None:
+    def _dram_to_s3(self, item: moving.MoveItem) -> str | None:
         if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
             return SourceCorrupt("checksum mismatch in DRAM before demotion")
         if len(item.src_runs) == 1:
@@ -295,13 +295,13 @@ class Mover:
             return self._object("WRITE", rows, item)
         return self._through_bounce(item, gathered)
 
-    def _s3_to_dram(self, item: specs.MoveItem) -> str | None:
+    def _s3_to_dram(self, item: moving.MoveItem) -> str | None:
         error = self._object("READ", self.dram_rows(item.dst_runs, item.nbytes), item)
         if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
             return SourceCorrupt("checksum mismatch after reading from S3")
         return error
 
-    def _nvme_to_s3(self, item: specs.MoveItem) -> str | None:
+    def _nvme_to_s3(self, item: moving.MoveItem) -> str | None:
         def copy(runs):
             rows = self.dram_rows(runs, item.nbytes, self.bounce)
             error = self._file_rows("READ", rows, item.src_runs, item.nbytes)
@@ -310,7 +310,7 @@ class Mover:
             return error or self._object("WRITE", rows, item)
         return self._through_bounce(item, copy)
 
-    def _through_bounce(self, item: specs.MoveItem, copy) -> str | None:
+    def _through_bounce(self, item: moving.MoveItem, copy) -> str | None:
         token = f"bounce-{item.dst_token}-{item.hash}"
         runs = self.bounce_pages.allocate(token, item.nbytes, contiguous=True)
         if runs is None:
@@ -326,7 +326,7 @@ class Mover:
     def _file_rows(self, op: str, dram_rows: np.ndarray, nvme_runs, nbytes: int) -> str | None:
         return self._post(op, *_paired(dram_rows, self.nvme.rows(nvme_runs, nbytes)), "FILE")
 
-    def _object(self, op: str, local: np.ndarray, item: specs.MoveItem) -> str | None:
+    def _object(self, op: str, local: np.ndarray, item: moving.MoveItem) -> str | None:
         remote = self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, local)
         return self._post(op, local, remote, "OBJ")
 
@@ -346,7 +346,7 @@ class Mover:
         buffer = buffer or self.arena
         return np.array(specs.page_spans(buffer.addr, self.page_bytes, runs, nbytes), dtype=np.uint64)
 
-    def verify(self, req: specs.VerifyRequest) -> specs.VerifyResult:
+    def verify(self, req: moving.VerifyRequest) -> moving.VerifyResult:
         """Whether each replica's pages still hash to its checksum (a reader reported a mismatch)."""
         matches: list[bool | None] = []
         for item in req.items:
@@ -358,7 +358,7 @@ class Mover:
                 matches.append(None)
             if matches[-1] is False:
                 self.metrics.checksum_failures.labels(item.kind).inc()
-        return specs.VerifyResult(matches=matches)
+        return moving.VerifyResult(matches=matches)
 
     def dram_checksum(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> str:
         buffer = buffer or self.arena

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.core import specs
+from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.pages import PageAllocator
 
@@ -94,7 +94,7 @@ class NvmeTier:
 
     # ---- manifest ----------------------------------------------------------------------
 
-    def record(self, item: specs.MoveItem) -> None:
+    def record(self, item: moving.MoveItem) -> None:
         """A block was written to these pages; its "put" line is written by the next `sync`, after
         the data is durable, so the manifest never names pages whose bytes a crash could lose."""
         entry = {"op": "put", "token": item.dst_token, "runs": [[r.first, r.count] for r in item.dst_runs],

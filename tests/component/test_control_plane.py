@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvstore.core import specs
+from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.pages import PageAllocator
 from kvstore.directory.index import Index
@@ -267,9 +267,9 @@ def two_tier_stack(database_url, mover, **settings):
 
 
 def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(database_url):
-    def corrupt(req: specs.MoveRequest) -> specs.MoveResult:
+    def corrupt(req: moving.MoveRequest) -> moving.MoveResult:
         n = len(req.items)
-        return specs.MoveResult(ok=[False] * n, errors=["checksum mismatch in DRAM before demotion"] * n,
+        return moving.MoveResult(ok=[False] * n, errors=["checksum mismatch in DRAM before demotion"] * n,
                                 codes=["source_corrupt"] * n)
 
     with two_tier_stack(database_url, corrupt) as (s, worker):
@@ -286,12 +286,12 @@ def test_a_move_without_an_answer_keeps_its_destination_until_the_deadline(datab
     destination pages stay reserved until the move's deadline has passed, then go back."""
     answered = threading.Event()
 
-    def slow(req: specs.MoveRequest) -> specs.MoveResult:
+    def slow(req: moving.MoveRequest) -> moving.MoveResult:
         assert req.expires_at is not None and req.expires_at > time.time()
         time.sleep(3.5)  # longer than the directory waits
         answered.set()
         n = len(req.items)
-        return specs.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
+        return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
 
     with two_tier_stack(database_url, slow, move_timeout_s=1.0) as (s, worker):
         complete(s, prepare(s, chain(2)))

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 
-from kvstore.core import specs
+from kvstore.core import moving, specs
 from kvstore.worker.nvme import MANIFEST, NvmeTier
 
 PAGE = 4096
 
 
-def item(token: str, first: int) -> specs.MoveItem:
-    return specs.MoveItem(src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="nvme",
+def item(token: str, first: int) -> moving.MoveItem:
+    return moving.MoveItem(src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="nvme",
                           dst_runs=[specs.PageRun(first=first, count=1)], dst_token=token, nbytes=PAGE,
                           checksum="0123456789abcdef", namespace_id="ns", hash=f"{first:032x}")
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvstore.core import specs
+from kvstore.core import moving, specs
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import MAX_BODY, ControlServer
 
@@ -60,7 +60,7 @@ def test_bad_lengths_and_bodies_get_error_bodies(control):
 
 
 def test_a_bug_is_answered_not_a_dropped_connection(control):
-    body = specs.MoveRequest(items=[specs.MoveItem(
+    body = moving.MoveRequest(items=[moving.MoveItem(
         src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="nvme", dst_runs=[], dst_token="t",
         nbytes=128, checksum="0123456789abcdef", namespace_id="0" * 16, hash="ab")]).model_dump_json().encode()
     status, answer = request(control, post("/v1/move", str(len(body))), body)

@@ -1,0 +1,68 @@
+"""The wire values of a worker's moves and checks, which the directory sends it: copies between its
+tiers or into another worker's DRAM (`MoveRequest`), and whether replicas still hash to their
+checksums (`VerifyRequest`). Pydantic models, like the rest of `kvstore.core.specs`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvstore.core.specs import MAX_BLOCKS, BlockBytes, Checksum, PageRun, TierKind, _Spec
+
+
+class MoveItem(_Spec):
+    """Directory -> worker: copy one block between two of the worker's tiers."""
+
+    src_kind: TierKind
+    src_runs: list[PageRun]
+    dst_kind: TierKind
+    dst_runs: list[PageRun]
+    dst_token: str
+    nbytes: int = Field(gt=0)
+    checksum: Checksum = Field(description="what the bytes must hash to")
+    namespace_id: str
+    hash: str
+
+
+class Peer(_Spec):
+    """Directory -> worker: another worker whose DRAM a move writes into (worker to worker, UCX)."""
+
+    agent_name: str = Field(max_length=200)
+    agent_metadata: str = Field(max_length=16 << 20, description="base64 of its NIXL agent metadata")
+    base_addr: int = Field(ge=0, description="address of its DRAM arena")
+    page_bytes: int = Field(gt=0)
+
+
+class MoveRequest(_Spec):
+    items: list[MoveItem] = Field(min_length=1)
+    peer: Peer | None = Field(None, description="every item goes to this worker's DRAM (dst_runs are its pages)")
+    expires_at: float | None = Field(None, description="unix time after which the worker must not start "
+                                     "writing: the directory holds the destinations until then, no longer")
+
+
+MoveCode = Literal["ok", "source_corrupt", "failed", "expired", "unreachable"]
+
+
+class MoveResult(_Spec):
+    ok: list[bool]
+    errors: list[str | None]
+    codes: list[MoveCode] = Field([], description="per item; source_corrupt: the source failed its checksum "
+                                  "before the copy (that replica is bad), failed: anything else")
+
+
+class VerifyItem(_Spec):
+    """Directory -> worker: does the replica in these pages still hash to `checksum`?"""
+
+    kind: TierKind
+    runs: list[PageRun]
+    nbytes: BlockBytes
+    checksum: Checksum
+
+
+class VerifyRequest(_Spec):
+    items: list[VerifyItem] = Field(min_length=1, max_length=MAX_BLOCKS)
+
+
+class VerifyResult(_Spec):
+    matches: list[bool | None] = Field(description="per item; null: this worker cannot read that tier")
