@@ -85,6 +85,7 @@ def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
         yield
         stop.set()
         reaper.join(timeout=5)
+        service.flush()
         replicas.close()
         service.close()
         engine.dispose()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Callable
 
 from kvstore.core import specs, tiers
@@ -33,6 +34,7 @@ from kvstore.directory.writer import Tx
 log = logging.getLogger(__name__)
 PROMOTION_ROUNDS = 3  # stagings of one prepare_load, when blocks move between tiers meanwhile
 STATS_ROWS_PER_FLUSH = 2000  # access statistics written per reaper tick: the writer is never held long
+WARN_EVERY_S = 10.0  # a warning that could come with every load, at most this often
 POLICY_HITS_AT_ONCE = 2000  # blocks whose hits go to the policies under one hold of their lock
 
 
@@ -50,6 +52,7 @@ class Loads:
         self._clock = clock
         self._verify = verify  # (worker url, replicas) -> per replica: bytes intact? (None: cannot say)
         self._pending_stats: dict[int, tuple[float, int]] = {}  # block id -> (last access, hits), for SQL
+        self._warned = -WARN_EVERY_S
 
     def lookup(self, namespace_id: str, hashes: list[str], locations: bool) -> dict:
         if not locations:
@@ -73,6 +76,9 @@ class Loads:
             before = {h.replica.id for h in staged}
             found = [self._index.lookup(namespace_id, c) for c in chains]
             if {h.replica.id for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE} >= before:
+                if time.monotonic() - self._warned > WARN_EVERY_S:  # a full tier would warn at every load
+                    self._warned = time.monotonic()
+                    log.warning("%d blocks of a load found no room in a memory tier; read as a miss", len(before))
                 break  # nothing of it was staged: the memory tier cannot take it now
         found = [_readable_prefix(hits) for hits in found]
         wanted = list({h.replica.id: None for hits in found for h in hits})
@@ -136,12 +142,13 @@ class Loads:
                         len(reported) - len(confirmed), len(reported))
         return confirmed
 
-    def flush_accesses(self) -> int:
+    def flush_accesses(self, rows: int | None = STATS_ROWS_PER_FLUSH) -> int:
         """What loads read since the last flush, off the request path: the hits go to the tier
         policies now (deepest block of a load first, so a prefix stays more recent than its
         suffixes); counts and times join the statistics waiting for SQL, of which one job writes at
-        most STATS_ROWS_PER_FLUSH rows (the oldest first). Under a heavy load the SQL copy lags; it
-        only orders the policies after a restart. Returns the distinct blocks read."""
+        most `rows` rows (the oldest first; None: all of them, as at shut-down). Under a heavy load
+        the SQL copy lags; it only orders the policies after a restart. Returns the distinct blocks
+        read."""
         counts, entries = self._index.drain_accesses()
         now = self._clock()
         hits = []
@@ -158,7 +165,7 @@ class Loads:
             pending[block_id] = (now, pending.pop(block_id, (0.0, 0))[1] + n)
         if pending:
             batch = {}
-            for block_id in list(itertools.islice(pending, STATS_ROWS_PER_FLUSH)):
+            for block_id in list(itertools.islice(pending, rows)):
                 batch[block_id] = pending.pop(block_id)
             self._write(lambda tx: repo.record_hits(tx.session, batch))
         return len(counts)

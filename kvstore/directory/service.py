@@ -349,6 +349,16 @@ class DirectoryService:
                                indexed_blocks=self.index.num_blocks, leader=self.leading,
                                commit_groups=self.writer.groups, committed_jobs=self.writer.jobs)
 
+    def flush(self) -> None:
+        """At shut-down, while still the leader: every access statistic not yet in SQL goes there
+        (the eviction order a restart rebuilds depends on them)."""
+        if self.leading:
+            try:
+                with self._reaping:  # a reaper tick still running finishes first
+                    self.loads.flush_accesses(rows=None)
+            except Exception:  # noqa: BLE001 (a database gone at shut-down costs only recency)
+                log.exception("the last access statistics were not written")
+
     def close(self) -> None:
         self.writer.close()
         self.calls.close()

@@ -43,7 +43,8 @@ def test_a_full_tier_of_pinned_blocks_throttles_writers(database_url, control):
 
 
 def test_eviction_order_survives_a_directory_restart(database_url, control):
-    settings = make_settings(database_url, heartbeat_timeout_s=600)
+    # no reaper tick after the reads: the shut-down itself writes the access statistics
+    settings = make_settings(database_url, heartbeat_timeout_s=600, reaper_interval_s=60)
     with directory_stack(settings, control) as s:
         old, recent = chain(8), chain(8, start=1000)  # 16 blocks fill the 32 pages
         complete(s, prepare(s, old))

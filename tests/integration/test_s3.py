@@ -44,6 +44,22 @@ def start(tmp_path, s3: MotoServer, port: int, run: int):
     return url, client, [worker, directory]
 
 
+def settle(client: DirectoryClient, timeout_s: float = 60.0) -> None:
+    """Wait until no move is in flight and the replicas per tier stopped changing."""
+    seen = []
+
+    def quiet() -> bool:
+        stats = client.stats()
+        seen.append((stats.reservations, stats.replicas_by_tier))
+        return len(seen) > 3 and stats.reservations == 0 and seen[-1] == seen[-2] == seen[-3]
+    wait_until(quiet, timeout_s, "no moves in flight")
+
+
+def warnings(*logs) -> list[str]:
+    return [line for log in logs for line in log.read_text(errors="replace").splitlines()
+            if " WARNING " in line or " ERROR " in line or "Error" in line][-30:]
+
+
 def where(client: DirectoryClient, seed: int) -> dict:
     ns = namespace_of(build_model())
     hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=seed))]
@@ -181,8 +197,11 @@ def test_a_dram_tier_the_size_of_one_prompt_stores_and_loads_every_prompt_whole(
             assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL, seed
         assert "s3" in where(client, 1) and "dram" not in where(client, 1)
         for seed in (1, 3):  # from S3 and from NVMe, staged into a DRAM tier that is full
+            settle(client)  # the reaper's demotions after the last save or load are done
             loaded = run_engine(url, "load", tmp_path, seed)
-            assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, (seed, loaded)
+            assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, \
+                (seed, loaded, where(client, seed), warnings(tmp_path / "directory.log", tmp_path / "worker.log",
+                                                             tmp_path / f"engine-load-{seed}.log"))
         metrics = httpx.get(url + "/metrics").text
         assert 'kvstore_store_decisions_total{reason="no_space",status="rejected"}' not in metrics
     finally:
