@@ -21,3 +21,6 @@ class WorkerControlClient(JsonHttp):
 
     def verify(self, body: moving.VerifyRequest) -> moving.VerifyResult:
         return self.call("POST", "/v1/verify", body, moving.VerifyResult)
+
+    def fence(self, body: moving.FenceRequest, timeout_s: float | None = None) -> moving.FenceResult:
+        return self.call("POST", "/v1/fence", body, moving.FenceResult, timeout_s)

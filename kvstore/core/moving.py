@@ -4,7 +4,7 @@ checksums (`VerifyRequest`). Pydantic models, like the rest of `kvstore.core.spe
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -49,6 +49,17 @@ class MoveResult(_Spec):
     errors: list[str | None]
     codes: list[MoveCode] = Field([], description="per item; source_corrupt: the source failed its checksum "
                                   "before the copy (that replica is bad), failed: anything else")
+
+
+class FenceRequest(_Spec):
+    """Directory -> worker: moves whose answer the directory does not have (see worker/fencing.py)."""
+
+    tokens: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(min_length=1, max_length=MAX_BLOCKS)
+
+
+class FenceResult(_Spec):
+    settled: list[bool] = Field(description="per token; true: nothing writes under it here any more, and a "
+                                "move under it that arrives later is refused")
 
 
 class VerifyItem(_Spec):

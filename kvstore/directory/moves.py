@@ -2,6 +2,7 @@
 
     moves.copy(worker_id, source_tier_id, dest_kind, replica_ids, source_stays[, dest_worker_id])
         -> {replica id: bytes}
+    moves.waiting() -> {token}       # moves this process waits on (any other WRITING move is an orphan)
 
 A copy to another worker (`dest_worker_id`) is a UCX WRITE by the source worker into the
 destination's arena, in pages of the directory's credit there; the destination worker then checks
@@ -19,7 +20,10 @@ Three steps, so no job spans worker I/O:
    DELETING (a move down). Failed -> destination dropped, source READY; a
    source that failed its checksum is invalidated. No answer (the worker may
    still be writing) -> the destination stays reserved until its deadline and
-   the reaper rolls it back then, so its pages are never reused under a write.
+   the reaper rolls it back then, so its pages are never reused under a write,
+   unless the worker that executes the move says sooner that it has stopped (orphans.py).
+
+A move's token names the worker that executes it (`move-<worker id>-<random>`): the source's.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import base64
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -74,6 +79,12 @@ class Moves:
         self._metrics = metrics
         self._clock = clock
         self._backoff: dict[int, tuple[float, float]] = {}  # destination tier id -> (retry at, delay s)
+        self._waiting: set[str] = set()  # tokens of the moves this process has reserved and not finished
+        self._waiting_lock = threading.Lock()
+
+    def waiting(self) -> set[str]:
+        with self._waiting_lock:
+            return set(self._waiting)
 
     def backing_off(self, tier_id: int) -> bool:
         return self._backoff.get(tier_id, (0.0, 0.0))[0] > time.monotonic()
@@ -89,7 +100,16 @@ class Moves:
             return {}
         if found.peer is not None and (found.source[1], dest_kind) != ("dram", "dram"):
             raise ValueError("a copy to another worker goes DRAM to DRAM")
-        token = "move-" + secrets.token_hex(16)  # recognised at a directory restart
+        token = move_token(worker_id)
+        with self._waiting_lock:
+            self._waiting.add(token)
+        try:
+            return self._copy(found, token, dest_kind, source_stays)
+        finally:
+            with self._waiting_lock:
+                self._waiting.discard(token)
+
+    def _copy(self, found: _Source, token: str, dest_kind: str, source_stays: bool) -> dict[int, int]:
         runs = None
         if found.dest[1] == "nvme":  # the worker owns its disk pages: ask it, outside every job
             runs = self._calls.allocate(found.worker_url, "nvme", token, [n for _, _, n in found.rows])
@@ -204,6 +224,17 @@ class Moves:
         elif dest_tier_id in self._backoff and any(result.ok):
             del self._backoff[dest_tier_id]
             log.info("moves %s succeed again", route)
+
+
+def move_token(executor_id: int) -> str:
+    """A move's token: `move-` (recognised at a directory restart), the executing worker's id, a secret."""
+    return f"move-{executor_id}-{secrets.token_hex(16)}"
+
+
+def move_executor(token: str) -> int | None:
+    """The id of the worker executing the move of `token`; None if the token does not say."""
+    parts = token.split("-")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "move" and parts[1].isdigit() else None
 
 
 def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int],

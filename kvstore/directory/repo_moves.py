@@ -6,7 +6,7 @@ from sqlalchemy import case, distinct, func, select
 from sqlalchemy.orm import Session, aliased
 
 from kvstore.directory.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
-from kvstore.directory.models.replica import READY, VISIBLE
+from kvstore.directory.models.replica import READY, VISIBLE, WRITING
 from kvstore.directory.repository import chunks, replicas_of
 
 
@@ -37,6 +37,13 @@ def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]
         if replica.state in VISIBLE:
             kinds.setdefault(replica.block_id, set()).add(tier.kind)
     return kinds
+
+
+def move_destinations(session: Session) -> list[tuple[str, int]]:
+    """(token, the destination's worker id) of every WRITING replica a move reserved."""
+    query = (select(Replica.token, Tier.worker_id).join(Tier, Replica.tier_id == Tier.id)
+             .where(Replica.state == WRITING, Replica.token.like("move-%")).distinct())
+    return [(token, worker_id) for token, worker_id in session.execute(query)]
 
 
 def replicas_by_id(session: Session, replica_ids: list[int]) -> dict[int, Replica]:

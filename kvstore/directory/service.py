@@ -7,7 +7,8 @@ Calls, in the order a block lives through them:
     loads.lookup                                        (the in-memory index: no lock, no SQL)
     loads.prepare -> loads.complete                     (promotes to memory if needed; pins under a lease)
     reap()                                              (expired leases and reservations, dead workers,
-                                                         access statistics, drains, demotion, write-through,
+                                                         moves whose answer was lost, access statistics,
+                                                         drains, demotion, write-through,
                                                          copies to other workers for replicated namespaces)
 
 Every change to SQL is a job on the one writer (`writer.py`, group commit);
@@ -42,6 +43,7 @@ from kvstore.directory.models import NamespaceRow
 from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
 from kvstore.directory.movement import Movement
 from kvstore.directory.moves import Moves
+from kvstore.directory.orphans import Orphans
 from kvstore.directory.policy import TierPolicies
 from kvstore.directory.pools import PagePools
 from kvstore.directory.reclaim import Reclaim
@@ -72,6 +74,7 @@ class DirectoryService:
         reclaim = Reclaim(self.calls, self.pools)
         self.reservations = Reservations()
         moves = Moves(write, self.calls, reclaim, self.pools, metrics, clock)
+        self.orphans = Orphans(write, moves, self.calls, reclaim)
         self.movement = Movement(write, moves, reclaim, self.pools, self.policies, self.reservations.reserved_bytes)
         self.spread = Spread(write, moves, reclaim, self.pools)
         self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock)
@@ -122,8 +125,9 @@ class DirectoryService:
     def recover(self) -> int:
         """Reservations open when the directory stopped are rolled back (their writers got no answer
         they could trust), moves that were in flight are undone (their destinations stay reserved
-        until the move's deadline: the worker may still be writing), and every live worker gets a
-        full heartbeat timeout to check in (the directory's own downtime is not their silence)."""
+        until their worker says it stopped writing them, or until the move's deadline), and every
+        live worker gets a full heartbeat timeout to check in (the directory's own downtime is not
+        their silence)."""
         def job(tx: Tx) -> tuple[int, int]:
             now = self._clock()
             rows = [row for row in repo.replicas_in_state(tx.session, WRITING)
@@ -283,6 +287,7 @@ class DirectoryService:
             self.metrics.declared_dead.inc(dead)
         if leases or tokens or dead:
             log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, tokens, dead)
+        settled = self.orphans.settle()  # moves whose answer was lost, whose workers have stopped them
         self.loads.flush_accesses()
         for worker_id in self.membership.ungranted():
             self.membership.grant(worker_id)
@@ -291,7 +296,7 @@ class DirectoryService:
         demoted = self.movement.demote()
         copied = self.movement.write_through()
         replicated = self.spread.replicate()
-        return {"leases": leases, "reservations": tokens, "dead_workers": dead, "drained": drained,
+        return {"leases": leases, "reservations": tokens + settled, "dead_workers": dead, "drained": drained,
                 "demoted": demoted, "written_through": copied, "replicated": replicated}
 
     # ---- operators ------------------------------------------------------------------------

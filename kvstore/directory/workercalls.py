@@ -4,6 +4,7 @@
     calls.allocate(url, kind, token, sizes) -> runs | None per size
     calls.move(url, items) -> MoveResult                # a worker that cannot be reached failed them all
     calls.verify(url, replicas) -> [bool | None]        # do replicas still hash to their checksums?
+    calls.fence(url, tokens) -> [bool] | None           # has every move under these tokens stopped there?
     calls.free_later(url, items) -> callable            # for Tx.after_commit: give pages back / delete objects,
                                                         # on a background thread, in order
 """
@@ -94,6 +95,15 @@ class WorkerCalls:
         except KVStoreError as exc:
             log.warning("verifying %d replicas on %s failed: %s", len(items), url, exc)
             return [None] * len(items)
+
+    def fence(self, url: str, tokens: list[str]) -> list[bool] | None:
+        """Per move token, whether the worker says nothing writes under it any more (and it will refuse
+        a move under it from now on); None when the worker did not answer."""
+        try:
+            return self.client(url).fence(moving.FenceRequest(tokens=tokens), timeout_s=PROBE_S * 2).settled
+        except KVStoreError as exc:
+            log.debug("fencing %d moves on %s failed: %s", len(tokens), url, exc)
+            return None
 
     def free_later(self, url: str, items: list[tuple]) -> Callable[[], None]:
         """A call giving (token, page runs[, object name]) back to the worker; runs are PageRuns or

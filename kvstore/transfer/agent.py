@@ -78,6 +78,7 @@ class Transfer:
         self.nbytes = nbytes
         self.state = "pending"
         self.error: str | None = None
+        self.abandoned = False  # timed out while posted: NIXL may still be moving its bytes
         self.posted_at = time.perf_counter()
         self.done_at: float | None = None
         self._advance(agent._raw.transfer)
@@ -86,7 +87,7 @@ class Transfer:
     def failed(cls, nbytes: int, exc: Exception) -> "Transfer":
         """A request NIXL refused to create."""
         transfer = cls.__new__(cls)
-        transfer.nbytes, transfer.state = nbytes, "failed"
+        transfer.nbytes, transfer.state, transfer.abandoned = nbytes, "failed", False
         transfer.error = f"{type(exc).__name__}: {exc}"
         transfer.posted_at = transfer.done_at = time.perf_counter()
         return transfer
@@ -122,7 +123,7 @@ class Transfer:
             if time.monotonic() > deadline:
                 # A posted request cannot be aborted safely; report it and
                 # leave the handle to the agent's teardown.
-                self.state, self.error = "failed", f"timed out after {timeout_s}s"
+                self.state, self.error, self.abandoned = "failed", f"timed out after {timeout_s}s", True
                 break
             spins += 1
             if spins > 100:

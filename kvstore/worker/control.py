@@ -9,6 +9,7 @@ and key it serves HTTPS.
     POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
     POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers, or into another worker's DRAM)
     POST /v1/verify VerifyRequest -> VerifyResult  (do replicas still hash to their checksums?)
+    POST /v1/fence  FenceRequest -> FenceResult    (has every move under these tokens stopped? then none starts)
     GET  /healthz
     GET  /metrics   Prometheus text; open with `open_metrics`, else it needs the metrics token (or the secret)
 
@@ -35,13 +36,14 @@ from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.pages import PageAllocator
 from kvstore.core.sizes import body_length
+from kvstore.worker.fencing import MoveFence
 from kvstore.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 60.0
 MAX_BODY = 64 << 20
-COUNTED = ("/v1/grant", "/v1/alloc", "/v1/free", "/v1/move", "/v1/verify", "/healthz", "/metrics")
+COUNTED = ("/v1/grant", "/v1/alloc", "/v1/free", "/v1/move", "/v1/verify", "/v1/fence", "/healthz", "/metrics")
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -77,11 +79,13 @@ class ControlServer:
                  mover=None, on_free=None, object_tiers: dict | None = None, verifier=None,
                  max_connections: int = MAX_CONNECTIONS, secret: str | None = None,
                  tls: tuple[str, str] | None = None, metrics: WorkerMetrics | None = None,
-                 open_metrics: bool = False, metrics_token: str | None = None, advertise: str | None = None) -> None:
+                 open_metrics: bool = False, metrics_token: str | None = None, advertise: str | None = None,
+                 fence: MoveFence | None = None) -> None:
         """`secret`: what every call must carry (None: no check, for tests in one process);
         `tls`: (certificate file, key file) to serve HTTPS; `metrics`: what GET /metrics serves, to
         anyone with `open_metrics`, else to callers with `metrics_token` or the secret; `advertise`:
-        the host in `url` when it is not the bound address."""
+        the host in `url` when it is not the bound address; `fence`: the moves running here (shared with
+        the mover, which marks those whose NIXL requests did not finish)."""
         self.allocators = allocators
         self.secret = secret
         self.metrics = metrics or WorkerMetrics()
@@ -91,6 +95,7 @@ class ControlServer:
         self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
         self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
+        self.fence = fence or MoveFence()
         handler = type("Handler", (_Handler,), {"control": self})
         server_class = _BoundedServer6 if ":" in host else _BoundedServer  # an IPv6 address
         self._server = server_class((host, port), handler, max_connections)
@@ -169,7 +174,18 @@ class ControlServer:
     def move(self, req: moving.MoveRequest) -> moving.MoveResult:
         if self.mover is None:
             raise KVStoreError("not_found", "this worker has no tier to move blocks to")
-        return self.mover(req)
+        tokens = {item.dst_token for item in req.items}
+        if not self.fence.begin(tokens):
+            n = len(req.items)
+            return moving.MoveResult(ok=[False] * n, errors=["the directory settled this move without it"] * n,
+                                    codes=["expired"] * n)
+        try:
+            return self.mover(req)
+        finally:
+            self.fence.end(tokens)
+
+    def settle(self, req: moving.FenceRequest) -> moving.FenceResult:
+        return moving.FenceResult(settled=self.fence.fence(req.tokens))
 
     def verify(self, req: moving.VerifyRequest) -> moving.VerifyResult:
         if self.verifier is None:
@@ -211,7 +227,8 @@ class _Handler(BaseHTTPRequestHandler):
                   "/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
                   "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)}),
                   "/v1/move": (moving.MoveRequest, lambda b: self.control.move(b).model_dump()),
-                  "/v1/verify": (moving.VerifyRequest, lambda b: self.control.verify(b).model_dump())}
+                  "/v1/verify": (moving.VerifyRequest, lambda b: self.control.verify(b).model_dump()),
+                  "/v1/fence": (moving.FenceRequest, lambda b: self.control.settle(b).model_dump())}
         if self.path not in routes:
             self.close_connection = True  # its body was not read
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())

@@ -34,6 +34,7 @@ from kvstore.core import moving, specs
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent
 from kvstore.core.pages import PageAllocator
+from kvstore.worker.fencing import MoveFence
 from kvstore.worker.hbm import HbmArena
 from kvstore.worker.metrics import WorkerMetrics
 from kvstore.worker.nvme import NvmeTier
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 ROUTES = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram"), ("nvme", "s3"),
           ("hbm", "dram"), ("dram", "hbm")}  # the hbm routes are GPU paths (UCX on VRAM)
 MAX_WAIT_S = 300.0  # one NIXL request between two tiers, at most (or until the move's deadline)
-_deadline = threading.local()  # the deadline of the move request this thread serves
+_request = threading.local()  # the move request this thread serves: its deadline and tokens
 
 
 class SourceCorrupt(str):
@@ -60,8 +61,9 @@ BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
 class Mover:
     def __init__(self, agent: Agent, arena: HostBuffer, page_bytes: int, nvme: NvmeTier | None,
                  s3: S3Tier | None, bounce_bytes: int, hbm: HbmArena | None = None, gds: bool = False,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, fence: MoveFence | None = None) -> None:
         self.agent = agent
+        self.fence = fence or MoveFence()  # told of NIXL requests that may still write after their move answered
         self.metrics = metrics or WorkerMetrics()
         self.arena = arena
         self.page_bytes = page_bytes
@@ -84,7 +86,7 @@ class Mover:
             self._count(req.items, ["expired"] * n, [False] * n)
             return moving.MoveResult(ok=[False] * n, errors=["the move's deadline passed before it started"] * n,
                                     codes=["expired"] * n)
-        _deadline.at = req.expires_at
+        _request.at, _request.tokens = req.expires_at, {item.dst_token for item in req.items}
         return self._to_peer(req) if req.peer is not None else self._move(req)
 
     def _to_peer(self, req: moving.MoveRequest) -> moving.MoveResult:
@@ -335,10 +337,12 @@ class Mover:
         """One NIXL request between local memory and one of this worker's own tiers (or a peer's
         memory); None when done."""
         transfer = self.agent.submit(op, local, remote, peer or self.agent.name, local_mem, remote_mem)
-        deadline = getattr(_deadline, "at", None)
+        deadline = getattr(_request, "at", None)
         wait_s = MAX_WAIT_S if deadline is None else max(0.0, min(MAX_WAIT_S, deadline - time.time()))
         if transfer.wait(wait_s) == "done":
             return None
+        if transfer.abandoned:  # posted and not finished: it may write after the move has answered
+            self.fence.stuck(getattr(_request, "tokens", set()))
         self.metrics.nixl_failures.labels(remote_mem).inc()
         return transfer.error
 

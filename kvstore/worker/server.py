@@ -25,6 +25,7 @@ from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
 from kvstore.worker.metrics import WorkerMetrics
 from kvstore.worker.hbm import HbmArena
+from kvstore.worker.fencing import MoveFence
 from kvstore.worker.mover import Mover
 from kvstore.worker.nvme import NvmeTier
 from kvstore.worker.s3 import S3Tier
@@ -67,15 +68,16 @@ class StorageWorker:
             self.nvme.register(self.agent)
             allocators["nvme"] = self.nvme.allocator
         self.metrics = WorkerMetrics()
+        fence = MoveFence()
         self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes,
-                           self.hbm, gds=self.gds, metrics=self.metrics)
+                           self.hbm, gds=self.gds, metrics=self.metrics, fence=fence)
         self.secret = secrets.token_urlsafe(32)  # the directory's calls must carry it; new at every start
         tls = (str(settings.tls_cert), str(settings.tls_key)) if settings.tls_cert and settings.tls_key else None
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
                                      on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {},
                                      verifier=self.mover.verify, secret=self.secret, tls=tls, metrics=self.metrics,
                                      open_metrics=settings.open_metrics, metrics_token=settings.metrics_token,
-                                     advertise=settings.advertise_host)
+                                     advertise=settings.advertise_host, fence=fence)
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0, token=settings.token,
                                          ca_file=settings.ca_file)
         self.epoch = 0

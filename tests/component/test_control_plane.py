@@ -8,11 +8,13 @@ import time
 from contextlib import contextmanager
 
 import pytest
+from sqlalchemy import select
 
 from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.pages import PageAllocator
 from kvstore.directory.index import Index
+from kvstore.directory.models import Replica
 from kvstore.worker.control import ControlServer
 from tests.stacks import PAGE, Stack, directory_stack, make_settings
 from tests.component.test_directory import BLOCK, chain, complete, hits, prepare
@@ -281,27 +283,36 @@ def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(databas
         index_matches_sql(s.service)
 
 
-def test_a_move_without_an_answer_keeps_its_destination_until_the_deadline(database_url):
+@pytest.mark.parametrize("stuck", [False, True], ids=["worker-stops", "nixl-request-stuck"])
+def test_a_move_without_an_answer_keeps_its_destination_while_the_worker_may_write(database_url, stuck):
     """The directory stops waiting after move_timeout_s; the worker may still be writing, so the
-    destination pages stay reserved until the move's deadline has passed, then go back."""
+    destination pages stay reserved. Once the worker says nothing writes under the move's token any
+    more, they go back (before the deadline); if it cannot say so (a NIXL request of the move
+    timed out while posted), they go back at the move's deadline."""
     answered = threading.Event()
 
     def slow(req: moving.MoveRequest) -> moving.MoveResult:
         assert req.expires_at is not None and req.expires_at > time.time()
         time.sleep(3.5)  # longer than the directory waits
+        if stuck:
+            worker.control.fence.stuck({item.dst_token for item in req.items})
         answered.set()
         n = len(req.items)
         return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
 
-    with two_tier_stack(database_url, slow, move_timeout_s=1.0) as (s, worker):
+    with two_tier_stack(database_url, slow, move_timeout_s=2.0) as (s, worker):
         complete(s, prepare(s, chain(2)))
         outcome = s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
         assert outcome.demoted == 0
         assert worker.nvme.free_pages == 64 - 4 and s.client.stats().reservations == 2  # still reserved
+        with s.service.sessions() as session:
+            expires_at = session.scalar(select(Replica.expires_at).where(Replica.state == "writing"))
         assert hits(s, chain(2)) == 2  # the source is READY again
-        wait_until(lambda: s.client.stats().reservations == 0, 15, "the expired destination rolled back")
+        assert not answered.is_set()
+        wait_until(lambda: s.client.stats().reservations == 0, 15, "the destination rolled back")
+        assert answered.is_set()  # never while the worker was writing
+        assert (time.time() >= expires_at) is stuck  # settled by the worker, or by the deadline
         wait_until(lambda: worker.nvme.free_pages == 64, 5, "its pages back on the worker")
-        answered.wait(10)
         index_matches_sql(s.service)
 
 

@@ -35,6 +35,9 @@ from tests.helpers import REPO, MotoServer, free_port, kvstore_cmd, spawn, stop,
 
 pytestmark = pytest.mark.postgres
 PER_PROCESS = ("leader", "commit_groups", "committed_jobs")  # what differs between replicas by design
+# a dead worker's copies into another worker's DRAM are held until their deadline (the move timeout
+# plus up to 30 s): it may only be cut off, and still writing
+MOVE_TIMEOUT_S = 15.0
 IDLE_S = 60.0  # after the engines stop, until no pin, lease or reservation is left
 
 
@@ -57,7 +60,8 @@ class Cluster:
     def start_replica(self, i: int) -> None:
         self.replicas[i] = spawn(kvstore_cmd(
             "directory", "serve", "--insecure-no-auth", "--port", str(self.ports[i]), "--database-url",
-            self.database_url, "--lease-ttl", str(TTL_S), "--heartbeat-timeout", str(TTL_S)),
+            self.database_url, "--lease-ttl", str(TTL_S), "--heartbeat-timeout", str(TTL_S),
+            "--move-timeout", str(MOVE_TIMEOUT_S)),
             self.tmp / f"directory-{i}.log", env=self.env)
         wait_http(self.url(i) + "/readyz?workers=0", proc=self.replicas[i])
 
@@ -90,6 +94,31 @@ class Cluster:
             return "(no leader)"
         text = (self.tmp / f"directory-{i}.log").read_text(errors="replace").splitlines()
         return "\n".join([line for line in text if " WARNING " in line or " ERROR " in line][-lines:])
+
+    def holdings(self) -> str:
+        """Replicas by worker, tier and state (and how many are moves' destinations), from SQL."""
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(self.database_url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(sa.text(
+                    "SELECT w.name, w.state, t.kind, r.state, count(*), "
+                    "sum(CASE WHEN r.token LIKE 'move-%' THEN 1 ELSE 0 END), min(r.expires_at) "
+                    "FROM replicas r JOIN tiers t ON r.tier_id = t.id JOIN workers w ON t.worker_id = w.id "
+                    "GROUP BY 1, 2, 3, 4 ORDER BY 1, 3, 4")).fetchall()
+                leases = conn.execute(sa.text("SELECT count(*) FROM leases")).scalar()
+        finally:
+            engine.dispose()
+        return "\n".join(f"{r[0]} ({r[1]}) {r[2]} {r[3]}: {r[4]} ({r[5]} moves, expiring {r[6]})" for r in rows) + \
+            f"\nleases: {leases}, now {time.time():.1f}"
+
+    def wait(self, predicate, timeout_s: float, what: str) -> None:
+        """wait_until, with what the database holds and the leader's warnings when it times out."""
+        try:
+            wait_until(predicate, timeout_s, what)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.holdings()}\nleader's log:\n{self.log_tail(self.leader())}") from None
 
     def kill_replica(self, i: int) -> float:
         self.replicas[i].send_signal(signal.SIGKILL)
@@ -199,13 +228,13 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
 
     # (c) a worker drains: its DRAM goes to the other workers, not to its own NVMe
     any_replica.drain("w0")
-    wait_until(lambda: any_replica.worker("w0").state == "drained", 60, "w0 drained")
+    c.wait(lambda: any_replica.worker("w0").state == "drained", 60, "w0 drained")
     drained = time.time()
     hits_after(c, drained, markers)
     assert all("w0" not in held for held in workers_per_block(any_replica))  # nothing left on w0, NVMe included
 
     # (d) a worker dies, while the engines load, once every block is on two workers: nothing is lost
-    wait_until(lambda: all(held == {"w1", "w2"} for held in workers_per_block(any_replica)), 60,
+    c.wait(lambda: all(held == {"w1", "w2"} for held in workers_per_block(any_replica)), 60,
                "every block on w1 and w2")
     c.workers["w1"].send_signal(signal.SIGKILL)
     killed = time.time()
@@ -236,9 +265,6 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
         assert all(f == [BLOCKS] * PROMPTS for f in found), found
     outstanding = lambda: {i: ((s := c.client(i).stats()).pins, s.leases_active, s.reservations)  # noqa: E731
                            for i in c.live()}
-    try:  # the leader's reaper may be busy a while with moves to S3 (moto) before it expires the rest
-        wait_until(lambda: all(v == (0, 0, 0) for v in outstanding().values()), IDLE_S, "no pins, leases or reservations")
-    except TimeoutError as exc:
-        raise AssertionError(f"(pins, leases, reservations) by replica {outstanding()}; leader's log:\n"
-                             f"{c.log_tail(c.leader())}") from exc
+    # the leader's reaper may be busy a while with moves to S3 (moto) before it expires the rest
+    c.wait(lambda: all(v == (0, 0, 0) for v in outstanding().values()), IDLE_S, "no pins, leases or reservations")
     print(f"\nreplica failover: {json.dumps(timings)}; final stats {stats}")

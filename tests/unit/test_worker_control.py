@@ -151,3 +151,57 @@ def test_a_worker_bound_to_every_address_advertises_the_one_it_is_told():
     with pytest.raises(ValidationError, match="advertise_host"):
         WorkerSettings(host="0.0.0.0")
     assert WorkerSettings(host="0.0.0.0", advertise_host="10.0.0.7").advertise_host == "10.0.0.7"
+
+
+def _move(token: str) -> moving.MoveRequest:
+    return moving.MoveRequest(items=[moving.MoveItem(
+        src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="nvme", dst_runs=[], dst_token=token,
+        nbytes=128, checksum="0123456789abcdef", namespace_id="0" * 16, hash="ab")])
+
+
+def test_a_fence_settles_a_move_only_once_nothing_writes_under_it_and_then_refuses_it():
+    import threading
+
+    from kvstore.client.worker import WorkerControlClient
+    from kvstore.core.errors import KVStoreError
+
+    release, started, calls = threading.Event(), threading.Event(), []
+
+    def mover(req: moving.MoveRequest) -> moving.MoveResult:
+        calls.append(req.items[0].dst_token)
+        started.set()
+        release.wait(10)
+        if req.items[0].dst_token == "stuck":  # a NIXL request that timed out while posted
+            server.fence.stuck({"stuck"})
+        return moving.MoveResult(ok=[True], errors=[None], codes=["ok"])
+
+    secret = "s" * 43
+    server = ControlServer({"dram": PageAllocator(8, 128)}, mover=mover, secret=secret)
+    server.start()
+    client = WorkerControlClient(server.url, timeout_s=10, token=secret)
+    fence = lambda *tokens: client.fence(moving.FenceRequest(tokens=list(tokens))).settled  # noqa: E731
+    try:
+        running = threading.Thread(target=lambda: client.move(_move("busy")))
+        running.start()
+        started.wait(10)
+        other = WorkerControlClient(server.url, timeout_s=10, token=secret)
+        assert other.fence(moving.FenceRequest(tokens=["busy", "never-sent"])).settled == [False, True]
+        release.set()
+        running.join(10)
+        assert fence("busy") == [True]  # it answered: nothing writes under it any more
+        late = client.move(_move("never-sent"))  # a move the dead leader sent, arriving after the fence
+        assert late.codes == ["expired"] and "never-sent" not in calls
+        assert client.move(_move("stuck")).ok == [True]
+        assert fence("stuck") == [False]  # its NIXL request may still write: only the deadline settles it
+        with pytest.raises(KVStoreError) as refused:
+            WorkerControlClient(server.url, timeout_s=5, token="s" * 42).fence(moving.FenceRequest(tokens=["a"]))
+        assert refused.value.kind == "unauthorized"
+        for bad in (b'{"tokens": []}', b'{"tokens": ["' + b"x" * 65 + b'"]}', b'{"tokens": [""]}', b"{}"):
+            status, answer = request(server, post("/v1/fence", str(len(bad))) + f"authorization: Bearer {secret}\r\n",
+                                     bad)
+            assert (status, answer["error"]) == (400, "invalid"), bad
+        other.close()
+    finally:
+        release.set()
+        client.close()
+        server.stop()

@@ -1,0 +1,74 @@
+"""A worker's move fence: a token is settled only when nothing may write under it any more."""
+
+from __future__ import annotations
+
+import xxhash
+
+from kvstore.core import moving, specs
+from kvstore.core.memory import HostBuffer
+from kvstore.worker.fencing import KEEP_S, MoveFence
+from kvstore.worker.mover import Mover
+
+PAGE = 4096
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_running_stuck_and_fenced_tokens():
+    clock = Clock()
+    fence = MoveFence(clock)
+    assert fence.begin({"a"}) and fence.begin({"a", "b"})  # one token may serve two requests
+    fence.end({"a"})
+    assert fence.fence(["a", "b", "c"]) == [False, False, True]  # "a" still has a request running
+    fence.end({"a", "b"})
+    assert fence.fence(["a", "b"]) == [True, True]
+    assert not fence.begin({"a"}) and not fence.begin({"c", "d"})  # fenced: never starts
+    assert fence.begin({"d"})
+    fence.stuck({"d"})
+    fence.end({"d"})
+    assert fence.fence(["d"]) == [False]  # its NIXL request may still write
+    clock.now = KEEP_S + 1  # past every move's deadline: both are forgotten
+    assert fence.fence(["e"]) == [True]
+    assert fence.begin({"a"}) and fence.fence(["a", "d"]) == [False, True]  # "a" may run again
+
+
+class NeverDone:
+    """A posted NIXL request that does not finish within the move's wait."""
+
+    abandoned = False
+    error = None
+
+    def wait(self, timeout_s: float) -> str:
+        self.abandoned, self.error = True, f"timed out after {timeout_s}s"
+        return "failed"
+
+
+class StuckAgent:
+    name = "w0"
+
+    def add_peer(self, metadata: bytes) -> str:
+        return "w1"
+
+    def submit(self, *args, **kwargs) -> NeverDone:
+        return NeverDone()
+
+
+def test_a_copy_whose_nixl_request_timed_out_is_never_settled():
+    arena = HostBuffer(4 * PAGE)
+    arena.array[:PAGE] = 7
+    fence = MoveFence()
+    mover = Mover(StuckAgent(), arena, PAGE, nvme=None, s3=None, bounce_bytes=0, fence=fence)
+    item = moving.MoveItem(src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="dram",
+                           dst_runs=[specs.PageRun(first=2, count=1)], dst_token="move-1-ab", nbytes=PAGE,
+                           checksum=xxhash.xxh3_64(arena.view(0, PAGE)).hexdigest(), namespace_id="0" * 16,
+                           hash="ab")
+    peer = moving.Peer(agent_name="w1", agent_metadata="", base_addr=arena.addr, page_bytes=PAGE)
+    result = mover.move(moving.MoveRequest(items=[item], peer=peer))
+    assert result.codes == ["failed"] and "timed out" in result.errors[0]
+    assert fence.fence(["move-1-ab"]) == [False]
