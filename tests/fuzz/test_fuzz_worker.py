@@ -28,6 +28,7 @@ VALID = {
                             "dst_token": "d", "nbytes": 128, "checksum": "0" * 16, "namespace_id": "0" * 16,
                             "hash": "ab"}], "expires_at": 4e9},
     "/v1/verify": {"items": [{"kind": "dram", "runs": [RUN], "nbytes": 128, "checksum": "0" * 16}]},
+    "/v1/fence": {"tokens": ["move-1-ab", "t"]},
 }
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.integers(min_value=-(1 << 70), max_value=1 << 70)
                     | st.floats(allow_nan=False) | st.text(max_size=12),
