@@ -15,14 +15,17 @@ from tests.helpers import REPO, free_port, kvstore_cmd, spawn, stop, wait_http, 
 
 
 class Stack:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, ttl_s: float | None = None) -> None:
+        """`ttl_s`: leases, reservations and heartbeats expire after this (fault tests)."""
         self.tmp, self.port = tmp, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
+        self.ttl = ["--lease-ttl", str(ttl_s), "--reservation-ttl", str(ttl_s), "--heartbeat-timeout",
+                    str(ttl_s)] if ttl_s else []
 
     def start(self) -> None:
-        self.procs.append(spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(self.port), "--data-dir",
-                                            str(self.tmp / "var")), self.tmp / "directory.log"))
+        self.procs.append(spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(self.port),
+                                            "--data-dir", str(self.tmp / "var"), *self.ttl), self.tmp / "directory.log"))
         wait_http(self.url + "/healthz", proc=self.procs[0])
         self.procs.append(spawn(kvstore_cmd("worker", "serve", "--directory-url", self.url, "--name", "w0",
                                             "--dram-bytes", "64MiB", "--page-bytes", "4KiB"),
@@ -32,14 +35,21 @@ class Stack:
 
     def engine(self, *args: str, env: dict | None = None) -> dict:
         """Run one engine process (tests_vllm/engine.py) to the end; its report."""
-        out = self.tmp / f"engine-{len(list(self.tmp.glob('engine-*.json')))}.json"
-        log = out.with_suffix(".log")
-        with open(log, "ab") as f:
-            proc = subprocess.run([sys.executable, "-m", "tests_vllm.engine", "--url", self.url, "--out",
-                                   str(out), *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=300,
-                                  env=env)
-        assert proc.returncode == 0, log.read_text()[-4000:]
-        return json.loads(out.read_text())
+        return self.report(self.start_engine(*args, env=env))
+
+    def start_engine(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """An engine process, running; `report` waits for it."""
+        self.engines = getattr(self, "engines", 0) + 1
+        out = self.tmp / f"engine-{self.engines}.json"
+        proc = subprocess.Popen([sys.executable, "-m", "tests_vllm.engine", "--url", self.url, "--out", str(out),
+                                 *args], cwd=REPO, stdout=open(out.with_suffix(".log"), "ab"),
+                                stderr=subprocess.STDOUT, env=env)
+        proc.out = out
+        return proc
+
+    def report(self, proc: subprocess.Popen) -> dict:
+        assert proc.wait(timeout=300) == 0, proc.out.with_suffix(".log").read_text()[-4000:]
+        return json.loads(proc.out.read_text())
 
     def stop(self) -> None:
         for proc in reversed(self.procs):

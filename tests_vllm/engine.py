@@ -6,6 +6,12 @@ token's KV into a paged buffer in vLLM's per-layer [blocks, heads, block_size, 2
     python -m tests_vllm.engine --url URL --out R.json [--hash sha256] [--prompts 1]
         [--max-batched-tokens 256] [--hold-blocks 0] [--load-async] [--evict-before-load]
         [--slow-save-s 0] [--wait-saves] [--num-blocks 64] [--max-tokens 2] [--followup 0]
+        [--role kv_both|kv_producer|kv_consumer] [--handoff ID] [--handoff-timeout-s S] [--finished-marker F]
+
+With --handoff, request i carries `kv_transfer_params` {"handoff_id": "ID-i"} (and vLLM's
+do_remote_decode / do_remote_prefill flags on a kv_both engine, by --handoff-side), as a router
+sends them to the prefill and the decode instance. As in vLLM's model runner, a step that
+schedules no token runs no forward (the connector then only sees wait_for_save).
 
 The KV of position p in layer l is a function of (l, the tokens up to p), so a page holds the
 right values only if the model computed it or the store returned what another engine computed
@@ -51,10 +57,11 @@ EOS = 2
 
 
 def configs(url: str, hash_algo: str = "sha256", load_async: bool = False, max_batched_tokens: int = 256,
-            num_blocks: int = 64):
+            num_blocks: int = 64, role: str = "kv_both", extra: dict | None = None):
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connector.vllm",
-                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"directory_url": url, "load_async": load_async})
+                                kv_role=role, kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"directory_url": url, "load_async": load_async,
+                                                           **(extra or {})})
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo)
     cache.num_gpu_blocks = num_blocks
     vllm_config = VllmConfig(
@@ -97,8 +104,11 @@ class Engine:
         hash_fn = get_hash_fn_by_name(args.hash)
         init_none_hash(hash_fn)
         self.hash_fn = hash_fn
+        extra = {"handoff_timeout_s": args.handoff_timeout_s} if args.handoff_timeout_s else {}
+        if args.tenant:
+            extra["tenant"] = args.tenant
         self.vllm_config, kv_cache_config = configs(args.url, args.hash, args.load_async, args.max_batched_tokens,
-                                                    args.num_blocks)
+                                                    args.num_blocks, args.role, extra)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=BLOCK)
@@ -134,11 +144,26 @@ class Engine:
         """Record what the connector answered vLLM (the calls still go to it unchanged)."""
         connector = self.scheduler.connector
         matched, sources = connector.get_num_new_matched_tokens, connector.get_external_cache_hit_sources
+        finished, resolve = connector.request_finished, connector._pd._resolve
 
         def get_num_new_matched_tokens(request, num_computed_tokens):
             answer = matched(request, num_computed_tokens)
-            self.report[request.request_id].setdefault("matched", list(answer))
+            report = self.report[request.request_id]
+            if answer[0] is None:  # waiting for its hand-off: asked again next step
+                report["asked_while_waiting"] = report.get("asked_while_waiting", 0) + 1
+                report.setdefault("waiting_since", time.time())
+            else:
+                report.setdefault("matched", list(answer))
             return answer
+
+        def request_finished(request, block_ids):
+            answer = finished(request, block_ids)
+            self.report[request.request_id]["kv_transfer_params"] = answer[1]
+            return answer
+
+        def resolved(req_id, result):
+            self.report[req_id]["handoff"] = {"outcome": result.outcome, "waited_s": result.waited_s}
+            return resolve(req_id, result)
 
         def get_external_cache_hit_sources(request, num_external_tokens):
             answer = sources(request, num_external_tokens)
@@ -147,6 +172,8 @@ class Engine:
 
         connector.get_num_new_matched_tokens = get_num_new_matched_tokens
         connector.get_external_cache_hit_sources = get_external_cache_hit_sources
+        connector.request_finished = request_finished
+        connector._pd._resolve = resolved
 
     def _time_the_worker_hooks(self) -> None:
         """Add up the time each step spends inside the worker half (what the forward waits for)."""
@@ -161,7 +188,15 @@ class Engine:
             setattr(self.worker, name, timed)
 
     def add(self, req_id: str, tokens: list[int]) -> None:
-        params = SamplingParams(max_tokens=self.args.max_tokens, ignore_eos=True)
+        extra = None
+        index = int(req_id.removeprefix("req-"))
+        if self.args.handoff and index < self.args.handoff_only:
+            handoff = {"handoff_id": f"{self.args.handoff}-{index}", **json.loads(self.args.handoff_params)}
+            if self.args.handoff_side:  # a kv_both engine: vLLM's flags say which side this is
+                flag = {"producer": "do_remote_decode", "consumer": "do_remote_prefill"}[self.args.handoff_side]
+                handoff[flag] = True
+            extra = {"kv_transfer_params": handoff}
+        params = SamplingParams(max_tokens=self.args.max_tokens, ignore_eos=True, extra_args=extra)
         params.update_from_generation_config({}, EOS)
         request = Request(req_id, tokens, params, None, block_hasher=get_request_block_hasher(BLOCK, self.hash_fn))
         self.report[req_id] = {"computed_prompt_tokens": 0, "sources": {}, "keys": [h.hex() for h in request.block_hashes]}
@@ -185,7 +220,7 @@ class Engine:
         if out.has_sync_kv_loads:
             self.worker.start_load_kv(None)
         computed = self._update_tables(out)
-        for layer, name in enumerate(LAYER_NAMES):  # the forward
+        for layer, name in enumerate(LAYER_NAMES if out.total_num_scheduled_tokens else ()):  # the forward
             self.worker.wait_for_layer_load(name)
             for req_id, n in out.num_scheduled_tokens.items():
                 self._write(req_id, layer, computed[req_id], n)
@@ -233,6 +268,9 @@ class Engine:
             request = self.scheduler.requests.get(req_id)
             if "finished_step" not in report and (request is None or RequestStatus.is_finished(request.status)):
                 report["finished_step"] = self.steps
+                report["finished_at"] = time.time()
+                if self.args.finished_marker:
+                    Path(self.args.finished_marker).write_text(req_id)
                 report["kv_exact"] = self._check(req_id)
                 report["block_ids"] = self.tables[req_id]
                 if request is not None:  # still held (its saves run): every full block's key, outputs too
@@ -295,6 +333,10 @@ class Engine:
         deadline = time.monotonic() + timeout_s
         while self.scheduler.requests and time.monotonic() < deadline:
             self.step()
+        self.scheduler.connector._pd.flush()  # hand-off commits still on their way: their timings too
+        last = self.scheduler.connector.get_kv_connector_stats()
+        if last is not None:
+            self.front_log.observe(last.data)
         from prometheus_client import REGISTRY
 
         histograms = {name: REGISTRY.get_sample_value(f"kvstore_connector_{name}_seconds_count") or 0
@@ -333,11 +375,21 @@ def main() -> None:
     parser.add_argument("--evict-before-load", action="store_true")
     parser.add_argument("--slow-save-s", type=float, default=0.0)
     parser.add_argument("--wait-saves", action="store_true")
+    parser.add_argument("--role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"])
+    parser.add_argument("--handoff", default="", help="request i carries hand-off id ID-i")
+    parser.add_argument("--handoff-side", choices=["producer", "consumer"], help="on a kv_both engine")
+    parser.add_argument("--handoff-timeout-s", type=float, default=0.0)
+    parser.add_argument("--handoff-only", type=int, default=1 << 30, help="only the first N requests hand off")
+    parser.add_argument("--handoff-params", default="{}", help="more kv_transfer_params (JSON), as a router adds")
+    parser.add_argument("--prompt-seed-offset", type=int, default=0, help="request i gets prompt i + this")
+    parser.add_argument("--tenant", default="", help="the namespace's tenant (another namespace)")
+    parser.add_argument("--finished-marker", default="", help="a file written when a request finishes")
     parser.add_argument("--followup", type=int, default=0,
                         help="the next turn: each prompt followed by the first N tokens this engine generates for it")
     args = parser.parse_args()
     engine = Engine(args)
-    result = engine.run([followup(prompt(i, args.prompt_tokens), args.followup) for i in range(args.prompts)])
+    result = engine.run([followup(prompt(i + args.prompt_seed_offset, args.prompt_tokens), args.followup)
+                         for i in range(args.prompts)])
     engine.close()
     with open(args.out, "w") as f:
         json.dump(result, f)

@@ -16,6 +16,7 @@ from kvstore import __version__
 from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, ago, console, directory, emit, one_line_errors
 from kvstore.cli.info import info
 from kvstore.cli.maintenance import evict, flush, replicas, write_through
+from kvstore.cli.pd_proxy import pd_proxy
 from kvstore.cli.prefixes import inspect, lookup
 from kvstore.cli.run import up
 from kvstore.cli.serve import config_app, directory_app, worker_app
@@ -39,6 +40,7 @@ app.command()(evict)
 app.command()(flush)
 app.command("write-through")(write_through)
 app.command()(replicas)
+app.command("pd-proxy")(pd_proxy)
 
 
 def _print_version(wanted: bool) -> None:

@@ -131,6 +131,7 @@ def directory_serve(
     unless --insecure-no-auth; bootstrap the first admin token with --admin-token-file."""
     import uvicorn
 
+    from kvstore.core.handoffs import MAX_WAIT_S
     from kvstore.directory.app import create_app
     from kvstore.directory.settings import DirectorySettings
 
@@ -170,7 +171,9 @@ def directory_serve(
         log.warning("credentials are off and %s is not a loopback address: anyone who can reach it can evict, "
                     "drain and read every namespace", host)
     # no access log and no proxy-header rewriting: each costs the hot calls more than a lookup does
+    # a hand-off wait answers within MAX_WAIT_S; nothing else takes long
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, proxy_headers=False,
+                timeout_graceful_shutdown=int(MAX_WAIT_S) + 5,
                 ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None)
 
 

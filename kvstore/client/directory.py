@@ -8,6 +8,7 @@ from urllib.parse import quote
 
 from kvstore.client.http import JsonHttp
 from kvstore.core import credentials, specs
+from kvstore.core.handoffs import HandoffCommit, HandoffState, HandoffWait
 from kvstore.core.inspection import InspectRequest, InspectResult
 from kvstore.core.keys import Namespace
 from kvstore.core.namespaces import NamespaceInfo
@@ -54,6 +55,13 @@ class DirectoryClient(JsonHttp):
 
     def undrain(self, name: str) -> specs.WorkerInfo:
         return specs.WorkerInfo.model_validate(self.call_raw("POST", f"/v1/workers/{quote(name, safe='')}/undrain", {}))
+
+    def commit_handoff(self, body: HandoffCommit) -> HandoffState:
+        return self.call("POST", "/v1/handoffs", body, HandoffState)
+
+    def wait_handoff(self, body: HandoffWait) -> HandoffState:
+        """Blocks up to body.timeout_s (the directory answers `pending` then)."""
+        return self.call("POST", "/v1/handoffs/wait", body, HandoffState, timeout_s=body.timeout_s + self.timeout_s)
 
     def renew(self, token: str) -> specs.Renewed:
         return self.call("POST", "/v1/leases/renew", specs.TokenBody(token=token), specs.Renewed)

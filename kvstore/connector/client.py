@@ -7,6 +7,11 @@ Calls, in the order an engine makes them:
     client.save(token_ids, kv) -> tokens held   # prepare_store -> NIXL WRITE -> complete_store
     client.close()
 
+Prefill/decode hand-off: the prefill engine calls `save(token_ids, kv, handoff=ID)`, which commits
+hand-off ID once the save has; the decode engine calls `load(token_ids, wait_for=ID, timeout=S)`,
+which waits for that commit (it may start before the prefill engine has) and then loads what is
+there: after S seconds without one, that is a miss or a shorter prefix, never an exception.
+
 `save_blocks` / `load_blocks` are the same protocol for engines that keep KV in
 the store's block layout in memory they registered with `register_buffer`
 (zero copy); `save` / `load` pack and unpack through the staging buffer.
@@ -26,12 +31,14 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
+from kvstore.connector.handoff import HandoffResult, wait_for_handoff
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
 from kvstore.connector.peers import Peers, own_hosts
 from kvstore.connector.renewal import Renewal
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
+from kvstore.core.handoffs import HandoffCommit
 from kvstore.core.keys import LAYOUTS, Namespace, block_hashes, checksum
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent, Transfer
@@ -66,6 +73,7 @@ class KVStoreClient:
         self.staging = HostBuffer(self.slots * namespace.block_nbytes)
         self.register_buffer(self.staging.array)
         self.last_timings: dict[str, float] = {}  # seconds per phase of the last *_blocks call
+        self.last_handoff: HandoffResult | None = None  # how the last load's wait for a hand-off ended
 
     # ---- tensors ----------------------------------------------------------------------
 
@@ -78,8 +86,18 @@ class KVStoreClient:
             return self.directory.lookup(self.namespace_id, hashes).num_hit_blocks * self.namespace.block_tokens
         return 0
 
-    def save(self, token_ids: Sequence[int], kv: LayerKV) -> int:
-        """Store every full block of `token_ids` not yet stored; returns the leading tokens now held."""
+    def save(self, token_ids: Sequence[int], kv: LayerKV, handoff: str | None = None) -> int:
+        """Store every full block of `token_ids` not yet stored; returns the leading tokens now held.
+        With `handoff`, then commit that hand-off (the consumer waiting for it loads now)."""
+        finished_at = time.time()
+        held = self._save(token_ids, kv)
+        if handoff is not None:
+            with _miss_if_unreachable("hand-off commit"):
+                self.directory.commit_handoff(HandoffCommit(namespace_id=self.namespace_id, handoff_id=handoff,
+                                                            num_tokens=held, finished_at=finished_at))
+        return held
+
+    def _save(self, token_ids: Sequence[int], kv: LayerKV) -> int:
         tokens = np.asarray(token_ids)
         layout.check_kv(self.namespace, kv, tokens.size)
         hashes = block_hashes(self.namespace, tokens)
@@ -96,12 +114,22 @@ class KVStoreClient:
                 break
         return held * self.namespace.block_tokens
 
-    def load(self, token_ids: Sequence[int]) -> tuple[LayerKV, int]:
+    def load(self, token_ids: Sequence[int], wait_for: str | None = None,
+             timeout: float = 30.0) -> tuple[LayerKV, int]:
         """Per-layer (K, V) [num_kv_heads, n, head_dim] of the longest verified cached prefix, and n.
+        With `wait_for`, first wait up to `timeout` seconds for that hand-off (`last_handoff` says
+        how the wait ended).
 
         Each staged chunk is unpacked straight into tensors sized for the whole prompt; a shorter
         hit returns views of their first n tokens."""
         hashes = block_hashes(self.namespace, token_ids)
+        if wait_for is not None:
+            self.last_handoff = wait_for_handoff(self.directory, self.namespace_id, wait_for,
+                                                 [h.hex() for h in hashes], timeout)
+            if self.last_handoff.outcome in ("timeout", "error"):
+                log.warning("hand-off %s: %s after %.1f s%s; loading what the store has", wait_for,
+                            self.last_handoff.outcome, self.last_handoff.waited_s,
+                            f" ({self.last_handoff.detail})" if self.last_handoff.detail else "")
         kv = layout.empty_kv(self.namespace, len(hashes) * self.namespace.block_tokens)
         num_blocks = 0
         for first in range(0, len(hashes), self.slots):

@@ -28,7 +28,10 @@ saves of preempted requests before their blocks are reused), `get_transfer_resul
 
 Loads finish within the step by default; with `"load_async": true` vLLM schedules the request
 only once `get_transfer_results` reports its load finished (failed ones also in
-`failed_recving`). Refused at start-up: several KV cache groups (hybrid models), MLA and other
+`failed_recving`). `kv_role` splits prefill and decode (`vllm_handoff`): a kv_producer saves
+every prompt block, the last partial one included, commits the request's hand-off once they are
+in and never loads; a kv_consumer waits for a request's hand-off (vLLM asks again each step,
+other requests go on), loads the whole prompt but its last token and never saves. Refused at start-up: several KV cache groups (hybrid models), MLA and other
 non-full attention, K and V of different head sizes, dtypes the store does not name, and
 pipeline parallelism. Each TP rank stores its shard under its own namespace (its tp_rank).
 """
@@ -48,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 SupportsHMA)
 
 from kvstore.client import DirectoryClient
+from kvstore.connector.vllm_handoff import HandoffRoles
 from kvstore.connector.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.connector.vllm_worker import BlockPlan, PagedKVWorker
 from kvstore.core.errors import KVStoreError
@@ -136,7 +140,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._ns: Namespace | None = None
         self._rank_namespaces: dict[str, str] = {}  # scheduler namespace id -> this TP rank's namespace id
         self.tp_rank = _tp_rank(extra) if role == KVConnectorRole.WORKER else 0
-        self._matched: dict[str, tuple[Any, int, int]] = {}  # req_id -> (request, first block, hit blocks)
+        # req_id -> (request, first block, hit blocks, the keys looked up)
+        self._matched: dict[str, tuple[Any, int, int, list[str]]] = {}
         self._requests: dict[str, Any] = {}  # requests seen by the scheduler side, until scheduled
         self._tracked: dict[str, _Tracked] = {}  # scheduled requests, until finished
         self._sources: dict[str, list[str]] = {}  # req_id -> tier of each matched block
@@ -145,7 +150,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # store, so not saved again; a block that fails to load is cut off with what follows
         self._loaded: dict[str, tuple[int, list[int]]] = {}
         self.load_async = bool(extra.get("load_async", False))
-        self.save_decode = bool(extra.get("save_decode", True))  # blocks of generated tokens too (multi-turn)
+        self._pd = HandoffRoles(self._kv_transfer_config.kv_role, self.directory, self.block_size, self.hash_algo,
+                                extra) if role == KVConnectorRole.SCHEDULER else None
+        self._partials: list[BlockPlan] = []  # finished hand-off requests' last partial blocks, to save next
         self._worker = None
         if role == KVConnectorRole.WORKER:
             page = (self._spec.num_kv_heads, self.block_size, 2 * self._spec.head_size)
@@ -159,9 +166,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        """False: a cache, not a hand-off. A save a preemption cuts short is a future miss (and
-        handle_preemptions lets the saves finish first), so vLLM need not drop in-flight output."""
-        return False
+        """True for a kv_producer, whose saves are a consumer's hand-off: vLLM recomputes a request
+        preempted while they are pending. A cache (kv_both) loses only a future hit to a cut save
+        (and handle_preemptions lets the saves finish first)."""
+        return self._kv_transfer_config.kv_role == "kv_producer"
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -209,35 +217,40 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond `num_computed_tokens` the store holds: whole blocks, and never the whole
-        prompt (vLLM must compute at least one token). Side-effect free for the store."""
+        prompt (vLLM must compute at least one token). Side-effect free for the store. A request
+        that waits for a hand-off answers None (vLLM asks again next step) until it has come."""
         self._requests[request.request_id] = request  # its block hashes are needed again when it is saved
-        prompt_blocks = (len(request.prompt_token_ids or ()) - 1) // self.block_size
+        if not self._pd.loads:
+            return 0, False
+        keys, limit = self._pd.load_keys(request)
         first = num_computed_tokens // self.block_size
-        hashes = [h.hex() for h in request.block_hashes[:prompt_blocks]]
-        if len(hashes) <= first:
+        if len(keys) <= first:
             return 0, False
         try:
-            found = self.directory.lookup(self._namespace_id_now(), hashes)
+            namespace_id = self._namespace_id_now()
+            if self._pd.consumed(request) is not None and self._pd.wait(request, namespace_id, keys) is None:
+                return None, False
+            found = self.directory.lookup(namespace_id, keys)
         except KVStoreError as exc:
             log.warning("lookup for %s failed (%s): computing it", request.request_id, exc)
             return 0, False
         hit = found.num_hit_blocks
         if hit <= first:
             return 0, False
-        self._matched[request.request_id] = (request, first, hit)
+        self._matched[request.request_id] = (request, first, hit, keys)
         self._sources[request.request_id] = found.tiers()[first:hit]
-        return (hit - first) * self.block_size - (num_computed_tokens % self.block_size), self.load_async
+        return min(hit * self.block_size, limit) - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens == 0 or matched is None:
             return
-        _, first, hit = matched
+        _, first, hit, keys = matched
         block_ids = blocks.get_block_ids()[0]
-        hashes = [h.hex() for h in request.block_hashes[first:hit]]
-        self._loads.append(BlockPlan(request.request_id, hashes, list(block_ids[first:hit]),
-                                     load_async=self.load_async))
-        self._loaded[request.request_id] = (first, list(block_ids[first:hit]))
+        full = len(request.prompt_token_ids or ()) // self.block_size  # a hand-off's partial block is no full one
+        self._loads.append(BlockPlan(request.request_id, keys[first:hit], list(block_ids[first:hit]),
+                                     load_async=self.load_async, partial_tail=hit > full))
+        self._loaded[request.request_id] = (first, list(block_ids[first:min(hit, full)]))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """The matched tokens by the tier that holds them: memory tiers of a storage worker are
@@ -259,8 +272,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
         """This step's loads, the saves of the prompt blocks it completes, and its preemptions."""
         meta = KVStoreConnectorMetadata(namespace_id=self._namespace_id_now(), namespace=self._ns,
-                                        loads=self._loads)
-        self._loads = []
+                                        loads=self._loads, saves=self._partials)
+        self._loads, self._partials = [], []
         progress = []  # (tracked, tokens computed once this step ran)
         for new in scheduler_output.scheduled_new_reqs:
             request = self._requests.pop(new.req_id, None)
@@ -280,9 +293,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             elif new_ids:
                 tracked.block_ids += new_ids[0]
             progress.append((tracked, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)))
-        for tracked, computed in progress:
+        for tracked, computed in progress if self._pd.saves else ():
             request = tracked.request
-            limit = len(request.block_hashes) if self.save_decode else len(request.prompt_token_ids or ()) // self.block_size
+            limit = len(request.block_hashes) if self._pd.saves_decode else \
+                len(request.prompt_token_ids or ()) // self.block_size
             ready = min(computed // self.block_size, limit, len(tracked.block_ids))
             if ready <= tracked.saved:
                 continue
@@ -295,8 +309,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def update_connector_output(self, connector_output) -> None:
-        """Blocks that failed to load are recomputed by vLLM: save them (and what follows) again
-        once they are, instead of counting them as held by the store."""
+        """Requests whose saves are all in commit their hand-offs. Blocks that failed to load are
+        recomputed by vLLM: save them (and what follows) again once they are, instead of counting
+        them as held by the store."""
+        self._pd.sent(connector_output.finished_sending or ())
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
@@ -314,13 +330,25 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """True when a save of this request was scheduled: vLLM then keeps its blocks until the
-        worker reports it in finished_sending (once every save of it is committed or failed)."""
+        worker reports it in finished_sending (once every save of it is committed or failed). A
+        hand-off's producer also saves the prompt's partial last block now, and answers what a
+        router passes on to the consumer."""
         self._requests.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loaded.pop(request.request_id, None)
+        self._pd.forget(request.request_id)
         tracked = self._tracked.pop(request.request_id, None)
-        return tracked is not None and tracked.saving, None
+        saving = tracked is not None and tracked.saving
+        handoff = self._pd.produced(request)
+        if handoff is None:
+            return saving, None
+        num_tokens = tracked.saved * self.block_size if tracked is not None else 0
+        partial = self._pd.partial_plan(request, tracked.saved, tracked.block_ids) if tracked else None
+        if partial is not None:
+            self._partials.append(partial)
+            saving, num_tokens = True, len(request.prompt_token_ids)
+        return saving, self._pd.finished(request, handoff, self._namespace_id_now(), num_tokens, saving)
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids)
@@ -366,10 +394,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending, results.finished_recving
 
     def get_kv_connector_stats(self):
-        """This worker's timings since the last step, for vLLM's logger and /metrics."""
-        if self._worker is None:
-            return None
-        stats = KVStoreConnectorStats(data=self._worker.take_stats())
+        """This worker's timings since the last step (on the scheduler: its hand-offs' waits and
+        commits), for vLLM's logger and /metrics."""
+        stats = KVStoreConnectorStats(data=self._worker.take_stats() if self._worker else self._pd.take_stats())
         return None if stats.is_empty() else stats
 
     @classmethod
@@ -386,4 +413,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker:
             self._worker.close()
+        if self._pd:
+            self._pd.close()
         self.directory.close()

@@ -53,6 +53,7 @@ class BlockPlan:
     block_ids: list[int]
     parent: str | None = None  # the stored block before hashes[0], for a prompt saved over several steps
     load_async: bool = False  # a load vLLM does not wait for in the forward (get_transfer_results)
+    partial_tail: bool = False  # the last block is a prompt's partial one: the forward writes into it
 
 
 @dataclass
@@ -61,6 +62,8 @@ class _Load:
     token: str | None
     hits: list[specs.BlockHit]
     clock: LayerClock | None = None
+    tail: "xxhash.xxh3_64 | None" = None  # a partial last block's checksum, layer by layer as each arrives
+    tail_layers: int = 0
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _SaveStep:
     layers: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (index, event|None), then None
     started: float = field(default_factory=time.perf_counter)
     failed_loads: set[str] = field(default_factory=set)  # requests whose load in this step failed
+    handed: int = 0  # layers the forward handed over
 
 
 class PagedKVWorker:
@@ -193,10 +197,18 @@ class PagedKVWorker:
         return loads
 
     def wait_layer(self, layer: str) -> None:
+        """Wait for this layer of the step's synchronous loads. A partial last block is hashed now,
+        before the forward writes the rest of its page (a hand-off's consumer computes the prompt's
+        last token into it): after the forward its page is no longer what was stored."""
         index = self.layer_names.index(layer)
         for load in self._sync:
             if load.clock is not None:
                 load.clock.wait(index)
+                if load.plan.partial_tail and len(load.hits) == len(load.plan.block_ids) and load.tail_layers == index:
+                    load.tail = load.tail or xxhash.xxh3_64()
+                    page = self.caches[layer][load.plan.block_ids[-1]]
+                    load.tail.update(page.cpu().reshape(-1).view(torch.uint8).numpy())
+                    load.tail_layers += 1
 
     def async_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) asynchronous loads since the last call; failed ones are in both."""
@@ -234,8 +246,12 @@ class PagedKVWorker:
         if transfer_failed:  # the bytes say nothing about the stored blocks: recompute all, blame none
             return [], errors | set(loaded)
         reports, bad = [], False  # only bad blocks are reported: their replicas are invalidated
-        for block_id, hit, checksum in zip(loaded, load.hits, self._checksums(loaded)):
-            if checksum != hit.checksum:
+        checksums = self._checksums(loaded)
+        if load.plan.partial_tail and not load.plan.load_async and loaded == load.plan.block_ids:
+            whole = load.tail is not None and load.tail_layers == len(self.layer_names)
+            checksums[-1] = load.tail.hexdigest() if whole else None  # hashed as each layer arrived
+        for block_id, hit, checksum in zip(loaded, load.hits, checksums):
+            if checksum is not None and checksum != hit.checksum:
                 reports.append(specs.BlockRead(hash=hit.hash, ok=False))
             bad = bad or checksum != hit.checksum  # vLLM recomputes from the first bad block on
             if bad:
@@ -281,21 +297,32 @@ class PagedKVWorker:
         step = self._save_step(namespace_id, plans)
         if step is None:
             return
-        event = None
-        if self.caches[layer].is_cuda:  # the forward wrote this layer on the stream: post after it (GPU path)
-            event = torch.cuda.Event()
-            event.record()
-        step.layers.put((self.layer_names.index(layer), event))
+        step.handed += 1
+        step.layers.put((self.layer_names.index(layer), self._written()))
+
+    def _written(self):
+        """An event the saver waits for before posting: what the stream has written by now (GPU path)."""
+        if not self.caches[self.layer_names[0]].is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def finish_step(self, namespace_id: str, plans: list[BlockPlan]) -> None:
         """End of the step: verify and release its synchronous loads; close its saves (they finish
         on the saver thread). A request whose load failed computed this step's blocks over bad KV:
-        its saves of this step are not committed."""
+        its saves of this step are not committed. A step without a forward (vLLM's when nothing
+        is scheduled) saves blocks computed earlier, every layer at once (a producer's last
+        partial block)."""
         failed = {req_id for req_id, bad in self._finish_loads(self._sync).items() if bad}
         self._sync = []
         step = self._save_step(namespace_id, plans)
         if step is not None:
             step.failed_loads = failed
+            if step.handed == 0:
+                written = self._written()
+                for index in range(len(self.layer_names)):
+                    step.layers.put((index, written))
             step.layers.put(None)
             self._step = None
 

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstore.core import credentials, specs
 from kvstore.core.errors import KVStoreError, error_list
+from kvstore.core.handoffs import HandoffCommit, HandoffState, HandoffWait
 from kvstore.core.inspection import InspectRequest, InspectResult
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.directory import db, wire
@@ -265,6 +266,19 @@ def _routes(service: DirectoryService, replicas: Replicas) -> APIRouter:
     @r.get("/v1/workers/{name}")
     def worker(name: str) -> specs.WorkerInfo:
         return service.membership.worker(name)
+
+    @r.post("/v1/handoffs")
+    def commit_handoff(body: HandoffCommit, who: Principal = Caller) -> HandoffState:
+        """A producer: every save of the hand-off's prompt has committed (or, `failed`, never will)."""
+        service.namespace(body.namespace_id, who.tenants)
+        return service.handoffs.commit(body)
+
+    @r.post("/v1/handoffs/wait")
+    async def wait_handoff(body: HandoffWait, who: Principal = Caller) -> HandoffState:
+        """A consumer: answers once the hand-off is committed or failed, once every block named is
+        stored, or after `timeout_s` (state `pending`)."""
+        service.namespace(body.namespace_id, who.tenants)
+        return await service.handoffs.wait(body)
 
     @r.post("/v1/leases/renew")
     def renew(body: specs.TokenBody) -> specs.Renewed:

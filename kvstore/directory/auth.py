@@ -55,6 +55,8 @@ ROUTES: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/v1/load/prepare-batch"): _s(ENGINE),
     ("POST", "/v1/load/complete"): _s(ENGINE),
     ("POST", "/v1/leases/renew"): _s(ENGINE),
+    ("POST", "/v1/handoffs"): _s(ENGINE),
+    ("POST", "/v1/handoffs/wait"): _s(ENGINE),
     ("POST", "/v1/workers"): _s(WORKER),
     ("POST", "/v1/workers/{name}/heartbeat"): _s(WORKER),
     ("POST", "/v1/workers/{name}/deregister"): _s(WORKER),

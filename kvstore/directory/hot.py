@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 _BODIES: dict[str, type[BaseModel]] = {}  # operation path -> the spec its body follows
 HEALTH = {("GET", "/healthz"), ("GET", "/readyz")}
 LOCAL = HEALTH | {("GET", "/metrics"), ("GET", "/v1/admin/stats"), ("POST", "/v1/lookup"),  # a follower's own
-                  ("POST", "/v1/lookup/batch"), ("POST", "/v1/lookup/tokens")}
+                  ("POST", "/v1/lookup/batch"), ("POST", "/v1/lookup/tokens"),
+                  ("POST", "/v1/handoffs/wait")}  # from its index and the change log: no thread waits on the leader
 FORWARDED_HEADERS = (b"authorization", b"content-type")
 
 

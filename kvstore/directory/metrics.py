@@ -50,6 +50,14 @@ class DirectoryMetrics:
                                "tier's blocks down", ["worker", "kind"], registry=r)
         self.tier_low = Gauge("kvstore_tier_low_watermark_ratio", "Fill ratio the reaper moves a tier down to",
                               ["worker", "kind"], registry=r)
+        self.handoffs = Counter("kvstore_handoffs", "Hand-offs producers committed, by state (committed: their "
+                                "saves are in; failed: the producer gave up)", ["state"], registry=r)
+        self.handoff_latency = Histogram("kvstore_handoff_latency_seconds", "A hand-off's producer request "
+                                         "finished -> its hand-off committed here (the producer's clock)",
+                                         buckets=REQUEST_BUCKETS, registry=r)
+        self.handoff_waits = Histogram("kvstore_handoff_wait_seconds", "One wait for a hand-off, by how it ended "
+                                       "(committed, failed, present: its blocks are stored, pending: timed out)",
+                                       ["outcome"], buckets=REQUEST_BUCKETS, registry=r)
         self.requests = Histogram("kvstore_request_seconds", "Time to answer a request, by route template, "
                                   "method and status", ["route", "method", "status"], buckets=REQUEST_BUCKETS,
                                   registry=r)

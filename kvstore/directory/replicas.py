@@ -15,10 +15,11 @@ still its own, so a leader that lost its lock without knowing it cannot write af
 has begun.
 
 Followers answer lookups from their own index, which follows the leader's commits: each group
-commit of the leader logs the blocks it touched (and whether workers, tiers or namespaces changed)
-in `changes`, in the same transaction, and notifies; a follower reads the log on the notification,
-or every CAMPAIGN_S at the latest, and reads those blocks again. A stale index can only make a
-lookup miss or report a block a moment longer: loads are forwarded, and the leader pins in SQL.
+commit of the leader logs the blocks it touched (and whether workers, tiers or namespaces changed,
+and the hand-offs it committed) in `changes`, in the same transaction, and notifies; a follower
+reads the log on the notification, or every CAMPAIGN_S at the latest, and reads those blocks again.
+A stale index can only make a lookup miss or report a block a moment longer: loads are forwarded,
+and the leader pins in SQL.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from sqlalchemy.orm import Session
 
 from kvstore.client.http import JsonHttp
 from kvstore.core.errors import KVStoreError
+from kvstore.directory import repository as repo
 from kvstore.directory.models import Change, LeaderRow, Worker
 
 log = logging.getLogger(__name__)
@@ -167,7 +169,7 @@ class Replicas:
     # ---- the leader's commits ---------------------------------------------------------------------
 
     def _before_commit(self, session: Session, touched: set[int], topology: bool, namespaces: bool,
-                       committed: list) -> None:
+                       committed: list, handoffs: set[str]) -> None:
         """In each group's transaction: the term is still ours (else roll back and stop), and what
         the group changed is logged for the followers."""
         if self.retired or session.execute(update(LeaderRow).where(LeaderRow.id == 1, LeaderRow.term == self.term)
@@ -176,9 +178,10 @@ class Replicas:
                 self._retire(f"another replica leads now (this one led in term {self.term})")
             raise KVStoreError("unavailable", "this directory replica no longer leads; ask another")
         blocks = touched | {row[0] for row in committed}
-        if blocks or topology or namespaces:
+        if blocks or topology or namespaces or handoffs:
             session.execute(insert(Change).values(at=self._clock(), blocks=",".join(map(str, sorted(blocks))),
-                                                  topology=topology, namespaces=namespaces))
+                                                  topology=topology, namespaces=namespaces,
+                                                  handoffs=",".join(sorted(handoffs))))
             session.execute(text(f"NOTIFY {CHANNEL}"))
 
     def _prune(self) -> None:
@@ -230,7 +233,8 @@ class Replicas:
                     log.warning("this replica fell behind the change log; rebuilding its index")
                     self._follow_start()
                     continue
-                rows = session.execute(select(Change.id, Change.blocks, Change.topology, Change.namespaces)
+                rows = session.execute(select(Change.id, Change.blocks, Change.topology, Change.namespaces,
+                                              Change.handoffs)
                                        .where(Change.id > self._last).order_by(Change.id).limit(BATCH)).all()
                 if not rows:
                     return
@@ -241,6 +245,9 @@ class Replicas:
                     self._service.index.reload(session, blocks)
                 if any(row.namespaces for row in rows):
                     self._service.load_namespaces(session)
+                handoffs = [k for row in rows if row.handoffs for k in row.handoffs.split(",")]
+                if handoffs:  # after the blocks: a waiter that hears of a hand-off finds its blocks
+                    self._service.handoffs.learned(repo.handoff_rows(session, handoffs))
                 self._last = rows[-1].id
             if len(rows) < BATCH:
                 return

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, tuple_
 from sqlalchemy.orm import Session
 
 from kvstore.core.tiers import MEMORY
-from kvstore.directory.models import Block, Grant, Lease, NamespaceRow, Replica, Tier, Worker
+from kvstore.directory.models import Block, Grant, HandoffRow, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.models.replica import MOVING, VISIBLE, WRITING
 
 CHUNK = 500  # ids per IN list: PostgreSQL takes at most 65,535 parameters a statement
@@ -294,3 +294,17 @@ def pages_in_use(session: Session, tier_id: int, epoch: int) -> list[list]:
     """Page runs of every replica of a memory tier written in this epoch (any state)."""
     query = select(Replica.pages).where(Replica.tier_id == tier_id, Replica.epoch == epoch)
     return [pages for pages in session.scalars(query)]
+
+
+def handoff_rows(session: Session, keys: list[str]) -> list[HandoffRow]:
+    """The hand-offs named "<namespace>/<id>" that are still kept."""
+    pairs = [tuple(k.split("/", 1)) for k in keys if "/" in k]
+    rows = []
+    for chunk in chunks(pairs):
+        rows += session.scalars(select(HandoffRow).where(
+            tuple_(HandoffRow.namespace_id, HandoffRow.handoff_id).in_(chunk)))
+    return rows
+
+
+def delete_handoffs_before(session: Session, before: float) -> int:
+    return session.execute(delete(HandoffRow).where(HandoffRow.committed_at < before)).rowcount or 0

@@ -6,6 +6,7 @@ Calls, in the order a block lives through them:
     store.prepare -> store.complete | store.abort       (WRITING -> READY, or rolled back)
     loads.lookup                                        (the in-memory index: no lock, no SQL)
     loads.prepare -> loads.complete                     (promotes to memory if needed; pins under a lease)
+    handoffs.commit / handoffs.wait                     (a prefill engine's saves, awaited by a decode engine)
     reap()                                              (expired leases and reservations, dead workers,
                                                          moves whose answer was lost, access statistics,
                                                          drains, demotion, write-through,
@@ -34,6 +35,7 @@ from kvstore.core.namespaces import NamespaceInfo
 from kvstore.core.tiers import MEMORY
 from kvstore.directory import repository as repo
 from kvstore.directory import inspection, wire
+from kvstore.directory.handoffs import Handoffs
 from kvstore.directory.index import Index
 from kvstore.directory.inspection import prefix_hashes
 from kvstore.directory.load import Loads
@@ -82,6 +84,7 @@ class DirectoryService:
                            self.movement.make_room, clock)
         self.loads = Loads(write, self.index, self.movement.promote, reclaim, self.policies, metrics, settings, clock,
                            self.calls.verify)
+        self.handoffs = Handoffs(write, sessions, self.index.count, metrics, clock)
         self._reclaim = reclaim
         self._namespaces: dict[str, Namespace] = {}
         self._reaping = threading.Lock()
@@ -279,6 +282,7 @@ class DirectoryService:
                 self._reclaim.drop(tx, [(r, t, w) for r, _, t, w in rows])
             dead = self.membership.declare_dead(tx, now)
             draining = self.membership.finish_drains(tx)
+            self.handoffs.expire(tx, now)
             if leases or tokens or dead:
                 self._reclaim.collect_deleting(tx)
             return leases, len(tokens) + self.store.expire(tx, now), dead, draining

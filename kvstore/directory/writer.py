@@ -61,7 +61,7 @@ class Writer:
                  on_commit: Callable[[set[int], bool, list], None] | None = None) -> None:
         self._sessions = sessions
         self._on_commit = on_commit or (lambda blocks, topology, committed: None)
-        self.before_commit: Callable[[Session, set[int], bool, bool, list], None] | None = None
+        self.before_commit: Callable[[Session, set[int], bool, bool, list, set[str]], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.groups = self.jobs = 0  # for the group-commit ratio in /v1/admin/stats
         event.listen(sessions, "after_flush", _note_flushed)
@@ -132,10 +132,11 @@ class Writer:
             touched = session.info.pop("touched_blocks", set())
             topology = session.info.pop("topology", False)
             namespaces = session.info.pop("namespaces", False)
+            handoffs = session.info.pop("handoffs", set())  # hand-offs committed (handoffs.py)
             session.info.pop("committed")
             try:
                 if self.before_commit is not None:
-                    self.before_commit(session, touched, topology, namespaces, committed)
+                    self.before_commit(session, touched, topology, namespaces, committed, handoffs)
                 session.commit()
             except BaseException as exc:
                 session.rollback()

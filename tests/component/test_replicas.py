@@ -117,3 +117,45 @@ def test_on_sqlite_the_one_directory_leads_and_logs_no_changes(tmp_path):
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM changes")).scalar() == 0
     engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_follower_hears_of_a_handoff_from_the_change_log_after_its_blocks(postgres):
+    """A consumer waiting on a follower is woken by a commit made on the leader, and finds the
+    hand-off's blocks in the follower's index by then (the change log is applied in order)."""
+    import threading
+    import time
+
+    from kvstore.core.handoffs import HandoffCommit, HandoffWait
+
+    database_url = postgres.create_database()
+    control = ControlServer({"dram": PageAllocator(num_pages=32, page_bytes=PAGE)}, verifier=Verdicts())
+    control.start()
+    try:
+        with replica(database_url) as (_, leader_url), replica(database_url) as (_, url):
+            leader, follower = DirectoryClient(leader_url), DirectoryClient(url)
+            leader.register_worker(registration(control.url))
+            namespace_id = leader.register_namespace(NS)
+            def known() -> bool:  # lookups are the follower's own: it has read the namespace
+                try:
+                    return follower.lookup(namespace_id, hashes).num_hit_blocks == 0
+                except KVStoreError:
+                    return False
+            hashes = [f"{i:032x}" for i in range(1, 4)]
+            wait_until(known, 5, "the namespace known on the follower")
+            seen = {}
+
+            def consume() -> None:
+                state = follower.wait_handoff(HandoffWait(namespace_id=namespace_id, handoff_id="pd-1",
+                                                          timeout_s=8))
+                seen["state"], seen["hits"] = state, follower.lookup(namespace_id, hashes).num_hit_blocks
+            consumer = threading.Thread(target=consume)
+            consumer.start()
+            time.sleep(0.3)
+            save(leader, namespace_id, hashes)
+            leader.commit_handoff(HandoffCommit(namespace_id=namespace_id, handoff_id="pd-1", num_tokens=12))
+            consumer.join(10)
+            assert seen["state"].state == "committed" and seen["state"].waited_s < 3.0
+            assert seen["hits"] == 3  # the blocks were in the follower's index when it heard
+    finally:
+        control.stop()

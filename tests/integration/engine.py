@@ -2,10 +2,15 @@
 
     python -m tests.integration.engine save --url URL --out result.json [--prompt-seed N]
     python -m tests.integration.engine load --url URL --out result.json [--prompt-seed N]
+    python -m tests.integration.engine prefill --handoff ID [--delay-s S] ...
+    python -m tests.integration.engine decode --handoff ID [--timeout-s S] [--steps N] ...
 
 `save` prefills the prompt and saves its KV. `load` looks up prompt + continuation,
 loads the cached prefix, computes only the remaining tokens and compares the
-next-token logits with a full prefill. Results go to --out as JSON.
+next-token logits with a full prefill. `prefill` and `decode` are the two sides of a
+hand-off: decode waits for the hand-off, loads the prompt's KV, computes only the tokens
+the store did not hold (at least the last one, whose logits give the first token), decodes
+N tokens greedily and compares both with a colocated prefill. Results go to --out as JSON.
 """
 
 from __future__ import annotations
@@ -80,14 +85,66 @@ def load(url: str, prompt_seed: int = 1) -> dict:
             "other_layout_hit": other_layout_hit, "pid": os.getpid()}
 
 
+@torch.no_grad()
+def prefill(url: str, prompt_seed: int, handoff: str, delay_s: float = 0.0) -> dict:
+    model = build_model()
+    prompt = tokens(PROMPT_TOKENS, seed=prompt_seed)
+    time.sleep(delay_s)  # the consumer has been waiting meanwhile
+    out = model(torch.tensor([prompt]), use_cache=True)
+    finished_at = time.time()
+    with KVStoreClient(url, namespace_of(model)) as client:
+        stored = client.save(prompt, from_dynamic_cache(out.past_key_values), handoff=handoff)
+    return {"stored_tokens": stored, "first_token": int(out.logits[0, -1].argmax()), "finished_at": finished_at,
+            "committed_at": time.time()}
+
+
+def greedy(model, logits: torch.Tensor, cache, steps: int) -> list[int]:
+    generated = []
+    for _ in range(steps):
+        generated.append(int(logits.argmax()))
+        out = model(torch.tensor([generated[-1:]]), past_key_values=cache, use_cache=True)
+        logits, cache = out.logits[0, -1], out.past_key_values
+    return generated
+
+
+@torch.no_grad()
+def decode(url: str, prompt_seed: int, handoff: str, timeout_s: float = 30.0, steps: int = 8) -> dict:
+    model = build_model()
+    prompt = tokens(PROMPT_TOKENS, seed=prompt_seed)
+    with KVStoreClient(url, namespace_of(model)) as client:
+        waiting_at = time.time()
+        kv, n = client.load(prompt, wait_for=handoff, timeout=timeout_s)
+        visible_at, waited = time.time(), client.last_handoff
+    n = min(n, len(prompt) - 1)  # the last prompt token is computed here: its logits give the first token
+    cache = to_dynamic_cache([(k[:, :n], v[:, :n]) for k, v in kv], model.config)
+    out = model(torch.tensor([prompt[n:]]), past_key_values=cache, use_cache=True)
+    first = out.logits[0, -1]
+    generated = greedy(model, first, out.past_key_values, steps)
+    colocated = model(torch.tensor([prompt]), use_cache=True)
+    reference = greedy(model, colocated.logits[0, -1], colocated.past_key_values, steps)
+    return {"outcome": waited.outcome, "waited_s": waited.waited_s, "waiting_at": waiting_at,
+            "visible_at": visible_at, "loaded_tokens": n, "computed_tokens": len(prompt) - n,
+            "first_logits_diff": float((first - colocated.logits[0, -1]).abs().max()),
+            "generated": generated, "reference": reference}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "prefill", "decode"])
     parser.add_argument("--url", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--prompt-seed", type=int, default=1)
+    parser.add_argument("--handoff", default="handoff-1")
+    parser.add_argument("--delay-s", type=float, default=0.0)
+    parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
-    result = (save if args.mode == "save" else load)(args.url, args.prompt_seed)
+    if args.mode == "prefill":
+        result = prefill(args.url, args.prompt_seed, args.handoff, args.delay_s)
+    elif args.mode == "decode":
+        result = decode(args.url, args.prompt_seed, args.handoff, args.timeout_s, args.steps)
+    else:
+        result = (save if args.mode == "save" else load)(args.url, args.prompt_seed)
     with open(args.out, "w") as f:
         json.dump(result, f)
     os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it

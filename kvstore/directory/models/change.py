@@ -16,3 +16,4 @@ class Change(Base):
     blocks: Mapped[str] = mapped_column(Text, default="")  # block ids, comma-separated
     topology: Mapped[bool] = mapped_column(Boolean, default=False)  # workers or tiers changed
     namespaces: Mapped[bool] = mapped_column(Boolean, default=False)  # a namespace was added or changed
+    handoffs: Mapped[str] = mapped_column(Text, default="", server_default="")  # "<namespace>/<id>", comma-separated

@@ -1,0 +1,177 @@
+"""Hand-offs between a prefill engine and a decode engine: who committed what, and who waits for it.
+
+    handoffs.commit(HandoffCommit) -> HandoffState     # the leader: the row, then the waiters here woken
+    await handoffs.wait(HandoffWait) -> HandoffState   # any replica: until the hand-off is known, every
+                                                       # block the consumer named is stored, or timeout_s
+    handoffs.learned(rows)                             # a follower applied the leader's change log
+    handoffs.expire(tx, now)                           # the reaper's job: rows older than KEEP_S go
+
+The caller has checked that the namespace is the caller's.
+
+A producer commits a hand-off once every save of its prompt has committed, so the blocks are in
+the lookup index (the leader's at once; a follower's before it learns of the hand-off, since it
+applies the change log in order) by the time a waiter hears of it. The row is durable: a waiter
+on another replica, or on a new leader after a failover, learns of it from SQL. A wait also ends
+when every block the consumer named is stored, so a commit that never comes (the producer died
+after its last save) costs the consumer nothing; it is polled every PRESENCE_POLL_S.
+
+Waiters are asyncio events on the replica's event loop, woken from the writer thread (leader) or
+the follower's background thread with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvstore.core.handoffs import HandoffCommit, HandoffState, HandoffWait
+from kvstore.directory import repository as repo
+from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.models import HandoffRow
+from kvstore.directory.writer import Tx
+
+KEEP_S = 600.0  # a hand-off is remembered this long after its commit
+MAX_KNOWN = 200_000  # in memory; the oldest are forgotten first (SQL still has them)
+PRESENCE_POLL_S = 0.25
+
+
+class Key(NamedTuple):
+    namespace_id: str
+    handoff_id: str
+
+    def encode(self) -> str:
+        return f"{self.namespace_id}/{self.handoff_id}"  # neither part may hold a '/' or a ','
+
+    @classmethod
+    def decode(cls, text: str) -> "Key":
+        namespace_id, _, handoff_id = text.partition("/")
+        return cls(namespace_id, handoff_id)
+
+
+class Known(NamedTuple):
+    state: str  # committed / failed
+    num_tokens: int
+    committed_at: float
+
+
+class Handoffs:
+    def __init__(self, write, sessions, count: Callable[[str, list[str]], tuple], metrics: DirectoryMetrics,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`write`: the writer's run; `sessions`: for reads; `count`: the lookup index's leading hits."""
+        self._write = write
+        self._sessions = sessions
+        self._count = count
+        self._metrics = metrics
+        self._clock = clock
+        self._known: OrderedDict[Key, Known] = OrderedDict()
+        self._waiters: dict[Key, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._lock = threading.Lock()
+
+    def commit(self, commit: HandoffCommit) -> HandoffState:
+        """The hand-off's row (a second commit of the same id replaces the first), marked for the
+        change log; the waiters here hear of it once the group has committed."""
+        key = Key(commit.namespace_id, commit.handoff_id)
+
+        def job(tx: Tx) -> Known:
+            known = Known("failed" if commit.failed else "committed", commit.num_tokens, self._clock())
+            row = tx.session.get(HandoffRow, key)
+            if row is None:
+                row = HandoffRow(namespace_id=key.namespace_id, handoff_id=key.handoff_id)
+                tx.session.add(row)
+            row.state, row.num_tokens, row.committed_at = known.state, known.num_tokens, known.committed_at
+            row.finished_at = commit.finished_at
+            tx.session.info.setdefault("handoffs", set()).add(key.encode())
+            tx.after_commit.append(lambda: self._learn(key, known))
+            return known
+        known = self._write(job)
+        self._metrics.handoffs.labels(known.state).inc()
+        if commit.finished_at is not None:
+            self._metrics.handoff_latency.observe(max(0.0, known.committed_at - commit.finished_at))
+        return HandoffState(handoff_id=key.handoff_id, state=known.state, num_tokens=known.num_tokens,
+                            committed_at=known.committed_at)
+
+    def learned(self, rows: list[HandoffRow]) -> None:
+        for row in rows:
+            self._learn(Key(row.namespace_id, row.handoff_id), Known(row.state, row.num_tokens, row.committed_at))
+
+    async def wait(self, req: HandoffWait) -> HandoffState:
+        """Until the hand-off is known here or in SQL, every block the consumer named is stored, or
+        `timeout_s` has passed."""
+        state = await self._wait(Key(req.namespace_id, req.handoff_id), lambda: self._present(req), req.timeout_s)
+        self._metrics.handoff_waits.labels(state.state).observe(state.waited_s)
+        return state
+
+    def _present(self, req: HandoffWait) -> bool:
+        return bool(req.hashes) and self._count(req.namespace_id, req.hashes)[0] == len(req.hashes)
+
+    def _read(self, key: Key) -> HandoffRow | None:
+        with self._sessions() as session:
+            rows = repo.handoff_rows(session, [key.encode()])
+            return rows[0] if rows else None
+
+    async def _wait(self, key: Key, present: Callable[[], bool], timeout_s: float) -> HandoffState:
+        loop, started = asyncio.get_running_loop(), time.monotonic()
+        event = asyncio.Event()
+        with self._lock:  # listening before SQL is read: a commit in between still wakes us
+            self._waiters.setdefault(key, set()).add((loop, event))
+        try:
+            known = self._get(key)
+            if known is None:
+                row = await asyncio.to_thread(self._read, key)
+                if row is not None:
+                    self.learned([row])
+                    known = self._get(key)
+            deadline = started + timeout_s
+            while known is None and not present():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(event.wait(), min(left, PRESENCE_POLL_S))
+                    event.clear()
+                except TimeoutError:
+                    pass
+                known = self._get(key)
+        finally:
+            with self._lock:
+                waiting = self._waiters.get(key, set())
+                waiting.discard((loop, event))
+                if not waiting:
+                    self._waiters.pop(key, None)
+        waited = time.monotonic() - started
+        if known is not None:
+            return HandoffState(handoff_id=key.handoff_id, state=known.state, num_tokens=known.num_tokens,
+                                committed_at=known.committed_at, waited_s=waited)
+        return HandoffState(handoff_id=key.handoff_id, state="present" if present() else "pending", waited_s=waited)
+
+    def expire(self, tx: Tx, now: float) -> int:
+        """A job: rows committed more than KEEP_S ago are deleted (and forgotten here)."""
+        with self._lock:
+            while self._known and next(iter(self._known.values())).committed_at < now - KEEP_S:
+                self._known.popitem(last=False)
+        return repo.delete_handoffs_before(tx.session, now - KEEP_S)
+
+    def waiting(self) -> int:
+        with self._lock:
+            return sum(len(w) for w in self._waiters.values())
+
+    def _get(self, key: Key) -> Known | None:
+        with self._lock:
+            return self._known.get(key)
+
+    def _learn(self, key: Key, known: Known) -> None:
+        with self._lock:
+            self._known[key] = known
+            self._known.move_to_end(key)
+            while len(self._known) > MAX_KNOWN:
+                self._known.popitem(last=False)
+            waiters = list(self._waiters.get(key, ()))
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that loop has closed (shut-down): nobody waits there any more
+                pass
