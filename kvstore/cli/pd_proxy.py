@@ -10,7 +10,9 @@ instance's answer (streamed, if asked) goes back to the client. A prefill instan
 does not fail the request: the decode instance then computes the prompt itself. Several URLs
 per side are used in turn. `GET /v1/models` is the decode instance's; `GET /healthz` is open.
 
-Bounded: bodies of at most MAX_BODY bytes (413), JSON objects only (400), unknown paths 404. With
+Bounded: bodies of at most MAX_BODY bytes (413), JSON objects only (400), unknown paths 404, at
+most MAX_CONNECTIONS clients at once, a client that sends nothing for CLIENT_TIMEOUT_S dropped.
+A client's own `kv_transfer_params` never reach an instance: the hand-off is the router's. With
 `--api-key` every route but /healthz needs `Authorization: Bearer KEY` (401), and binding an
 address other than loopback needs one. The backends get the client's Authorization header, or
 `--backend-api-key`'s. Plain `http.server`: this is a router for trying the set-up, one
@@ -36,7 +38,11 @@ import typer
 log = logging.getLogger(__name__)
 MAX_BODY = 16 << 20
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-BACKEND_TIMEOUT_S = 600.0
+MAX_CONNECTIONS = 256
+CLIENT_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0
+BACKEND_TIMEOUT_S = 600.0  # between two reads of an instance's answer (a long generation streams slowly)
+PREFILL_TIMEOUT_S = 120.0  # a prefill instance that takes longer: the decode instance computes the prompt
 
 
 class Backends:
@@ -56,6 +62,30 @@ class Backends:
             return next(self._next)
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS of them: the accept loop waits for a slot."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class PDProxy:
     def __init__(self, prefill: Backends, decode: Backends, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, backend_api_key: str | None = None,
@@ -64,8 +94,7 @@ class PDProxy:
         self.api_key, self.backend_api_key = api_key, backend_api_key
         self.handoff_timeout_s = handoff_timeout_s
         handler = type("Handler", (_Handler,), {"proxy": self})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
+        self._server = _BoundedServer((host, port), handler)
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="pd-proxy", daemon=True)
 
@@ -100,8 +129,9 @@ class PDProxy:
         url = self.prefill.pick()
         started = time.perf_counter()
         try:
-            status, _, answer = _call(url, path, asked, self._backend_auth(auth))
-            params = json.loads(answer).get("kv_transfer_params") if status == 200 else None
+            status, _, answer = _call(url, path, asked, self._backend_auth(auth), PREFILL_TIMEOUT_S)
+            answer = json.loads(answer) if status == 200 else None
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         except (OSError, ValueError, http.client.HTTPException) as exc:
             status, params = 0, None
             log.warning("prefill instance %s failed (%s): the decode instance computes the prompt", url, exc)
@@ -119,19 +149,28 @@ class PDProxy:
         return f"Bearer {self.backend_api_key}" if self.backend_api_key else auth
 
 
-def _call(base: str, path: str, body: dict, auth: str | None):
-    """(status, headers, body) of one POST to a backend, read whole."""
-    connection, response = _open(base, "POST", path, json.dumps(body).encode(), auth)
+def _call(base: str, path: str, body: dict, auth: str | None, timeout_s: float):
+    """(status, headers, body) of one POST to a backend, read whole within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    connection, response = _open(base, "POST", path, json.dumps(body).encode(), auth, timeout_s)
     try:
-        return response.status, response.getheaders(), response.read()
+        chunks = []
+        while chunk := response.read1(65536):
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no whole answer within {timeout_s:.0f} s")
+        return response.status, response.getheaders(), b"".join(chunks)
     finally:
         connection.close()
 
 
-def _open(base: str, method: str, path: str, data: bytes | None, auth: str | None):
+def _open(base: str, method: str, path: str, data: bytes | None, auth: str | None,
+          read_timeout_s: float = BACKEND_TIMEOUT_S):
     parts = urlsplit(base)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = kind(parts.hostname, parts.port, timeout=BACKEND_TIMEOUT_S)
+    connection = kind(parts.hostname, parts.port, timeout=CONNECT_TIMEOUT_S)
+    connection.connect()
+    connection.sock.settimeout(read_timeout_s)
     headers = {"content-type": "application/json"}
     if auth:
         headers["authorization"] = auth
@@ -142,6 +181,7 @@ def _open(base: str, method: str, path: str, data: bytes | None, auth: str | Non
 class _Handler(BaseHTTPRequestHandler):
     proxy: PDProxy
     protocol_version = "HTTP/1.0"  # one request per connection: a streamed answer ends when it closes
+    timeout = CLIENT_TIMEOUT_S  # a client that sends nothing this long is dropped
 
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         if self.path == "/healthz":
@@ -164,12 +204,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._complete(body)
 
     def _body(self) -> dict | None:
-        try:
-            length = int(self.headers.get("content-length", ""))
-        except ValueError:
+        value = self.headers.get("content-length", "")
+        if not value.isdigit():
             self._error(411 if "content-length" not in self.headers else 400, "a content-length is needed",
                         "invalid_request_error")
             return None
+        length = int(value)
         if not 0 <= length <= MAX_BODY:
             self._error(413, f"a request body is at most {MAX_BODY} bytes", "invalid_request_error")
             return None
@@ -184,6 +224,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, body: dict) -> None:
         auth = self.headers.get("authorization")
+        body.pop("kv_transfer_params", None)  # the hand-off is the router's, never a client's
         params = self.proxy.prefill_params(self.path, body, auth)
         decode = {**body, "kv_transfer_params": params} if params else body
         self._relay(self.proxy.decode.pick(), "POST", self.path, json.dumps(decode).encode(), auth)
@@ -194,7 +235,8 @@ class _Handler(BaseHTTPRequestHandler):
             connection, response = _open(base, method, path, data, self.proxy._backend_auth(
                 auth or self.headers.get("authorization")))
         except (OSError, http.client.HTTPException) as exc:
-            self._error(502, f"the decode instance {base} cannot be reached: {exc}", "server_error")
+            log.warning("decode instance %s cannot be reached: %s", base, exc)
+            self._error(502, "the decode instance cannot be reached", "server_error")
             return
         try:
             self.send_response(response.status)

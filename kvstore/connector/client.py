@@ -125,7 +125,7 @@ class KVStoreClient:
         hashes = block_hashes(self.namespace, token_ids)
         if wait_for is not None:
             self.last_handoff = wait_for_handoff(self.directory, self.namespace_id, wait_for,
-                                                 [h.hex() for h in hashes], timeout)
+                                                 [h.hex() for h in hashes], time.monotonic() + timeout)
             if self.last_handoff.outcome in ("timeout", "error"):
                 log.warning("hand-off %s: %s after %.1f s%s; loading what the store has", wait_for,
                             self.last_handoff.outcome, self.last_handoff.waited_s,

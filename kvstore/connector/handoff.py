@@ -1,6 +1,6 @@
 """Hand-offs on the engine side: a consumer waits for a producer's KV, up to a deadline.
 
-    wait_for_handoff(directory, namespace_id, handoff_id, hashes, timeout_s) -> HandoffResult
+    wait_for_handoff(directory, namespace_id, handoff_id, hashes, deadline) -> HandoffResult
     waits = HandoffWaits(directory)              # the vLLM scheduler's: waits on threads of their own
     waits.start(req_id, namespace_id, handoff_id, hashes, timeout_s)
     waits.result(req_id) -> HandoffResult | None # None while it waits
@@ -8,9 +8,11 @@
     waits.close()
 
 A wait never raises for a hand-off that does not come: its deadline passes (`timeout`), and the
-consumer loads what is there and computes the rest. A directory that cannot be reached is asked
-again until the deadline; an answer that says the request itself is wrong (a malformed id, a
-namespace the consumer may not use) ends the wait at once (`error`).
+consumer loads what is there and computes the rest. A directory that cannot be reached, or that
+has too many waits open, is asked again until the deadline; an answer that says the request
+itself is wrong (a malformed id, a namespace the consumer may not use) ends the wait at once
+(`error`). Deadlines are set when a wait is asked for, so a wait that queued for a thread does not
+wait longer; a cancelled wait stops within CANCEL_POLL_S.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kvstore.core.handoffs import MAX_WAIT_S, HandoffWait
 log = logging.getLogger(__name__)
 RETRY_S = 0.2  # after the directory could not be reached
 MAX_THREADS = 32  # consumer waits at once; more queue for a thread (their deadlines still hold)
+CANCEL_POLL_S = 2.0  # a cancellable wait asks the directory at least this often
+RETRIED = ("unavailable", "throttled")
 
 
 @dataclass(frozen=True)
@@ -39,18 +43,20 @@ class HandoffResult:
 
 
 def wait_for_handoff(directory: DirectoryClient, namespace_id: str, handoff_id: str, hashes: list[str],
-                     timeout_s: float, cancelled: threading.Event | None = None) -> HandoffResult:
-    started = time.monotonic()
-    deadline = started + timeout_s
+                     deadline: float, cancelled: threading.Event | None = None,
+                     started: float | None = None) -> HandoffResult:
+    """Until the hand-off is known, every block of `hashes` is stored, or `deadline` (monotonic)."""
+    started = time.monotonic() if started is None else started
+    poll_s = CANCEL_POLL_S if cancelled is not None else MAX_WAIT_S
     while True:
         if cancelled is not None and cancelled.is_set():
             return HandoffResult("cancelled", time.monotonic() - started)
         left = deadline - time.monotonic()
         try:
             state = directory.wait_handoff(HandoffWait(namespace_id=namespace_id, handoff_id=handoff_id,
-                                                       hashes=hashes, timeout_s=max(0.0, min(left, MAX_WAIT_S))))
+                                                       hashes=hashes, timeout_s=max(0.0, min(left, poll_s))))
         except KVStoreError as exc:
-            if exc.kind != "unavailable":
+            if exc.kind not in RETRIED:
                 return HandoffResult("error", time.monotonic() - started, detail=str(exc))
             state = None
             time.sleep(min(RETRY_S, max(0.0, left)))
@@ -70,9 +76,9 @@ class HandoffWaits:
         self._lock = threading.Lock()
 
     def start(self, req_id: str, namespace_id: str, handoff_id: str, hashes: list[str], timeout_s: float) -> None:
-        cancelled = threading.Event()
-        future = self._pool.submit(wait_for_handoff, self._directory, namespace_id, handoff_id, hashes, timeout_s,
-                                   cancelled)
+        cancelled, now = threading.Event(), time.monotonic()
+        future = self._pool.submit(wait_for_handoff, self._directory, namespace_id, handoff_id, hashes,
+                                   now + timeout_s, cancelled, now)
         with self._lock:
             self._waits[req_id] = (future, cancelled)
 

@@ -247,9 +247,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         _, first, hit, keys = matched
         block_ids = blocks.get_block_ids()[0]
-        full = len(request.prompt_token_ids or ()) // self.block_size  # a hand-off's partial block is no full one
+        prompt = len(request.prompt_token_ids or ())
+        full = prompt // self.block_size  # a hand-off's partial block is no full one
+        # the forward computes the prompt's last token into its block: loaded, that block is checked first
         self._loads.append(BlockPlan(request.request_id, keys[first:hit], list(block_ids[first:hit]),
-                                     load_async=self.load_async, partial_tail=hit > full))
+                                     load_async=self.load_async, partial_tail=hit > (prompt - 1) // self.block_size))
         self._loaded[request.request_id] = (first, list(block_ids[first:min(hit, full)]))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:

@@ -150,8 +150,9 @@ class HandoffRoles:
                             foreign, namespace_id)
                 return self._resolve(req_id, HandoffResult("error", 0.0, detail="another namespace"))
             self._waiting_since[req_id] = time.monotonic()
-            self._waits.start(req_id, namespace_id, self.consumed(request), keys,
-                              _timeout(params.get("handoff_timeout_s"), self.timeout_s))
+            # a request may wait less than the operator allows, never longer
+            timeout_s = min(self.timeout_s, _timeout(params.get("handoff_timeout_s"), self.timeout_s))
+            self._waits.start(req_id, namespace_id, self.consumed(request), keys, timeout_s)
             return None
         result = self._waits.result(req_id)
         return None if result is None else self._resolve(req_id, result)

@@ -53,7 +53,7 @@ class BlockPlan:
     block_ids: list[int]
     parent: str | None = None  # the stored block before hashes[0], for a prompt saved over several steps
     load_async: bool = False  # a load vLLM does not wait for in the forward (get_transfer_results)
-    partial_tail: bool = False  # the last block is a prompt's partial one: the forward writes into it
+    partial_tail: bool = False  # the last block holds the prompt's last token: the forward writes into it
 
 
 @dataclass

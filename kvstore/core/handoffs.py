@@ -15,12 +15,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvstore.core.specs import MAX_BLOCKS, HexHash
+from kvstore.core.specs import HexHash
 
 HANDOFF_ID = r"^[A-Za-z0-9._:-]{1,128}$"
 HandoffId = Annotated[str, Field(pattern=HANDOFF_ID, description="chosen by the router: letters, digits, . _ : -")]
 MAX_WAIT_S = 10.0  # one wait call at most; a consumer that waits longer asks again
 MAX_TOKENS = 1 << 24
+MAX_WAIT_BLOCKS = 32_768  # blocks a wait names (a 512k-token prompt of 16-token blocks)
 
 
 class _Spec(BaseModel):
@@ -32,14 +33,14 @@ class HandoffCommit(_Spec):
     handoff_id: HandoffId
     num_tokens: int = Field(ge=0, le=MAX_TOKENS, description="the prompt tokens the producer saved")
     failed: bool = Field(False, description="the producer gave up: consumers stop waiting and compute")
-    finished_at: float | None = Field(None, ge=0, description="unix time the producer's request finished (for "
-                                      "the hand-off latency; the producer's clock)")
+    finished_at: float | None = Field(None, ge=0, le=1e11, allow_inf_nan=False, description="unix time the "
+                                      "producer's request finished (for the hand-off latency; the producer's clock)")
 
 
 class HandoffWait(_Spec):
     namespace_id: str = Field(max_length=16)
     handoff_id: HandoffId
-    hashes: list[HexHash] = Field([], max_length=MAX_BLOCKS, description="the consumer's blocks: the wait also "
+    hashes: list[HexHash] = Field([], max_length=MAX_WAIT_BLOCKS, description="the consumer's blocks: the wait also "
                                   "ends once every one of them is stored (a commit that was lost)")
     timeout_s: float = Field(MAX_WAIT_S, ge=0, le=MAX_WAIT_S)
 

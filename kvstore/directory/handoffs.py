@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
+from kvstore.core.errors import KVStoreError
 from kvstore.core.handoffs import HandoffCommit, HandoffState, HandoffWait
 from kvstore.directory import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
@@ -36,7 +37,9 @@ from kvstore.directory.writer import Tx
 
 KEEP_S = 600.0  # a hand-off is remembered this long after its commit
 MAX_KNOWN = 200_000  # in memory; the oldest are forgotten first (SQL still has them)
+MAX_WAITERS = 4096  # waits open at once on one replica; more are refused (429): ask again
 PRESENCE_POLL_S = 0.25
+FOLLOWER_LAG_S = 1.0  # a follower trusts a row it read itself after this, if the change log has not brought it
 
 
 class Key(NamedTuple):
@@ -60,15 +63,18 @@ class Known(NamedTuple):
 
 class Handoffs:
     def __init__(self, write, sessions, count: Callable[[str, list[str]], tuple], metrics: DirectoryMetrics,
-                 clock: Callable[[], float] = time.time) -> None:
-        """`write`: the writer's run; `sessions`: for reads; `count`: the lookup index's leading hits."""
+                 leading: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time) -> None:
+        """`write`: the writer's run; `sessions`: for reads; `count`: the lookup index's leading hits;
+        `leading`: whether this replica leads (its index holds every commit)."""
         self._write = write
+        self._leading = leading
         self._sessions = sessions
         self._count = count
         self._metrics = metrics
         self._clock = clock
         self._known: OrderedDict[Key, Known] = OrderedDict()
         self._waiters: dict[Key, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._num_waiters = 0
         self._lock = threading.Lock()
 
     def commit(self, commit: HandoffCommit) -> HandoffState:
@@ -96,7 +102,7 @@ class Handoffs:
 
     def learned(self, rows: list[HandoffRow]) -> None:
         for row in rows:
-            self._learn(Key(row.namespace_id, row.handoff_id), Known(row.state, row.num_tokens, row.committed_at))
+            self._learn(Key(row.namespace_id, row.handoff_id), _known(row))
 
     async def wait(self, req: HandoffWait) -> HandoffState:
         """Until the hand-off is known here or in SQL, every block the consumer named is stored, or
@@ -106,7 +112,9 @@ class Handoffs:
         return state
 
     def _present(self, req: HandoffWait) -> bool:
-        return bool(req.hashes) and self._count(req.namespace_id, req.hashes)[0] == len(req.hashes)
+        """Every block named is stored (the last one first: the common answer, no, costs one probe)."""
+        return bool(req.hashes) and self._count(req.namespace_id, req.hashes[-1:])[0] == 1 and \
+            self._count(req.namespace_id, req.hashes)[0] == len(req.hashes)
 
     def _read(self, key: Key) -> HandoffRow | None:
         with self._sessions() as session:
@@ -115,31 +123,45 @@ class Handoffs:
 
     async def _wait(self, key: Key, present: Callable[[], bool], timeout_s: float) -> HandoffState:
         loop, started = asyncio.get_running_loop(), time.monotonic()
-        event = asyncio.Event()
+        deadline, event = started + timeout_s, asyncio.Event()
         with self._lock:  # listening before SQL is read: a commit in between still wakes us
+            if self._num_waiters >= MAX_WAITERS:
+                raise KVStoreError("throttled", f"{MAX_WAITERS} hand-off waits are open on this directory replica; "
+                                   "ask again", retry_after_s=1.0)
             self._waiters.setdefault(key, set()).add((loop, event))
+            self._num_waiters += 1
         try:
-            known = self._get(key)
+            known, unconfirmed, trust_at = self._get(key), None, 0.0
             if known is None:
                 row = await asyncio.to_thread(self._read, key)
-                if row is not None:
+                if row is not None and self._leading():
                     self.learned([row])
                     known = self._get(key)
-            deadline = started + timeout_s
+                elif row is not None:  # a follower may read the row before the blocks committed ahead of it
+                    unconfirmed, trust_at = _known(row), time.monotonic() + FOLLOWER_LAG_S
             while known is None and not present():
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if unconfirmed is not None and now >= trust_at:
+                    known = unconfirmed
                     break
+                if now >= deadline:
+                    break
+                limit = min(deadline, trust_at) if unconfirmed is not None else deadline
                 try:
-                    await asyncio.wait_for(event.wait(), min(left, PRESENCE_POLL_S))
-                    event.clear()
+                    await asyncio.wait_for(event.wait(), max(0.0, min(limit - now, PRESENCE_POLL_S)))
                 except TimeoutError:
                     pass
+                woken = event.is_set()
+                event.clear()
                 known = self._get(key)
+                if woken and known is None:  # learned, then forgotten already (MAX_KNOWN): SQL still has it
+                    row = await asyncio.to_thread(self._read, key)
+                    known = _known(row) if row is not None else None
         finally:
             with self._lock:
                 waiting = self._waiters.get(key, set())
                 waiting.discard((loop, event))
+                self._num_waiters -= 1
                 if not waiting:
                     self._waiters.pop(key, None)
         waited = time.monotonic() - started
@@ -147,6 +169,10 @@ class Handoffs:
             return HandoffState(handoff_id=key.handoff_id, state=known.state, num_tokens=known.num_tokens,
                                 committed_at=known.committed_at, waited_s=waited)
         return HandoffState(handoff_id=key.handoff_id, state="present" if present() else "pending", waited_s=waited)
+
+    def learn_recent(self, session, now: float) -> None:
+        """What the last KEEP_S committed (a follower that rebuilt its index skipped its change log)."""
+        self.learned(repo.recent_handoffs(session, now - KEEP_S, MAX_KNOWN))
 
     def expire(self, tx: Tx, now: float) -> int:
         """A job: rows committed more than KEEP_S ago are deleted (and forgotten here)."""
@@ -157,7 +183,7 @@ class Handoffs:
 
     def waiting(self) -> int:
         with self._lock:
-            return sum(len(w) for w in self._waiters.values())
+            return self._num_waiters
 
     def _get(self, key: Key) -> Known | None:
         with self._lock:
@@ -175,3 +201,7 @@ class Handoffs:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # that loop has closed (shut-down): nobody waits there any more
                 pass
+
+
+def _known(row: HandoffRow) -> Known:
+    return Known(row.state, row.num_tokens, row.committed_at)

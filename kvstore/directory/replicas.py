@@ -211,6 +211,7 @@ class Replicas:
         with self._sessions() as session:
             self._service.load_namespaces(session)
             self._service.index.rebuild(session)
+            self._service.handoffs.learn_recent(session, self._clock())
         log.info("following the leader: index of %d blocks", self._service.index.num_blocks)
 
     def _follow(self, stop: threading.Event, wait_s: float) -> None:

@@ -308,3 +308,10 @@ def handoff_rows(session: Session, keys: list[str]) -> list[HandoffRow]:
 
 def delete_handoffs_before(session: Session, before: float) -> int:
     return session.execute(delete(HandoffRow).where(HandoffRow.committed_at < before)).rowcount or 0
+
+
+def recent_handoffs(session: Session, since: float, limit: int) -> list[HandoffRow]:
+    """The newest hand-offs committed after `since`, oldest first."""
+    rows = list(session.scalars(select(HandoffRow).where(HandoffRow.committed_at >= since)
+                                .order_by(HandoffRow.committed_at.desc()).limit(limit)))
+    return rows[::-1]

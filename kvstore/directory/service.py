@@ -84,7 +84,7 @@ class DirectoryService:
                            self.movement.make_room, clock)
         self.loads = Loads(write, self.index, self.movement.promote, reclaim, self.policies, metrics, settings, clock,
                            self.calls.verify)
-        self.handoffs = Handoffs(write, sessions, self.index.count, metrics, clock)
+        self.handoffs = Handoffs(write, sessions, self.index.count, metrics, lambda: self.leading, clock)
         self._reclaim = reclaim
         self._namespaces: dict[str, Namespace] = {}
         self._reaping = threading.Lock()

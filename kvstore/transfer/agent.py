@@ -116,6 +116,24 @@ class Transfer:
             self._advance(self._agent._raw.check_xfer_state)
         return self.state
 
+    def settled(self) -> bool:
+        """Whether NIXL is done with this request: always, unless it was abandoned while posted; an
+        abandoned one is asked again, and released once NIXL says it is no longer in progress."""
+        if not self.abandoned:
+            return True
+        try:
+            status = self._agent._raw.check_xfer_state(self._handle)
+        except Exception:  # noqa: BLE001 (NIXL refuses the handle: nothing runs under it any more)
+            status = "ERR"
+        if status == "PROC":
+            return False
+        self.abandoned = False
+        try:
+            self._agent._raw.release_xfer_handle(self._handle)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("releasing an abandoned transfer handle failed: %s", exc)
+        return True
+
     def wait(self, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
         spins = 0

@@ -342,7 +342,7 @@ class Mover:
         if transfer.wait(wait_s) == "done":
             return None
         if transfer.abandoned:  # posted and not finished: it may write after the move has answered
-            self.fence.stuck(getattr(_request, "tokens", set()))
+            self.fence.stuck(getattr(_request, "tokens", set()), transfer)
         self.metrics.nixl_failures.labels(remote_mem).inc()
         return transfer.error
 

@@ -32,6 +32,7 @@ from kvstore.worker.s3 import S3Tier
 from kvstore.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+REJOIN_WAIT_S = 330.0  # the longest a directory lets a move run, and then some
 
 
 class StorageWorker:
@@ -148,9 +149,19 @@ class StorageWorker:
         except KVStoreError as exc:
             if exc.kind == "conflict":
                 log.warning("directory does not know epoch %d any more; registering again", self.epoch)
-                self._try_register()
+                self._rejoin()
             else:
                 log.warning("heartbeat failed: %s", exc)
+
+    def _rejoin(self) -> None:
+        """Joining again resets the DRAM arena's pages for the new epoch: first every move of the old
+        one must have ended. A NIXL request that never finished may still write into the arena, so a
+        worker with one does not join again: it exits, for its supervisor to start a fresh process."""
+        if not self.mover.fence.quiesce(REJOIN_WAIT_S):
+            log.critical("moves of epoch %d are still writing (a NIXL request that never finished); exiting "
+                         "instead of reusing the DRAM arena under a new epoch: restart this worker", self.epoch)
+            os._exit(3)
+        self._try_register()
 
     def _try_register(self) -> None:
         try:

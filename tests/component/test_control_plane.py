@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import select
@@ -295,7 +296,7 @@ def test_a_move_without_an_answer_keeps_its_destination_while_the_worker_may_wri
         assert req.expires_at is not None and req.expires_at > time.time()
         time.sleep(3.5)  # longer than the directory waits
         if stuck:
-            worker.control.fence.stuck({item.dst_token for item in req.items})
+            worker.control.fence.stuck({item.dst_token for item in req.items}, SimpleNamespace(settled=lambda: False))
         answered.set()
         n = len(req.items)
         return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)

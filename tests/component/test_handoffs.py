@@ -59,6 +59,21 @@ def test_a_failed_or_repeated_commit_is_what_waiters_hear(stack):
     assert (wait(stack, "p-2").state, wait(stack, "p-2").num_tokens) == ("committed", 24)
 
 
+def test_waits_beyond_the_replicas_limit_are_refused_and_the_consumer_asks_again(stack, monkeypatch):
+    from kvstore.directory import handoffs
+
+    monkeypatch.setattr(handoffs, "MAX_WAITERS", 1)
+    first = threading.Thread(target=lambda: wait(stack, "busy", timeout_s=1.5))
+    first.start()
+    time.sleep(0.3)
+    with pytest.raises(KVStoreError) as refused:
+        wait(stack, "busy", timeout_s=1)
+    assert refused.value.kind == "throttled"
+    first.join(5)
+    assert wait(stack, "busy", timeout_s=0.1).state == "pending"  # the slot is free again
+    assert stack.service.handoffs.waiting() == 0
+
+
 def test_a_commit_outlives_the_directory_and_expires(database_url):
     """The row is durable: a directory that restarts (or a new leader) still knows the hand-off."""
     settings = make_settings(database_url)
@@ -95,6 +110,6 @@ def test_bad_ids_bounds_and_another_tenants_namespace_are_refused(secure):
         assert (answer.status_code, answer.json()["error"]) == (400, "invalid"), bad
     wait_body = {"namespace_id": ns, "handoff_id": "h1"}
     for bad in ({**wait_body, "timeout_s": 11}, {**wait_body, "timeout_s": -1}, {**wait_body, "hashes": ["XYZ"]},
-                {**wait_body, "hashes": ["ab"] * 100_001}, {"handoff_id": "h1"}):
+                {**wait_body, "hashes": ["ab"] * 32_769}, {"handoff_id": "h1"}):
         answer = post("/v1/handoffs/wait", bad)
         assert (answer.status_code, answer.json()["error"]) == (400, "invalid"), list(bad)

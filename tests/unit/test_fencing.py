@@ -20,6 +20,16 @@ class Clock:
         return self.now
 
 
+class Posted:
+    """A NIXL request that timed out while posted; `done` once NIXL has finished with it."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def settled(self) -> bool:
+        return self.done
+
+
 def test_running_stuck_and_fenced_tokens():
     clock = Clock()
     fence = MoveFence(clock)
@@ -30,16 +40,19 @@ def test_running_stuck_and_fenced_tokens():
     assert fence.fence(["a", "b"]) == [True, True]
     assert not fence.begin({"a"}) and not fence.begin({"c", "d"})  # fenced: never starts
     assert fence.begin({"d"})
-    fence.stuck({"d"})
+    posted = Posted()
+    fence.stuck({"d"}, posted)
     fence.end({"d"})
-    assert fence.fence(["d"]) == [False]  # its NIXL request may still write
-    clock.now = KEEP_S + 1  # past every move's deadline: both are forgotten
-    assert fence.fence(["e"]) == [True]
-    assert fence.begin({"a"}) and fence.fence(["a", "d"]) == [False, True]  # "a" may run again
+    assert fence.fence(["d"]) == [False] and not fence.quiesce(0.1)  # its NIXL request may still write
+    clock.now = KEEP_S + 1  # past every move's deadline: fenced tokens are forgotten, a stuck one is not
+    assert fence.fence(["d", "e"]) == [False, True]
+    posted.done = True  # NIXL has finished with it
+    assert fence.quiesce(0.1) and fence.fence(["d"]) == [True]
+    assert fence.begin({"a"}) and fence.fence(["a"]) == [False]  # "a" was forgotten: it may run again
 
 
 class NeverDone:
-    """A posted NIXL request that does not finish within the move's wait."""
+    """A posted NIXL request that does not finish within the move's wait, nor after."""
 
     abandoned = False
     error = None
@@ -47,6 +60,9 @@ class NeverDone:
     def wait(self, timeout_s: float) -> str:
         self.abandoned, self.error = True, f"timed out after {timeout_s}s"
         return "failed"
+
+    def settled(self) -> bool:
+        return False
 
 
 class StuckAgent:
@@ -72,3 +88,15 @@ def test_a_copy_whose_nixl_request_timed_out_is_never_settled():
     result = mover.move(moving.MoveRequest(items=[item], peer=peer))
     assert result.codes == ["failed"] and "timed out" in result.errors[0]
     assert fence.fence(["move-1-ab"]) == [False]
+
+
+def test_a_rejoin_waits_for_the_moves_of_the_old_epoch():
+    import threading
+    import time
+
+    fence = MoveFence()
+    assert fence.begin({"m"})
+    threading.Timer(0.3, fence.end, args=({"m"},)).start()
+    t0 = time.monotonic()
+    assert fence.quiesce(5) and 0.25 < time.monotonic() - t0 < 3  # it waited for the running move
+    assert fence.begin({"n"}) and not fence.quiesce(0.2)  # still running at the deadline

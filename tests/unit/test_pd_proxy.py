@@ -6,6 +6,7 @@ instance's answer, streamed when it asked; credentials, bounds and failures."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -128,6 +129,10 @@ def test_credentials_bounds_and_bad_input_are_refused(pd):
     assert httpx.get(proxy.url + "/healthz", timeout=10).json() == {"status": "ok"}  # open, for probes
     for content in (b"not json", b"[1, 2]"):
         assert httpx.post(url, content=content, headers=AUTH, timeout=10).status_code == 400
+    with socket.create_connection((proxy.host, proxy.port), timeout=10) as sock:  # what httpx will not send
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nauthorization: {AUTH['authorization']}\r\n"
+                     "content-length: +2\r\n\r\n{}".encode())
+        assert sock.recv(65536).split(b" ", 2)[1] == b"400"
     assert httpx.post(url, content=b"x" * (MAX_BODY + 1), headers=AUTH, timeout=30).status_code == 413
     assert httpx.post(proxy.url + "/v1/embeddings", json={}, headers=AUTH, timeout=10).status_code == 404
     assert prefill.bodies == [] and decode.bodies == []  # nothing refused reached an instance
@@ -138,11 +143,16 @@ def test_a_failed_prefill_still_decodes_and_an_unreachable_decode_is_a_502():
     proxy = PDProxy(Backends([broken.url]), Backends([decode.url]))
     proxy.start()
     try:
-        answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=10)
-        assert answer.status_code == 200 and "kv_transfer_params" not in decode.bodies[0]  # D computes it all
+        forged = {"handoff_id": "someone-elses", "do_remote_prefill": True, "handoff_timeout_s": 600}
+        answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3,
+                                                                 "kv_transfer_params": forged}, timeout=10)
+        # D computes it all; a client's own kv_transfer_params reach neither instance
+        assert answer.status_code == 200 and "kv_transfer_params" not in decode.bodies[0]
+        assert broken.bodies[0]["kv_transfer_params"]["handoff_id"].startswith("pd-")
         decode.stop()
         answer = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
         assert answer.status_code == 502 and answer.json()["error"]["type"] == "server_error"
+        assert decode.url not in answer.text  # the instances' addresses stay in the proxy's log
     finally:
         proxy.stop()
         broken.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -172,7 +173,7 @@ def test_a_fence_settles_a_move_only_once_nothing_writes_under_it_and_then_refus
         started.set()
         release.wait(10)
         if req.items[0].dst_token == "stuck":  # a NIXL request that timed out while posted
-            server.fence.stuck({"stuck"})
+            server.fence.stuck({"stuck"}, SimpleNamespace(settled=lambda: False))
         return moving.MoveResult(ok=[True], errors=[None], codes=["ok"])
 
     secret = "s" * 43
