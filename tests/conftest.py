@@ -20,6 +20,12 @@ def database_url(request, tmp_path):
     return request.getfixturevalue("postgres").create_database()
 
 
+def pytest_sessionfinish(session, exitstatus) -> None:
+    from tests.stacks import stop_engines
+
+    stop_engines()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (HBM, GDS, UCX on VRAM) run only where CUDA exists."""
     import torch

@@ -12,7 +12,6 @@ import base64
 import json
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +27,8 @@ from kvstore.core.pages import PageAllocator
 from kvstore.directory.app import create_app
 from kvstore.directory.settings import DirectorySettings
 from kvstore.worker.control import ControlServer
-from tests.helpers import REPO, ServerThread, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.helpers import ServerThread, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.zygote import Zygote
 
 NS = Namespace(model_id="tiny", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", block_tokens=4)
 PAGE = 128
@@ -183,10 +183,9 @@ class ProcessStack:
         markers = self.tmp / f"markers-{mode}-{seed}"
         markers.mkdir(exist_ok=True)
         out = self.tmp / f"{mode}-{seed}.json"
-        cmd = [sys.executable, "-m", "tests.fault.engine", mode, "--url", self.url, "--out", str(out),
-               "--markers", str(markers), "--prompt-seed", str(seed), *args]
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(self.tmp / f"engine-{mode}-{seed}.log", "ab"),
-                                stderr=subprocess.STDOUT)
+        proc = engines().spawn("tests.fault.engine", [mode, "--url", self.url, "--out", str(out), "--markers",
+                                                      str(markers), "--prompt-seed", str(seed), *args],
+                               self.tmp / f"engine-{mode}-{seed}.log")
         if not wait:
             proc.markers = markers
             return proc
@@ -217,9 +216,24 @@ def run_engine(url: str, mode: str, tmp_path: Path, prompt_seed: int = 1, timeou
     """The reference engine (tests/integration/engine.py) in its own process; returns its JSON result."""
     out = tmp_path / f"{mode}-{prompt_seed}.json"
     log = tmp_path / f"engine-{mode}-{prompt_seed}.log"
-    with open(log, "wb") as f:
-        proc = subprocess.run([sys.executable, "-m", "tests.integration.engine", mode, "--url", url,
-                               "--out", str(out), "--prompt-seed", str(prompt_seed)], cwd=REPO, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=timeout_s)
-    assert proc.returncode == 0, log.read_text()[-3000:]
+    proc = engines().spawn("tests.integration.engine", [mode, "--url", url, "--out", str(out), "--prompt-seed",
+                                                        str(prompt_seed)], log)
+    assert proc.wait(timeout=timeout_s) == 0, log.read_text()[-3000:]
     return json.loads(out.read_text())
+
+
+_ENGINES: list[Zygote] = []
+ENGINE_MODULES = ["tests.integration.engine", "tests.fault.engine", "tests.fault.loop_engine"]
+
+
+def engines() -> Zygote:
+    """Engine processes are forked from one that imported torch and transformers once
+    (tests/zygote.py); it starts at the first engine run and stops with the session."""
+    if not _ENGINES:
+        _ENGINES.append(Zygote(ENGINE_MODULES))
+    return _ENGINES[0]
+
+
+def stop_engines() -> None:
+    if _ENGINES:
+        _ENGINES.pop().close()

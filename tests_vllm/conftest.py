@@ -1,5 +1,7 @@
 """A kvstore stack (directory + worker processes from this environment) for the vLLM contract
-tests, and a runner for engine processes (tests_vllm/engine.py)."""
+tests, and a runner for engine processes (tests_vllm/engine.py): forked from one process that
+imported vLLM once (tests/zygote.py), or, for a run that needs its own environment (a hash
+seed), started as a new interpreter."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 from kvstore.client import DirectoryClient
 from tests.helpers import REPO, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.zygote import Zygote
 
 
 class Stack:
@@ -37,13 +40,16 @@ class Stack:
         """Run one engine process (tests_vllm/engine.py) to the end; its report."""
         return self.report(self.start_engine(*args, env=env))
 
-    def start_engine(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+    def start_engine(self, *args: str, env: dict | None = None):
         """An engine process, running; `report` waits for it."""
         self.engines = getattr(self, "engines", 0) + 1
         out = self.tmp / f"engine-{self.engines}.json"
-        proc = subprocess.Popen([sys.executable, "-m", "tests_vllm.engine", "--url", self.url, "--out", str(out),
-                                 *args], cwd=REPO, stdout=open(out.with_suffix(".log"), "ab"),
-                                stderr=subprocess.STDOUT, env=env)
+        argv = ["--url", self.url, "--out", str(out), *args]
+        if env is None:
+            proc = zygote().spawn("tests_vllm.engine", argv, out.with_suffix(".log"))
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", "tests_vllm.engine", *argv], cwd=REPO,
+                                    stdout=open(out.with_suffix(".log"), "ab"), stderr=subprocess.STDOUT, env=env)
         proc.out = out
         return proc
 
@@ -54,6 +60,21 @@ class Stack:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             stop(proc)
+
+
+_ZYGOTE: list[Zygote] = []
+
+
+def zygote() -> Zygote:
+    """The engines' zygote (tests/zygote.py), started at the first engine run."""
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(["tests_vllm.engine"]))
+    return _ZYGOTE[0]
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _ZYGOTE:
+        _ZYGOTE.pop().close()
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +30,8 @@ from kvstore.core.inspection import InspectRequest
 from kvstore.core.specs import NamespacePolicy
 from tests.fault.conftest import SETTLE_S, TTL_S
 from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, prompt
-from tests.helpers import REPO, MotoServer, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.helpers import MotoServer, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
+from tests.stacks import engines
 
 pytestmark = pytest.mark.postgres
 PER_PROCESS = ("leader", "commit_groups", "committed_jobs")  # what differs between replicas by design
@@ -157,9 +157,9 @@ def cluster(tmp_path, postgres, monkeypatch):
 def engine(c: Cluster, urls: str, seed: int, run: str = "", *args: str) -> tuple[subprocess.Popen, Path]:
     markers = c.tmp / f"markers-{seed}{run}"
     markers.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fault.loop_engine", "--url", urls, "--seed", str(seed),
-                             "--out", str(c.tmp / f"engine-{seed}{run}.json"), "--markers", str(markers), *args],
-                            cwd=REPO, stdout=open(c.tmp / f"engine-{seed}{run}.log", "wb"), stderr=subprocess.STDOUT)
+    proc = engines().spawn("tests.fault.loop_engine", ["--url", urls, "--seed", str(seed), "--out",
+                                                       str(c.tmp / f"engine-{seed}{run}.json"), "--markers",
+                                                       str(markers), *args], c.tmp / f"engine-{seed}{run}.log")
     c.engines.append(proc)
     return proc, markers
 

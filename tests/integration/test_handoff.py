@@ -6,15 +6,12 @@ colocated prefill's. A hand-off that never comes, and a stale one, end in a reco
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from kvstore.client import DirectoryClient
-from tests.helpers import REPO
 from tests.integration.engine import PROMPT_TOKENS
-from tests.stacks import ProcessStack
+from tests.stacks import ProcessStack, engines
 
 
 @pytest.fixture
@@ -26,13 +23,12 @@ def stack(tmp_path):
     s.close()
 
 
-def start(stack, tmp_path, mode: str, name: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.integration.engine", mode, "--url", stack.url,
-                             "--out", str(tmp_path / f"{name}.json"), *args], cwd=REPO,
-                            stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+def start(stack, tmp_path, mode: str, name: str, *args: str):
+    return engines().spawn("tests.integration.engine", [mode, "--url", stack.url, "--out",
+                                                        str(tmp_path / f"{name}.json"), *args], tmp_path / f"{name}.log")
 
 
-def result(proc: subprocess.Popen, tmp_path, name: str) -> dict:
+def result(proc, tmp_path, name: str) -> dict:
     assert proc.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     return json.loads((tmp_path / f"{name}.json").read_text())
 
