@@ -34,7 +34,7 @@ from common import REPO, cpu_s, local_stack, machine, print_table, write_json
 
 from hit_ratio import load_trace, simulate  # noqa: E402
 from tests.helpers import PostgresCluster  # noqa: E402
-from kvstore.policies import make_admission, make_eviction  # noqa: E402
+from kvstore.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, make_admission, make_eviction  # noqa: E402
 
 BLOCK_TOKENS, HEAD_DIM = 16, 64
 BLOCK_BYTES = 2 * BLOCK_TOKENS * HEAD_DIM * 2  # one layer, one KV head, float16: K and V, one 4 KiB page
@@ -150,10 +150,11 @@ def main() -> None:
             source = f"synthetic {args.synthetic}"
         else:
             trace, source = Path(args.trace), Path(args.trace).name
-        requests = load_trace(str(trace))[:args.requests]
+        requests = load_trace(str(trace))[0][:args.requests]
         distinct = len({i for r in requests for i in r})
         capacity = max(1, int(distinct * args.capacity))
-        simulated = simulate(make_eviction("lru", capacity), requests, capacity, make_admission("adaptive", capacity))
+        simulated = simulate(make_eviction(DEFAULT_EVICTION, capacity), requests, capacity,
+                             make_admission(DEFAULT_ADMISSION, capacity))  # what the directory runs
         counts = [int(r) for r in args.replicas.split(",")]
         cluster = PostgresCluster().start() if args.database == "postgresql" or max(counts) > 1 else None
         try:

@@ -1,9 +1,15 @@
 """Synthetic prefix-cache traces for policy evaluation, in the format bench/hit_ratio.py reads.
 
     python bench/synth_trace.py --kind chat|rag|scan|mixed --requests 20000 --seed 1 --out PATH
+        [--hint-accuracy 0.8]
 
 One JSON object per line: `timestamp` (ms) and `hash_ids` (block ids in request order; equal ids
-are equal prefixes, as with chained block hashes). The generators model what prefix caches see:
+are equal prefixes, as with chained block hashes), and what an application would say about the
+request: `session_id`, `turn` (0, 1, ...) and `retain`. A chat application says `turn` when it
+knows the conversation goes on (an agent with a tool call pending, a user typing) and `none` when
+it knows it ends, with probability `--hint-accuracy`, else `session` (it does not know); RAG
+questions and batch prompts are one-shot (`none`). The hints come from their own random stream:
+the block ids are the same whatever the accuracy. The generators model what prefix caches see:
 - chat: multi-turn sessions (a geometric number of turns, each re-sending the whole conversation
   plus new blocks after a think time) behind a few shared system prompts of Zipf popularity;
 - rag: a system prompt, then one of many documents of Zipf popularity, then a unique question;
@@ -23,11 +29,25 @@ import sys
 
 
 class Blocks:
-    def __init__(self) -> None:
+    """Block ids, session ids, and the hints' own random stream (`accuracy`: how often the
+    application knows whether a conversation goes on)."""
+
+    def __init__(self, seed: int = 0, accuracy: float = 0.8) -> None:
         self._next = itertools.count(1)
+        self._sessions = itertools.count()
+        self._hints = random.Random(seed + 1_000_003)
+        self.accuracy = accuracy
 
     def new(self, n: int) -> list[int]:
         return [next(self._next) for _ in range(n)]
+
+    def session(self, kind: str) -> str:
+        return f"{kind}-{next(self._sessions)}"
+
+    def retain(self, continues: bool) -> str:
+        if self._hints.random() < self.accuracy:
+            return "turn" if continues else "none"
+        return "session"
 
 
 def zipf_weights(n: int, a: float) -> list[float]:
@@ -44,13 +64,16 @@ def chat(rng: random.Random, blocks: Blocks, rate_per_s: float = 4.0, prompts: i
     while True:
         now += rng.expovariate(rate_per_s)
         history = rng.choices(system, weights)[0] + blocks.new(rng.randint(1, 12))
-        heapq.heappush(queue, (now, next(ids), history))
+        heapq.heappush(queue, (now, next(ids), history, blocks.session("chat"), 0))
         while queue and queue[0][0] <= now:
-            at, _, history = heapq.heappop(queue)
-            yield at, history + blocks.new(1)  # the last block is the partial one: never reused
-            if rng.random() < continue_p:
+            at, _, history, session, turn = heapq.heappop(queue)
+            hints = {"session_id": session, "turn": turn, "retain": "session"}
+            yield at, history + blocks.new(1), hints  # the last block is the partial one: never reused
+            continues = rng.random() < continue_p
+            hints["retain"] = blocks.retain(continues)  # what the application knew when it sent it
+            if continues:
                 grown = history + blocks.new(rng.randint(1, 6))
-                heapq.heappush(queue, (at + rng.expovariate(1 / think_s), next(ids), grown))
+                heapq.heappush(queue, (at + rng.expovariate(1 / think_s), next(ids), grown, session, turn + 1))
 
 
 def rag(rng: random.Random, blocks: Blocks, rate_per_s: float = 4.0, documents: int = 5000):
@@ -60,15 +83,17 @@ def rag(rng: random.Random, blocks: Blocks, rate_per_s: float = 4.0, documents: 
     now = 0.0
     while True:
         now += rng.expovariate(rate_per_s)
-        yield now, system + rng.choices(docs, weights)[0] + blocks.new(rng.randint(1, 2))
+        yield now, system + rng.choices(docs, weights)[0] + blocks.new(rng.randint(1, 2)), \
+            {"session_id": blocks.session("rag"), "turn": 0, "retain": "none"}
 
 
 def scan(rng: random.Random, blocks: Blocks, scan_share: float = 0.1):
     talk = chat(rng, blocks)
-    for at, hash_ids in talk:
+    for at, hash_ids, hints in talk:
         if rng.random() < scan_share:
-            yield at, blocks.new(rng.randint(64, 256))
-        yield at, hash_ids
+            yield at, blocks.new(rng.randint(64, 256)), {"session_id": blocks.session("batch"), "turn": 0,
+                                                          "retain": "none"}
+        yield at, hash_ids, hints
 
 
 def mixed(rng: random.Random, blocks: Blocks):
@@ -83,10 +108,11 @@ def mixed(rng: random.Random, blocks: Blocks):
 KINDS = {"chat": chat, "rag": rag, "scan": scan, "mixed": mixed}
 
 
-def generate(kind: str, requests: int, seed: int) -> list[dict]:
+def generate(kind: str, requests: int, seed: int, hint_accuracy: float = 0.8) -> list[dict]:
     rng = random.Random(seed)
-    stream = KINDS[kind](rng, Blocks())
-    return [{"timestamp": int(at * 1000), "hash_ids": ids} for at, ids in itertools.islice(stream, requests)]
+    stream = KINDS[kind](rng, Blocks(seed, hint_accuracy))
+    emitted = list(itertools.islice(stream, requests))  # a chat turn's hints are settled after it is emitted
+    return [{"timestamp": int(at * 1000), "hash_ids": ids, **hints} for at, ids, hints in emitted]
 
 
 def main() -> None:
@@ -95,10 +121,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--hint-accuracy", type=float, default=0.8,
+                        help="how often a chat application knows whether its conversation goes on (0-1)")
     args = parser.parse_args()
-    if args.requests <= 0:
-        sys.exit("error: --requests must be positive")
-    rows = generate(args.kind, args.requests, args.seed)
+    if args.requests <= 0 or not 0 <= args.hint_accuracy <= 1:
+        sys.exit("error: --requests must be positive and --hint-accuracy between 0 and 1")
+    rows = generate(args.kind, args.requests, args.seed, args.hint_accuracy)
     try:
         with open(args.out, "w") as f:
             for row in rows:

@@ -13,6 +13,7 @@ than that (an engine recomputes rather than wait). KV time per request = both.
 from __future__ import annotations
 
 from kvstore.policies.admission import Admit, Always
+from kvstore.policies.hints import NONE, Hints
 
 TIERS = ("dram", "nvme", "s3")
 
@@ -21,6 +22,7 @@ class Hierarchy:
     def __init__(self, evictions: list, admissions: list, capacities: list[int]) -> None:
         self.tiers, self.admissions, self.capacities = evictions, admissions, capacities
         self.parent: dict = {}
+        self.hints: dict = {}  # key -> what its save said (its tail mark included)
 
     def where(self, key) -> int | None:
         return next((i for i, tier in enumerate(self.tiers) if key in tier), None)
@@ -32,22 +34,24 @@ class Hierarchy:
             if victims is None:
                 return False
             self.demote(level + 1, victims[0])
-        tier.insert(key, self.parent.get(key))
+        tier.insert(key, self.parent.get(key), self.hints.get(key))
         return True
 
     def demote(self, level: int, key) -> None:
         if level >= len(self.tiers) or key in self.tiers[level]:
             return  # the bottom drops it; a lower copy exists already
-        if isinstance(self.admissions[level].admit(key), Admit):
+        if isinstance(self.admissions[level].admit(key, 0, self.hints.get(key)), Admit):
             self.place(level, key, set())
 
 
-def simulate_tiers(hierarchy: Hierarchy, requests: list[list[int]], cost_ms: list[float], prefill_ms: float) -> dict:
+def simulate_tiers(hierarchy: Hierarchy, requests: list[list[int]], cost_ms: list[float], prefill_ms: float,
+                   hints: list[Hints | None] | None = None) -> dict:
     served = [0] * len(hierarchy.tiers)
     load_ms = 0.0
     prefix = total = 0
-    for request in requests:
+    for number, request in enumerate(requests):
         total += len(request)
+        said = (hints[number] if hints is not None else None) or NONE
         for i, key in enumerate(request[1:], 1):
             hierarchy.parent.setdefault(key, request[i - 1])
         levels = []
@@ -68,10 +72,11 @@ def simulate_tiers(hierarchy: Hierarchy, requests: list[list[int]], cost_ms: lis
             if level > 0 and key not in hierarchy.tiers[0]:
                 hierarchy.place(0, key, protected)  # promotion into DRAM
         refused = False  # as the directory: every new block is a sighting; none after a refusal is placed
-        for key in request[len(levels):]:
+        for i, key in enumerate(request[len(levels):], len(levels)):
             if hierarchy.where(key) is not None:
                 continue
-            admitted = isinstance(hierarchy.admissions[0].admit(key), Admit)
+            hierarchy.hints[key] = said.as_tail(i == len(request) - 1)
+            admitted = isinstance(hierarchy.admissions[0].admit(key, 0, hierarchy.hints[key]), Admit)
             refused = refused or not admitted or not hierarchy.place(0, key, protected)
     return {"prefix_hit_ratio": prefix / total, "load_ms_per_request": load_ms / len(requests),
             "kv_ms_per_request": (load_ms + (total - prefix) * prefill_ms) / len(requests),

@@ -29,11 +29,13 @@ import logging
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Annotated
 from urllib.parse import urlsplit
 
 import typer
+
+from kvstore.core.servers import BoundedServer
 
 log = logging.getLogger(__name__)
 MAX_BODY = 16 << 20
@@ -62,30 +64,6 @@ class Backends:
             return next(self._next)
 
 
-class _BoundedServer(ThreadingHTTPServer):
-    """A thread per connection, at most MAX_CONNECTIONS of them: the accept loop waits for a slot."""
-
-    daemon_threads = True
-
-    def __init__(self, address, handler) -> None:
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-
-    def process_request(self, request, client_address) -> None:
-        self._slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
 class PDProxy:
     def __init__(self, prefill: Backends, decode: Backends, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | None = None, backend_api_key: str | None = None,
@@ -94,7 +72,7 @@ class PDProxy:
         self.api_key, self.backend_api_key = api_key, backend_api_key
         self.handoff_timeout_s = handoff_timeout_s
         handler = type("Handler", (_Handler,), {"proxy": self})
-        self._server = _BoundedServer((host, port), handler)
+        self._server = BoundedServer((host, port), handler, MAX_CONNECTIONS)
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="pd-proxy", daemon=True)
 

@@ -86,18 +86,21 @@ class KVStoreClient:
             return self.directory.lookup(self.namespace_id, hashes).num_hit_blocks * self.namespace.block_tokens
         return 0
 
-    def save(self, token_ids: Sequence[int], kv: LayerKV, handoff: str | None = None) -> int:
+    def save(self, token_ids: Sequence[int], kv: LayerKV, handoff: str | None = None,
+             hints: specs.RequestHints | dict | None = None) -> int:
         """Store every full block of `token_ids` not yet stored; returns the leading tokens now held.
-        With `handoff`, then commit that hand-off (the consumer waiting for it loads now)."""
+        With `handoff`, then commit that hand-off (the consumer waiting for it loads now). `hints`
+        (session_id, retain: "turn" | "session" | "none", priority) tell the store's policies what
+        the request is; advisory."""
         finished_at = time.time()
-        held = self._save(token_ids, kv)
+        held = self._save(token_ids, kv, _request_hints(hints))
         if handoff is not None:
             with _miss_if_unreachable("hand-off commit"):
                 self.directory.commit_handoff(HandoffCommit(namespace_id=self.namespace_id, handoff_id=handoff,
                                                             num_tokens=held, finished_at=finished_at))
         return held
 
-    def _save(self, token_ids: Sequence[int], kv: LayerKV) -> int:
+    def _save(self, token_ids: Sequence[int], kv: LayerKV, hints: specs.RequestHints | None) -> int:
         tokens = np.asarray(token_ids)
         layout.check_kv(self.namespace, kv, tokens.size)
         hashes = block_hashes(self.namespace, tokens)
@@ -108,7 +111,7 @@ class KVStoreClient:
             layout.pack(self.namespace, kv, first, layout.block_view(self.namespace, self.staging.view(
                 0, len(chunk) * self.namespace.block_nbytes)))
             parent = hashes[first - 1] if first else None
-            stored = self.save_blocks(chunk, views, parent=parent)
+            stored = self.save_blocks(chunk, views, parent=parent, hints=hints)
             held += stored
             if stored < len(chunk):
                 break
@@ -168,21 +171,23 @@ class KVStoreClient:
             addr, nbytes = int(array.ctypes.data), array.nbytes
         self.agent.register_dram(addr, nbytes)
 
-    def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None) -> int:
+    def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None,
+                    hints: specs.RequestHints | dict | None = None) -> int:
         """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held.
         A directory that cannot be reached stores nothing (0), it does not raise."""
         assert len(hashes) == len(blocks), "one buffer per hash"
         if not hashes:
             return 0
         with _miss_if_unreachable("save"):
-            return self._save_blocks(hashes, blocks, parent)
+            return self._save_blocks(hashes, blocks, parent, _request_hints(hints))
         return 0
 
-    def _save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None) -> int:
+    def _save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None,
+                     hints: specs.RequestHints | None) -> int:
         clock = _PhaseClock()
         parents = [parent] + hashes[:-1]
         prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore(
-            namespace_id=self.namespace_id, writer=self.agent.name, hosts=self.hosts, blocks=[
+            namespace_id=self.namespace_id, writer=self.agent.name, hosts=self.hosts, hints=hints, blocks=[
                 specs.BlockToStore(hash=h.hex(), parent=p.hex() if p else None, nbytes=b.nbytes)
                 for h, p, b in zip(hashes, parents, blocks)]))
         admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
@@ -296,6 +301,17 @@ def _miss_if_unreachable(what: str):
         if exc.kind != "unavailable":
             raise
         log.warning("%s skipped, the directory is unreachable: %s", what, exc)
+
+
+def _request_hints(hints: specs.RequestHints | dict | None) -> specs.RequestHints | None:
+    """Hints as the wire takes them; a bad one is the caller's error (KVStoreError "invalid")."""
+    if hints is None or isinstance(hints, specs.RequestHints):
+        return hints
+    try:
+        return specs.RequestHints.model_validate(hints)
+    except ValueError as exc:
+        raise KVStoreError("invalid", f"hints: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}",
+                           hints=str(hints)[:200]) from None
 
 
 def _accepted(complete, body) -> bool:

@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 SupportsHMA)
 
 from kvstore.client import DirectoryClient
+from kvstore.connector.vllm_checks import DTYPES, check_kv_cache_config, tp_rank
 from kvstore.connector.vllm_handoff import HandoffRoles
 from kvstore.connector.vllm_stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.connector.vllm_worker import BlockPlan, PagedKVWorker
@@ -58,8 +59,6 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace
 
 log = logging.getLogger(__name__)
-DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-          torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 __all__ = ["BlockPlan", "KVStoreConnector", "KVStoreConnectorMetadata"]
 
 
@@ -80,37 +79,6 @@ class _Tracked:
     block_ids: list[int]
     saved: int = 0
     saving: bool = False  # a save was scheduled: its blocks may be freed only after finished_sending
-
-
-def _tp_rank(extra: dict) -> int:
-    """This worker's tensor-parallel rank (vLLM's process group), or `tp_rank` from the extra
-    config where vLLM's distributed state is not set up (tests)."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except (AssertionError, AttributeError, ImportError):
-        return int(extra.get("tp_rank", 0))
-
-
-def check_kv_cache_config(kv_cache_config) -> Any:
-    """The one full-attention KV spec the connector handles, or a one-line refusal at start-up."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise KVStoreError("invalid", f"KVStoreConnector handles one KV cache group; this model has {len(groups)} "
-                           "(a hybrid model): start vLLM with --disable-hybrid-kv-cache-manager or without the connector")
-    spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec:  # its subclasses too: MLA, sink, ...
-        raise KVStoreError("invalid", f"KVStoreConnector handles full attention with separate K and V pages; "
-                           f"{type(spec).__name__} (MLA, sliding window, ...) is not supported yet")
-    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-        raise KVStoreError("invalid", f"K and V of different head sizes ({spec.head_size}, {spec.head_size_v}) "
-                           "are not supported yet")
-    if spec.dtype not in DTYPES:
-        raise KVStoreError("invalid", f"KV dtype {spec.dtype} is not one the store names ({', '.join(DTYPES.values())})")
-    return spec
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -139,7 +107,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._namespace_id: str | None = None
         self._ns: Namespace | None = None
         self._rank_namespaces: dict[str, str] = {}  # scheduler namespace id -> this TP rank's namespace id
-        self.tp_rank = _tp_rank(extra) if role == KVConnectorRole.WORKER else 0
+        self.tp_rank = tp_rank(extra) if role == KVConnectorRole.WORKER else 0
         # req_id -> (request, first block, hit blocks, the keys looked up)
         self._matched: dict[str, tuple[Any, int, int, list[str]]] = {}
         self._requests: dict[str, Any] = {}  # requests seen by the scheduler side, until scheduled
@@ -305,7 +273,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             hashes = [h.hex() for h in request.block_hashes[:ready]]
             meta.saves.append(BlockPlan(request.request_id, hashes[tracked.saved:],
                                         tracked.block_ids[tracked.saved:ready],
-                                        parent=hashes[tracked.saved - 1] if tracked.saved else None))
+                                        parent=hashes[tracked.saved - 1] if tracked.saved else None,
+                                        hints=self._pd.hints(request)))
             tracked.saved, tracked.saving = ready, True
         meta.preempted = {r for r in scheduler_output.preempted_req_ids or () if r in self._tracked}
         return meta
@@ -339,14 +308,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._sources.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loaded.pop(request.request_id, None)
-        self._pd.forget(request.request_id)
         tracked = self._tracked.pop(request.request_id, None)
         saving = tracked is not None and tracked.saving
         handoff = self._pd.produced(request)
         if handoff is None:
+            self._pd.forget(request.request_id)
             return saving, None
         num_tokens = tracked.saved * self.block_size if tracked is not None else 0
         partial = self._pd.partial_plan(request, tracked.saved, tracked.block_ids) if tracked else None
+        self._pd.forget(request.request_id)
         if partial is not None:
             self._partials.append(partial)
             saving, num_tokens = True, len(request.prompt_token_ids)

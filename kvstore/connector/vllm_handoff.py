@@ -9,6 +9,7 @@ the consumer's wait, and the producer's commit.
     pd.load_keys(request) -> (keys, most tokens)   # what a request may load, and how far
     pd.partial_key(request) -> hex | None          # the store key of the prompt's last, partial block
     pd.partial_plan(request, saved, block_ids)     # a finished producer request: that block's save
+    pd.hints(request) -> dict | None               # kv_transfer_params.hints, checked, for its saves
     pd.wait(request, namespace_id, keys) -> HandoffResult | None   # None: still waiting, ask again
     pd.finished(request, handoff, namespace_id, num_tokens, saving) -> kv_transfer_params
     pd.sent(req_ids)                               # their saves are in (finished_sending): commit
@@ -39,6 +40,7 @@ from typing import Any
 from kvstore.client import DirectoryClient
 from kvstore.connector.handoff import HandoffResult, HandoffWaits
 from kvstore.connector.vllm_worker import BlockPlan
+from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.handoffs import HANDOFF_ID, HandoffCommit
 
@@ -67,6 +69,7 @@ class HandoffRoles:
         self._waiting_since: dict[str, float] = {}
         self._resolved: dict[str, HandoffResult] = {}  # until the request finishes (a preemption asks again)
         self._producing: dict[str, tuple[HandoffCommit, float]] = {}  # req_id -> (its commit, finished when)
+        self._hints: dict[str, dict | None] = {}  # req_id -> its checked hints, until it finishes
         self._commits = ThreadPoolExecutor(1, thread_name_prefix="kvstore-handoff-commit")
         self._stats: dict[str, list[float]] = {k: [] for k in HANDOFF_SERIES}
         self._lock = threading.Lock()
@@ -115,7 +118,21 @@ class HandoffRoles:
         if key is None:
             return None
         parent = request.block_hashes[full - 1].hex() if full else None
-        return BlockPlan(request.request_id, [key], [block_ids[full]], parent=parent)
+        return BlockPlan(request.request_id, [key], [block_ids[full]], parent=parent, hints=self.hints(request))
+
+    def hints(self, request) -> dict | None:
+        """What the request's `kv_transfer_params.hints` say for the store's policies (session_id,
+        retain, priority), checked once per request; a malformed one is dropped with a warning."""
+        if request.request_id in self._hints:
+            return self._hints[request.request_id]
+        given, checked = (request.kv_transfer_params or {}).get("hints"), None
+        if given is not None:
+            try:
+                checked = specs.RequestHints.model_validate(given).model_dump(exclude_defaults=True)
+            except ValueError as exc:
+                log.warning("request %s: kv_transfer_params.hints ignored: %s", request.request_id, exc)
+        self._hints[request.request_id] = checked
+        return checked
 
     def partial_key(self, request) -> str | None:
         """vLLM's hash of the prompt's last, partial block (its parent, its tokens and its extra
@@ -209,6 +226,7 @@ class HandoffRoles:
         self._waits.cancel(req_id)
         self._waiting_since.pop(req_id, None)
         self._resolved.pop(req_id, None)
+        self._hints.pop(req_id, None)
 
     def _observe(self, series: str, value: float) -> None:
         with self._lock:

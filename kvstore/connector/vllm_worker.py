@@ -54,6 +54,7 @@ class BlockPlan:
     parent: str | None = None  # the stored block before hashes[0], for a prompt saved over several steps
     load_async: bool = False  # a load vLLM does not wait for in the forward (get_transfer_results)
     partial_tail: bool = False  # the last block holds the prompt's last token: the forward writes into it
+    hints: dict | None = None  # what the request says for the store's policies (specs.RequestHints' fields)
 
 
 @dataclass
@@ -343,7 +344,7 @@ class PagedKVWorker:
         parents = [plan.parent] + plan.hashes[:-1]
         try:
             prepared = self.directory.prepare_store(specs.PrepareStore(
-                namespace_id=namespace_id, writer=self.agent.name, hosts=self.hosts,
+                namespace_id=namespace_id, writer=self.agent.name, hosts=self.hosts, hints=plan.hints,
                 blocks=[specs.BlockToStore(hash=h, parent=p, nbytes=nbytes) for h, p in zip(plan.hashes, parents)]))
         except KVStoreError as exc:
             log.warning("save of %s skipped: %s", plan.req_id, exc)

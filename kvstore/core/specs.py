@@ -122,12 +122,25 @@ class BlockToStore(_Spec):
     nbytes: BlockBytes
 
 
+class RequestHints(_Spec):
+    """What an engine says about a save's request, for the eviction and admission policies.
+    Advisory: a missing or wrong hint costs hit ratio, never correctness."""
+
+    session_id: str | None = Field(None, max_length=256, description="the conversation the request belongs to")
+    retain: Literal["turn", "session", "none"] | None = Field(None, description="turn: the next turn of this "
+                                                             "conversation is expected soon; session: it may "
+                                                             "continue; none: nothing of it is expected to be "
+                                                             "read again by its sender")
+    priority: int = Field(0, ge=-100, le=100, description="above 0: keep longer; below 0: evict sooner")
+
+
 class PrepareStore(_Spec):
     namespace_id: str
     blocks: list[BlockToStore] = Field(min_length=1, max_length=MAX_BLOCKS)
     writer: str = Field("", max_length=200)
     hosts: list[Annotated[str, Field(max_length=255)]] = Field([], max_length=16, description="the engine's "
                                                                "host names and addresses: its workers come first")
+    hints: RequestHints | None = None
 
 
 StoreStatus = Literal["admitted", "exists", "in_progress", "rejected"]

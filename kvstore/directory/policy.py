@@ -1,7 +1,8 @@
 """The directory's eviction and admission: one pair of policy objects (kvstore/policies) per tier.
 
     policies.admit(tier, key, nbytes)     # placement of a new block, and "keep it one tier down?"
-    policies.admit_many(tier, [(key, nbytes)])      # the same for a save's blocks
+    policies.admit_many(tier, [(key, nbytes, hints)])   # the same for a save's blocks, with its hints
+    policies.expect(tier, [(key, hints)]) # a save reserved these: its hints reach the policy at commit
     policies.hit_many([(tier ids, key)])  # loads read them: touch + record
     policies.victims(tier, rows, ...)     # sync with the tier's READY replicas, then evict
     policies.changed(key, parent, added, removed)   # the index saw a block's replicas come or go
@@ -25,13 +26,16 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvstore.policies import Backpressure, make_admission, make_eviction
 from kvstore.policies.admission import AdmissionChain, Decision
+from kvstore.policies.hints import Hints
 
 UNBOUNDED_BLOCKS = 1 << 20  # the size policies assume for a tier without a capacity (S3)
 REPLAY_HITS = 3  # at most this many recorded hits per block when rebuilding admission counts
+MAX_EXPECTED = 1 << 20  # hints of reserved blocks kept for their commit; the oldest are dropped first
 
 
 def block_key(namespace_id: str, block_hash: str) -> str:
@@ -74,6 +78,7 @@ class TierPolicies:
     def __init__(self, eviction: dict[str, str], admission: dict[str, str]) -> None:
         self._names = eviction, admission  # by tier kind
         self._tiers: dict[int, _TierPolicy] = {}
+        self._expected: OrderedDict[tuple[int, str], Hints] = OrderedDict()  # (tier id, key) -> its save's hints
         self.lock = threading.RLock()
 
     def _of(self, tier) -> _TierPolicy:
@@ -91,16 +96,26 @@ class TierPolicies:
         self._tiers.pop(tier_id, None)
 
     @_locked
-    def admit(self, tier, key: str, nbytes: int) -> Decision:
+    def admit(self, tier, key: str, nbytes: int, hints: Hints | None = None) -> Decision:
         policy = self._of(tier)
         for condition in policy.pressure:
             condition.pressure = tier.used_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
-        return policy.admission.admit(key, nbytes)
+        return policy.admission.admit(key, nbytes, hints)
 
     @_locked
-    def admit_many(self, tier, requests: list[tuple[str, int]]) -> list[Decision]:
-        """`admit` for (key, nbytes) in turn, under one hold of the lock."""
-        return [self.admit(tier, key, nbytes) for key, nbytes in requests]
+    def admit_many(self, tier, requests: list[tuple[str, int, Hints | None]]) -> list[Decision]:
+        """`admit` for (key, nbytes, hints) in turn, under one hold of the lock."""
+        return [self.admit(tier, key, nbytes, hints) for key, nbytes, hints in requests]
+
+    @_locked
+    def expect(self, tier, blocks: list[tuple[str, Hints | None]]) -> None:
+        """A save reserved these blocks on `tier`: when they become readable there, the tier's
+        eviction policy gets them with these hints."""
+        for key, hints in blocks:
+            if hints is not None:
+                self._expected[(tier.id, key)] = hints
+        while len(self._expected) > MAX_EXPECTED:
+            self._expected.popitem(last=False)
 
     @_locked
     def hit_many(self, hits: list[tuple[list[int], str]]) -> None:
@@ -132,7 +147,7 @@ class TierPolicies:
         for tier_id in added:
             policy = self._tiers.get(tier_id)
             if policy is not None and policy.built and key not in policy.eviction:
-                policy.eviction.insert(key, parent)
+                policy.eviction.insert(key, parent, self._expected.pop((tier_id, key), None))
 
     @_locked
     def evict(self, tier, n: int, keep: set[str]) -> list[str] | None:
@@ -155,7 +170,7 @@ class TierPolicies:
         `to_free` bytes or `limit` rows. Pinned rows and `protected` keys stay. A dry run asks a
         copy, so it changes nothing."""
         policy = self._of(tier)
-        self._sync(policy, rows)
+        self._sync(tier.id, policy, rows)
         eviction = copy.deepcopy(policy.eviction) if dry_run else policy.eviction
         by_key = {r.key: r for r in rows}
         keep = protected | {r.key for r in rows if r.pinned}
@@ -168,13 +183,13 @@ class TierPolicies:
             freed += by_key[victims[0]].nbytes
         return chosen
 
-    def _sync(self, policy: _TierPolicy, rows: list[VictimRow]) -> None:
+    def _sync(self, tier_id: int, policy: _TierPolicy, rows: list[VictimRow]) -> None:
         present = {r.key for r in rows}
         for key in [k for k in policy.eviction if k not in present]:
             policy.eviction.remove(key)
         # oldest first; on ties the deeper block first, so a prefix is more recent than its suffix
         for r in sorted((r for r in rows if r.key not in policy.eviction), key=lambda r: (r.last_access, -r.depth)):
-            policy.eviction.insert(r.key, r.parent)
+            policy.eviction.insert(r.key, r.parent, self._expected.pop((tier_id, r.key), None))
             if not policy.built:
                 for _ in range(min(r.hit_count, REPLAY_HITS)):
                     policy.admission.record(r.key)

@@ -34,6 +34,8 @@ from kvstore.directory.reservations import Reservation, Reservations, Reserved
 from kvstore.directory.settings import DirectorySettings
 from kvstore.directory.writer import Tx, Writer
 from kvstore.policies import Admit, Throttled
+from kvstore.policies.hints import NONE as NO_HINTS
+from kvstore.policies.hints import Hints
 
 LOOP_PREPARE_BLOCKS = 1024  # longer saves are prepared on a thread: the event loop answers lookups meanwhile
 
@@ -101,7 +103,7 @@ class Store:
             token = secrets.token_hex(16)
             expires_at = now + self._settings.reservation_ttl_s
             admitted = self._place(req.namespace_id, wanted, token, expires_at, decisions, room_first,
-                                   frozenset(req.hosts))
+                                   frozenset(req.hosts), _hints(req))
         if isinstance(admitted, _NeedRoom):
             return admitted
         return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
@@ -120,10 +122,10 @@ class Store:
         return worker is not None and worker.epoch == r.epoch
 
     def _place(self, namespace_id: str, wanted: list, token: str, expires_at: float, decisions: dict,
-               room_first: bool, hosts: frozenset[str] = frozenset()) -> int | _NeedRoom:
+               room_first: bool, hosts: frozenset[str] = frozenset(), hints: tuple = (None, None)) -> int | _NeedRoom:
         """Pages for `wanted` on the placement tier, from the page pool, as one reservation; fills
         `decisions`. With `room_first`, a request the pool cannot hold changes nothing and asks for
-        room instead."""
+        room instead. `hints`: the save's, and the hash of its last block (the save's tail)."""
         if not wanted:
             return 0
         choice = _placement(self._index, self._pools, hosts, sum(b.nbytes for b in wanted))
@@ -135,7 +137,9 @@ class Store:
         need = sum(b.nbytes for b in wanted)
         if room_first and need > self._pools.free_bytes(tier.id, worker.epoch):
             return _NeedRoom(tier.id, worker.id, need)
-        wanted = self._admitted(tier, namespace_id, wanted, decisions)
+        said, last = hints
+        block_hints = {b.hash: (said or NO_HINTS).as_tail(b.hash == last) for b in wanted}
+        wanted = self._admitted(tier, namespace_id, wanted, decisions, block_hints)
         placed, rejected = [], set()
         allocated = self._pools.allocate_many(tier.id, worker.epoch, [b.nbytes for b in wanted])
         for block, runs in zip(wanted, allocated):
@@ -153,12 +157,15 @@ class Store:
         if placed:
             self.reservations.add(Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
                                               expires_at, placed))
+            self._policies.expect(tier, [(block_key(namespace_id, b.hash), block_hints[b.hash]) for b in placed])
         return len(placed)
 
-    def _admitted(self, tier: PlacementTier, namespace_id: str, wanted: list, decisions: dict) -> list:
+    def _admitted(self, tier: PlacementTier, namespace_id: str, wanted: list, decisions: dict,
+                  hints: dict) -> list:
         """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
         admitted, rejected = [], set()
-        asked = self._policies.admit_many(tier, [(block_key(namespace_id, b.hash), b.nbytes) for b in wanted])
+        asked = self._policies.admit_many(tier, [(block_key(namespace_id, b.hash), b.nbytes, hints[b.hash])
+                                                 for b in wanted])
         for block, decision in zip(wanted, asked):
             if block.parent in rejected or not isinstance(decision, Admit):
                 reason = ("parent_rejected" if block.parent in rejected else
@@ -316,3 +323,11 @@ def location(worker, tier, runs, nbytes: int) -> dict:
     runs = [(0, nbytes)] if tier.kind == "s3" else specs.page_spans(tier.base_addr, tier.page_bytes, runs, nbytes)
     return {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name, "tier": tier.kind,
             "runs": runs}
+
+
+def _hints(req) -> tuple:
+    """(what the save says about its request, as the policies take it; the hash of its last block:
+    a save's tail until a later save names it as a parent)."""
+    said = req.hints
+    hints = Hints(session=said.session_id, retain=said.retain, priority=said.priority) if said is not None else None
+    return hints, req.blocks[-1].hash

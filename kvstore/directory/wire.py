@@ -7,7 +7,7 @@ bad body into the directory's 400.
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -42,11 +42,18 @@ class BlockToStore(_Body):
     parent: Hash | None = None
 
 
+class RequestHints(_Body):
+    session_id: Annotated[str, Meta(max_length=256)] | None = None
+    retain: Literal["turn", "session", "none"] | None = None
+    priority: Annotated[int, Meta(ge=-100, le=100)] = 0
+
+
 class PrepareStore(_Body):
     namespace_id: NamespaceId
     blocks: Annotated[list[BlockToStore], Meta(min_length=1, max_length=MAX_BLOCKS)]
     writer: Reader = ""
     hosts: Annotated[list[Annotated[str, Meta(max_length=255)]], Meta(max_length=16)] = []
+    hints: RequestHints | None = None
 
 
 class BlockWritten(_Body):

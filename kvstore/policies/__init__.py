@@ -17,9 +17,12 @@ from kvstore.policies.admission import (Admit, AdmissionChain, Always, Backpress
                                         Throttled)
 from kvstore.policies.arc import ARC
 from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.hinted import HintedAdmission
+from kvstore.policies.hints import Hints
 from kvstore.policies.lru import LRU
 from kvstore.policies.prefix_lru import PrefixLRU
 from kvstore.policies.s3fifo import S3FIFO
+from kvstore.policies.session import SessionLRU
 from kvstore.policies.tinylfu import TinyLFU
 
 EVICTION = {
@@ -27,6 +30,7 @@ EVICTION = {
     "arc": ARC,
     "s3fifo": S3FIFO,
     "prefix-lru": lambda capacity: PrefixLRU(),
+    "session": SessionLRU,
 }
 ADMISSION = {
     "always": lambda capacity: Always(),
@@ -34,8 +38,9 @@ ADMISSION = {
     "adaptive": AdaptiveDoorkeeper,
     "tinylfu": TinyLFU,
     "backpressure": lambda capacity: Backpressure(),
+    "session": HintedAdmission,
 }
-DEFAULT_EVICTION, DEFAULT_ADMISSION = "lru", "adaptive"
+DEFAULT_EVICTION, DEFAULT_ADMISSION = "session", "session"
 DEFAULT_ADMISSION_BY_TIER = {"nvme": "always", "s3": "always"}  # capacity tiers keep what is demoted
 
 
@@ -62,5 +67,6 @@ def _condition(name: str, capacity: int):
 
 
 __all__ = ["ADMISSION", "ARC", "AdaptiveDoorkeeper", "Admit", "AdmissionChain", "Always", "Backpressure",
-           "DEFAULT_ADMISSION", "DEFAULT_ADMISSION_BY_TIER", "DEFAULT_EVICTION", "Doorkeeper", "EVICTION", "EvictionPolicy", "LRU", "PrefixLRU",
-           "Reject", "S3FIFO", "SizeRange", "Throttled", "TinyLFU", "make_admission", "make_eviction"]
+           "DEFAULT_ADMISSION", "DEFAULT_ADMISSION_BY_TIER", "DEFAULT_EVICTION", "Doorkeeper", "EVICTION",
+           "EvictionPolicy", "HintedAdmission", "Hints", "LRU", "PrefixLRU", "Reject", "S3FIFO", "SessionLRU",
+           "SizeRange", "Throttled", "TinyLFU", "make_admission", "make_eviction"]

@@ -12,42 +12,20 @@ sightings in both modes, so a switch takes effect at once.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvstore.policies.admission import ADMIT, Admit, Decision, Doorkeeper
+from kvstore.policies.admission import ADMIT, Decision, Doorkeeper
+from kvstore.policies.shadows import SHADOW_RATE, Shadow
 from kvstore.policies.tinylfu import key_hash
-
-MIN_SHADOW = 256  # sampled slots per shadow: below this the sample is too noisy
-MIN_RATE = 1 / 64
-
-
-class _Shadow:
-    def __init__(self, capacity: int, door: Doorkeeper | None) -> None:
-        self.capacity, self.door = capacity, door
-        self.cached: OrderedDict = OrderedDict()
-        self.score = 0.0
-
-    def access(self, key: Hashable) -> None:
-        if key in self.cached:
-            self.cached.move_to_end(key)
-            self.score += 1
-            return
-        if self.door is not None and not isinstance(self.door.admit(key), Admit):
-            return
-        self.cached[key] = None
-        if len(self.cached) > self.capacity:
-            self.cached.popitem(last=False)
-
 
 class AdaptiveDoorkeeper:
     def __init__(self, capacity: int, window: int | None = None) -> None:
         assert capacity > 0, "an adaptive doorkeeper needs a capacity"
-        self.rate = min(1.0, max(MIN_RATE, MIN_SHADOW / capacity))
+        self.rate = SHADOW_RATE(capacity)
         self._cut = int(self.rate * (1 << 64))
         shadow = max(1, round(capacity * self.rate))
-        self._always = _Shadow(shadow, None)
-        self._door = _Shadow(shadow, Doorkeeper(shadow, window))
+        self._always = Shadow(shadow)
+        self._door = Shadow(shadow, door=Doorkeeper(shadow, window))
         self._decay_every, self._sampled = 4 * shadow, 0
         self.doorkeeper = Doorkeeper(capacity, window)
 
@@ -56,8 +34,8 @@ class AdaptiveDoorkeeper:
         """True while the doorkeeper's shadow is hitting more than the admit-all one."""
         return self._door.score > self._always.score
 
-    def _observe(self, key: Hashable) -> None:
-        if key_hash(key) >= self._cut:
+    def _observe(self, key: Hashable, h: int | None = None) -> None:
+        if (key_hash(key) if h is None else h) >= self._cut:
             return
         self._always.access(key)
         self._door.access(key)
@@ -67,10 +45,14 @@ class AdaptiveDoorkeeper:
             self._always.score /= 2
             self._door.score /= 2
 
-    def admit(self, key: Hashable, nbytes: int = 0) -> Decision:
-        self._observe(key)
+    def admit(self, key: Hashable, nbytes: int = 0, hints=None) -> Decision:
+        return self.admit_hashed(key, key_hash(key))
+
+    def admit_hashed(self, key: Hashable, h: int) -> Decision:
+        """`admit`, for a caller that has the key's `key_hash` already."""
+        self._observe(key, h)
         decision = self.doorkeeper.admit(key)
         return decision if self.filtering else ADMIT
 
-    def record(self, key: Hashable) -> None:
-        self._observe(key)
+    def record(self, key: Hashable, h: int | None = None) -> None:
+        self._observe(key, h)

@@ -1,6 +1,7 @@
 """Admission: whether a block earns a place at all. Pure values, no I/O, no clock.
 
-    decision = condition.admit(key, nbytes)   # on a miss; counts as a sighting of `key`
+    decision = condition.admit(key, nbytes, hints)   # on a miss; counts as a sighting of `key`;
+                                                     # hints (`hints.py`): None or what the save said
     condition.record(key)                     # on a hit (frequency-based conditions count it)
     chain = AdmissionChain([a, b, ...])       # the first non-Admit answer wins
 
@@ -35,10 +36,11 @@ class Throttled:
 
 Decision = Admit | Reject | Throttled
 ADMIT = Admit()
+FIRST_SIGHTING = Reject("first sighting")
 
 
 class Always:
-    def admit(self, key: Hashable, nbytes: int = 0) -> Decision:
+    def admit(self, key: Hashable, nbytes: int = 0, hints=None) -> Decision:
         return ADMIT
 
     def record(self, key: Hashable) -> None:
@@ -53,13 +55,13 @@ class Doorkeeper:
         self.capacity = capacity * (window or self.WINDOW)
         self._seen: set = set()
 
-    def admit(self, key: Hashable, nbytes: int = 0) -> Decision:
+    def admit(self, key: Hashable, nbytes: int = 0, hints=None) -> Decision:
         if key in self._seen:
             return ADMIT
         if len(self._seen) >= self.capacity:
             self._seen.clear()
         self._seen.add(key)
-        return Reject("first sighting")
+        return FIRST_SIGHTING
 
     def record(self, key: Hashable) -> None:
         pass  # a hit is in the cache already
@@ -71,7 +73,7 @@ class SizeRange:
     def __init__(self, min_bytes: int = 0, max_bytes: int | None = None) -> None:
         self.min_bytes, self.max_bytes = min_bytes, max_bytes
 
-    def admit(self, key: Hashable, nbytes: int = 0) -> Decision:
+    def admit(self, key: Hashable, nbytes: int = 0, hints=None) -> Decision:
         if nbytes < self.min_bytes or (self.max_bytes is not None and nbytes > self.max_bytes):
             return Reject(f"size {nbytes} outside [{self.min_bytes}, {self.max_bytes}]")
         return ADMIT
@@ -88,7 +90,7 @@ class Backpressure:
         self.threshold, self.retry_after_s = threshold, retry_after_s
         self.pressure = 0.0
 
-    def admit(self, key: Hashable, nbytes: int = 0) -> Decision:
+    def admit(self, key: Hashable, nbytes: int = 0, hints=None) -> Decision:
         return Throttled(self.retry_after_s) if self.pressure >= self.threshold else ADMIT
 
     def record(self, key: Hashable) -> None:
@@ -99,9 +101,9 @@ class AdmissionChain:
     def __init__(self, conditions: Iterable) -> None:
         self.conditions = list(conditions)
 
-    def admit(self, key: Hashable, nbytes: int = 0) -> Decision:  # cheap, stateless conditions go first
+    def admit(self, key: Hashable, nbytes: int = 0, hints=None) -> Decision:  # cheap, stateless conditions go first
         for condition in self.conditions:
-            decision = condition.admit(key, nbytes)
+            decision = condition.admit(key, nbytes, hints)
             if not isinstance(decision, Admit):
                 return decision
         return ADMIT

@@ -20,7 +20,7 @@ class ARC:
         self._b1: OrderedDict = OrderedDict()
         self._b2: OrderedDict = OrderedDict()
 
-    def insert(self, key, parent=None) -> None:
+    def insert(self, key, parent=None, hints=None) -> None:
         assert key not in self, "insert of a present key"
         if key in self._b1:
             self.p = min(self.capacity, self.p + max(len(self._b2) / len(self._b1), 1))

@@ -1,7 +1,8 @@
 """The eviction policy contract. Pure objects: no I/O, no clock, no DB, no logging.
 
 Calls, in the order a key lives through them:
-    insert(key, parent)        # the caller guarantees: key not present; parent None or any key
+    insert(key, parent, hints) # the caller guarantees: key not present; parent None or any key;
+                               # hints (`hints.py`) None or what the save said: a policy may ignore them
     touch(key)                 # the caller guarantees: key present (a hit)
     evict(n, protected)        # n victims not in `protected`, removed, or None and nothing changed
     remove(key)                # dropped for another reason (invalidated, deleted); absent keys are ignored
@@ -18,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Protocol
 
+from kvstore.policies.hints import Hints
+
 
 class EvictionPolicy(Protocol):
-    def insert(self, key: Hashable, parent: Hashable | None = None) -> None: ...
+    def insert(self, key: Hashable, parent: Hashable | None = None, hints: Hints | None = None) -> None: ...
 
     def touch(self, key: Hashable) -> None: ...
 

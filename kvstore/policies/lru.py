@@ -9,7 +9,7 @@ class LRU:
     def __init__(self) -> None:
         self._order: OrderedDict = OrderedDict()
 
-    def insert(self, key, parent=None) -> None:
+    def insert(self, key, parent=None, hints=None) -> None:
         assert key not in self._order, "insert of a present key"
         self._order[key] = None
 

@@ -21,7 +21,7 @@ class PrefixLRU:
         self._leaves: list = []  # heap of (stamp, key); stale entries skipped
         self._clock = itertools.count()
 
-    def insert(self, key, parent=None) -> None:
+    def insert(self, key, parent=None, hints=None) -> None:
         assert key not in self._stamp, "insert of a present key"
         self._parent[key] = parent if parent in self._stamp else None
         self._children[key] = 0

@@ -17,7 +17,7 @@ class S3FIFO:
         self._main: OrderedDict = OrderedDict()
         self._ghost: OrderedDict = OrderedDict()
 
-    def insert(self, key, parent=None) -> None:
+    def insert(self, key, parent=None, hints=None) -> None:
         assert key not in self, "insert of a present key"
         if key in self._ghost:
             del self._ghost[key]

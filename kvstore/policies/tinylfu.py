@@ -74,7 +74,7 @@ class TinyLFU:
             self._counted //= 2
         return self.sketch.add(key)
 
-    def admit(self, key: Hashable, nbytes: int = 0, victim: Hashable | None = None) -> Decision:
+    def admit(self, key: Hashable, nbytes: int = 0, hints=None, victim: Hashable | None = None) -> Decision:
         seen = self._count(key)
         if victim is None:
             return ADMIT if seen >= self.threshold else Reject(f"seen {seen} < {self.threshold} times")

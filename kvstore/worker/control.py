@@ -25,16 +25,16 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import socket
 import ssl
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from pydantic import ValidationError
 
 from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.pages import PageAllocator
+from kvstore.core.servers import BoundedServer, BoundedServer6
 from kvstore.core.sizes import body_length
 from kvstore.worker.fencing import MoveFence
 from kvstore.worker.metrics import WorkerMetrics
@@ -44,34 +44,6 @@ MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 60.0
 MAX_BODY = 64 << 20
 COUNTED = ("/v1/grant", "/v1/alloc", "/v1/free", "/v1/move", "/v1/verify", "/v1/fence", "/healthz", "/metrics")
-
-
-class _BoundedServer(ThreadingHTTPServer):
-    """A thread per connection, at most MAX_CONNECTIONS of them: the accept loop waits for a slot."""
-
-    daemon_threads = True
-
-    def __init__(self, address, handler, max_connections: int = MAX_CONNECTIONS) -> None:
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(max_connections)
-
-    def process_request(self, request, client_address) -> None:
-        self._slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-class _BoundedServer6(_BoundedServer):
-    address_family = socket.AF_INET6
 
 
 class ControlServer:
@@ -97,7 +69,7 @@ class ControlServer:
         self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
         self.fence = fence or MoveFence()
         handler = type("Handler", (_Handler,), {"control": self})
-        server_class = _BoundedServer6 if ":" in host else _BoundedServer  # an IPv6 address
+        server_class = BoundedServer6 if ":" in host else BoundedServer  # an IPv6 address
         self._server = server_class((host, port), handler, max_connections)
         self.scheme = "http"
         if tls is not None:

@@ -64,4 +64,4 @@ def test_unknown_policies_and_tiers_are_refused_at_start():
     assert DirectorySettings(admission="doorkeeper").tier_admission() == {
         "hbm": "doorkeeper", "dram": "doorkeeper", "nvme": "always", "s3": "always"}  # capacity tiers keep demotions
     settings = DirectorySettings(admission_by_tier={"s3": "tinylfu"})
-    assert settings.tier_admission() == {"hbm": "adaptive", "dram": "adaptive", "nvme": "adaptive", "s3": "tinylfu"}
+    assert settings.tier_admission() == {"hbm": "session", "dram": "session", "nvme": "session", "s3": "tinylfu"}

@@ -113,3 +113,4 @@ def test_bad_ids_bounds_and_another_tenants_namespace_are_refused(secure):
                 {**wait_body, "hashes": ["ab"] * 32_769}, {"handoff_id": "h1"}):
         answer = post("/v1/handoffs/wait", bad)
         assert (answer.status_code, answer.json()["error"]) == (400, "invalid"), list(bad)
+

@@ -129,3 +129,43 @@ def test_a_producer_commits_after_its_saves_and_fails_an_unfinished_prompt():
     assert producer.produced(request(params={"handoff_id": "x" * 129})) is None  # logged, not committed
     assert len(producer.take_stats()["handoff_commit_s"]) == 2
     producer.close()
+
+
+def test_a_requests_hints_are_checked_once_and_reach_its_saves():
+    import torch
+
+    from kvstore.connector.vllm_worker import BlockPlan, PagedKVWorker
+
+    roles_ = roles("kv_both")
+    good = request("g", {"hints": {"session_id": "chat-1", "retain": "turn", "priority": 1}})
+    assert roles_.hints(good) == {"session_id": "chat-1", "retain": "turn", "priority": 1}
+    assert roles_.hints(request("b", {"hints": {"retain": "forever"}})) is None  # dropped with a warning
+    assert roles_.hints(request("n", None)) is None
+    roles_.forget("g")
+    assert "g" not in roles_._hints
+    roles_.close()
+
+    sent = []
+
+    class Capturing:
+        def prepare_store(self, body):
+            sent.append(body)
+            raise KVStoreError("unavailable", "not here")
+
+    worker = PagedKVWorker(Capturing(), ["l0"], (1, 16, 8), torch.float32, timeout_s=1.0)
+    worker.caches = {"l0": torch.zeros(4, 1, 16, 8)}
+    worker._reserve("ns", BlockPlan("g", ["ab"], [0], hints={"retain": "turn"}))
+    worker.close()
+    assert sent[0].hints is not None and sent[0].hints.retain == "turn"
+
+
+def test_the_clients_hints_are_checked_before_anything_is_sent():
+    from kvstore.connector.client import _request_hints
+    from kvstore.core import specs
+
+    assert _request_hints({"session_id": "s", "retain": "none"}) == specs.RequestHints(session_id="s", retain="none")
+    assert _request_hints(None) is None
+    for bad in ({"retain": "forever"}, {"priority": 101}, {"other": 1}):
+        with pytest.raises(KVStoreError) as refused:
+            _request_hints(bad)
+        assert refused.value.kind == "invalid"

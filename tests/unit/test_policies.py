@@ -8,10 +8,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.core.errors import KVStoreError
-from kvstore.policies import (EVICTION, LRU, AdaptiveDoorkeeper, Admit, AdmissionChain, Backpressure, Reject,
-                              Throttled, TinyLFU, make_admission, make_eviction)
+from kvstore.policies import (ADMISSION, EVICTION, LRU, AdaptiveDoorkeeper, Admit, AdmissionChain, Backpressure,
+                              Hints, Reject, Throttled, TinyLFU, make_admission, make_eviction)
 
 CAPACITY = 8
+HINTS = [None, Hints(), Hints(tail=True), Hints(session="s", retain="turn"), Hints(retain="none", priority=-1)]
 
 
 @pytest.mark.parametrize("name", sorted(EVICTION))
@@ -60,15 +61,15 @@ class PolicyMachine(RuleBasedStateMachine):
         self.held: dict[str, set] = {name: set() for name in EVICTION}
         self.next_key = 0
 
-    @rule(chain=st.booleans())
-    def insert(self, chain):
+    @rule(chain=st.booleans(), hints=st.sampled_from(HINTS))
+    def insert(self, chain, hints):
         key, self.next_key = self.next_key, self.next_key + 1
         for name, policy in self.policies.items():
             if len(self.held[name]) >= CAPACITY:
                 victims = policy.evict(1, protected=())
                 assert victims is not None and len(victims) == 1 and victims[0] in self.held[name]
                 self.held[name] -= set(victims)
-            policy.insert(key, key - 1 if chain and key else None)
+            policy.insert(key, key - 1 if chain and key else None, hints)  # every policy takes hints
             self.held[name].add(key)
 
     @precondition(lambda self: self.next_key > 0)
@@ -203,3 +204,11 @@ def test_arc_keeps_a_reused_key_through_a_scan():
             arc.evict(1)
         arc.insert(f"scan{i}")
     assert "hot" in arc
+
+
+@pytest.mark.parametrize("name", sorted(ADMISSION))
+def test_every_admission_condition_takes_hints(name):
+    condition = make_admission(name, CAPACITY)
+    for hints in HINTS:
+        assert isinstance(condition.admit("k", 128, hints), (Admit, Reject, Throttled))
+    condition.record("k")

@@ -1,0 +1,44 @@
+"""What the vLLM connector checks of vLLM's configuration at start-up: the KV cache it can describe,
+and the tensor-parallel rank it runs as."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvstore.core.errors import KVStoreError
+
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+          torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
+def tp_rank(extra: dict) -> int:
+    """This worker's tensor-parallel rank (vLLM's process group), or `tp_rank` from the extra
+    config where vLLM's distributed state is not set up (tests)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, AttributeError, ImportError):
+        return int(extra.get("tp_rank", 0))
+
+
+def check_kv_cache_config(kv_cache_config) -> Any:
+    """The one full-attention KV spec the connector handles, or a one-line refusal at start-up."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KVStoreError("invalid", f"KVStoreConnector handles one KV cache group; this model has {len(groups)} "
+                           "(a hybrid model): start vLLM with --disable-hybrid-kv-cache-manager or without the connector")
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec:  # its subclasses too: MLA, sink, ...
+        raise KVStoreError("invalid", f"KVStoreConnector handles full attention with separate K and V pages; "
+                           f"{type(spec).__name__} (MLA, sliding window, ...) is not supported yet")
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise KVStoreError("invalid", f"K and V of different head sizes ({spec.head_size}, {spec.head_size_v}) "
+                           "are not supported yet")
+    if spec.dtype not in DTYPES:
+        raise KVStoreError("invalid", f"KV dtype {spec.dtype} is not one the store names ({', '.join(DTYPES.values())})")
+    return spec

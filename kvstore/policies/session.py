@@ -1,0 +1,172 @@
+"""Session-aware LRU: blocks of classes that are read again rarely go first, blocks read twice last.
+
+    insert(key, parent, hints)   # into the segment of its class's level (hints.signature)
+    touch(key)                   # read: to level 0's MRU end; read twice: into the hot segment
+    evict(n, protected)          # the highest level first (oldest first in each), the hot segment last
+
+Levels come from `classes.ReuseClasses`: a class read about 2^k times less than the best one goes
+to level k. What the engine says (`retain`, `priority`) and what the store sees (a save's last
+block, its `tail`) make the classes; with no hints there are two (tails and the rest), with random
+hints all classes are read alike and the policy is LRU with a hot segment. A tail that a later
+save extends (it names it as a parent: the next turn of a conversation, the next chunk of a
+prompt) joins its class without the tail.
+
+The hot segment (blocks read at least twice) helps where popularity repeats (documents behind many
+questions) and hurts where it does not (a conversation's blocks are read once per turn): its size
+follows whichever of two small shadow caches on a sample of the keys, plain LRU or LRU with a hot
+half, is hitting more (set dueling), at HOT_SHARE of the blocks or nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from kvstore.policies.classes import MAX_LEVEL, SAMPLE, ReuseClasses
+from kvstore.policies.hints import NONE, Hints
+from kvstore.policies.shadows import SHADOW_RATE, Shadow
+from kvstore.policies.tinylfu import key_hash
+
+HOT_SHARE = 0.5
+HOT = MAX_LEVEL + 1  # the hot segment's index, after the levels'
+SEGMENT = 15  # a key's state: its segment's index, and these flags
+READ, SHADOWED, SAMPLED, TAIL = 16, 32, 64, 128  # read once; feeds the shadows; measures its class; a tail
+
+
+class SessionLRU:
+    def __init__(self, capacity: int) -> None:
+        assert capacity > 0, "a session-aware LRU needs a capacity"
+        self._segments: list[OrderedDict] = [OrderedDict() for _ in range(HOT + 1)]
+        self._levels, self._hot = self._segments[:HOT], self._segments[HOT]
+        self._eviction_order = [*reversed(self._levels), self._hot]
+        self._state: dict[Hashable, int] = {}
+        self._tails: dict[Hashable, tuple] = {}  # key saved as a tail -> its class without the tail
+        self.classes = ReuseClasses()
+        rate = SHADOW_RATE(capacity)
+        self._cut = int(rate * (1 << 64))  # keys hashed below it feed the shadows
+        size = max(1, round(capacity * rate))
+        self._shadows = (Shadow(size, 0.0), Shadow(size, HOT_SHARE))
+        self._decay_every, self._seen = 4 * size, 0
+        self.hot_share = 0.0
+
+    # ---- the contract --------------------------------------------------------------------
+
+    def insert(self, key: Hashable, parent: Hashable | None = None, hints: Hints | None = None) -> None:
+        assert key not in self._state, "insert of a present key"
+        h = key_hash(key)
+        sig = NONE.signature if hints is None else hints.signature
+        flags = 0
+        if h < self._cut:
+            flags |= SHADOWED
+            self._observe(key)
+        if h % SAMPLE == 0:  # measured as if its class were the best
+            flags |= SAMPLED
+            self.classes.inserted(key, sig)
+            level = 0
+        else:
+            level = self.classes.level(sig)
+        if sig[1]:  # a tail: its class without the tail, for when a later save extends it
+            flags |= TAIL
+            self._tails[key] = (sig[0], False, sig[2])
+        self._levels[level][key] = None
+        self._state[key] = level | flags
+        if parent is not None and self._state.get(parent, 0) & TAIL:
+            self._untail(parent)
+
+    def touch(self, key: Hashable) -> None:
+        state = self._state[key]
+        if state & SHADOWED:
+            self._observe(key)
+        if state & SAMPLED:
+            self.classes.hit(key)
+            state &= ~SAMPLED
+        if state & TAIL:
+            del self._tails[key]
+            state &= ~TAIL
+        index = state & SEGMENT
+        if index == HOT:
+            self._hot.move_to_end(key)
+        elif state & READ and self.hot_share > 0:  # read twice: hot
+            del self._segments[index][key]
+            self._hot[key] = None
+            state = (state & ~(SEGMENT | READ)) | HOT
+        elif index == 0:
+            self._levels[0].move_to_end(key)
+            state |= READ
+        else:
+            del self._segments[index][key]
+            self._levels[0][key] = None
+            state = (state & ~SEGMENT) | READ
+        self._state[key] = state
+        if state & SEGMENT == HOT and index != HOT:
+            self._fit_hot()
+
+    def evict(self, n: int, protected=()) -> list | None:
+        protected = protected if isinstance(protected, (set, frozenset, dict)) else set(protected)
+        victims = []
+        for segment in self._eviction_order:
+            for key in segment:  # oldest first
+                if len(victims) == n:
+                    break
+                if key not in protected:
+                    victims.append(key)
+            if len(victims) == n:
+                break
+        if len(victims) < n:
+            return None
+        for key in victims:
+            self._drop(key)
+        return victims
+
+    def remove(self, key: Hashable) -> None:
+        if key in self._state:
+            self._drop(key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._state
+
+    def __iter__(self):
+        return iter(list(self._state))
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    # ---- inside -----------------------------------------------------------------------------
+
+    def _drop(self, key: Hashable) -> None:
+        state = self._state.pop(key)
+        del self._segments[state & SEGMENT][key]
+        if state & TAIL:
+            del self._tails[key]
+        if state & SAMPLED:
+            self.classes.gone(key)
+
+    def _untail(self, key: Hashable) -> None:
+        """A later save extends this tail: it joins its class without the tail (never a worse level)."""
+        state = self._state[key] & ~TAIL
+        index, level = state & SEGMENT, self.classes.level(self._tails.pop(key))
+        if index != HOT and level < index:
+            del self._segments[index][key]
+            self._levels[level][key] = None
+            state = (state & ~SEGMENT) | level
+        self._state[key] = state
+
+    def _fit_hot(self) -> None:
+        while len(self._hot) > self.hot_share * len(self._state):
+            key, _ = self._hot.popitem(last=False)  # back among the blocks read once
+            self._levels[0][key] = None
+            self._state[key] = (self._state[key] & ~SEGMENT) | READ
+
+    def _observe(self, key: Hashable) -> None:
+        """Feed the shadows with a sampled key; the hot segment follows the one hitting more."""
+        for shadow in self._shadows:
+            shadow.access(key)
+        self._seen += 1
+        if self._seen >= self._decay_every:
+            self._seen = 0
+            for shadow in self._shadows:
+                shadow.score /= 2
+        share = HOT_SHARE if self._shadows[1].score > self._shadows[0].score else 0.0
+        if share != self.hot_share:
+            self.hot_share = share
+            self._fit_hot()
