@@ -111,8 +111,8 @@ class PDProxy:
             answer = json.loads(answer) if status == 200 else None
             params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         except (OSError, ValueError, http.client.HTTPException) as exc:
-            status, params = 0, None
             log.warning("prefill instance %s failed (%s): the decode instance computes the prompt", url, exc)
+            return {}
         if status != 200:
             log.warning("prefill instance %s answered %s: the decode instance computes the prompt", url, status)
             return {}

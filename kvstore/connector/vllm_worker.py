@@ -27,11 +27,11 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
+from kvstore.connector.page_checksums import LayerwiseChecksum, block_checksums
 from kvstore.connector.peers import Peers, own_hosts
 from kvstore.connector.renewal import Renewal
 from kvstore.core import specs
@@ -39,7 +39,6 @@ from kvstore.core.errors import KVStoreError
 from kvstore.transfer import Agent
 
 log = logging.getLogger(__name__)
-CHECKSUM_GROUP = 256  # blocks whose pages of one layer are gathered at once
 STAT_SERIES = ("load_post_s", "layer_xfer_s", "layer_visible_s", "save_s")
 T_SAVE = Histogram("kvstore_connector_save_seconds", "a step's saves: first layer handed over -> committed",
                    buckets=BUCKETS)
@@ -63,8 +62,7 @@ class _Load:
     token: str | None
     hits: list[specs.BlockHit]
     clock: LayerClock | None = None
-    tail: "xxhash.xxh3_64 | None" = None  # a partial last block's checksum, layer by layer as each arrives
-    tail_layers: int = 0
+    tail: LayerwiseChecksum | None = None  # a partial last block's, layer by layer as each arrives
 
 
 @dataclass
@@ -150,22 +148,6 @@ class PagedKVWorker:
             transfers.append(self.agent.submit(op, local, remote, peer, mem, "DRAM") if peer else None)
         return transfers
 
-    def _checksums(self, block_ids: list[int]) -> list[str]:
-        """xxh3_64 of each stored block (its page of every layer, in layer order). Pages are gathered
-        per layer, CHECKSUM_GROUP blocks at a time: one gather (on a GPU, one device-to-host copy)
-        per layer and group rather than one per page."""
-        out = []
-        for start in range(0, len(block_ids), CHECKSUM_GROUP):
-            group = block_ids[start:start + CHECKSUM_GROUP]
-            hashers = [xxhash.xxh3_64() for _ in group]
-            index = torch.tensor(group, device=self.caches[self.layer_names[0]].device)
-            for layer in self.layer_names:
-                pages = self.caches[layer].index_select(0, index).cpu().reshape(len(group), -1).view(torch.uint8)
-                for hasher, page in zip(hashers, pages.numpy()):
-                    hasher.update(page)
-            out += [h.hexdigest() for h in hashers]
-        return out
-
     # ---- loads --------------------------------------------------------------------------
 
     def start_loads(self, namespace_id: str, plans: list[BlockPlan]) -> None:
@@ -205,11 +187,9 @@ class PagedKVWorker:
         for load in self._sync:
             if load.clock is not None:
                 load.clock.wait(index)
-                if load.plan.partial_tail and len(load.hits) == len(load.plan.block_ids) and load.tail_layers == index:
-                    load.tail = load.tail or xxhash.xxh3_64()
-                    page = self.caches[layer][load.plan.block_ids[-1]]
-                    load.tail.update(page.cpu().reshape(-1).view(torch.uint8).numpy())
-                    load.tail_layers += 1
+                if load.plan.partial_tail and len(load.hits) == len(load.plan.block_ids):
+                    load.tail = load.tail or LayerwiseChecksum(len(self.layer_names))
+                    load.tail.add(index, self.caches[layer][load.plan.block_ids[-1]])
 
     def async_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) asynchronous loads since the last call; failed ones are in both."""
@@ -247,10 +227,11 @@ class PagedKVWorker:
         if transfer_failed:  # the bytes say nothing about the stored blocks: recompute all, blame none
             return [], errors | set(loaded)
         reports, bad = [], False  # only bad blocks are reported: their replicas are invalidated
-        checksums = self._checksums(loaded)
-        if load.plan.partial_tail and not load.plan.load_async and loaded == load.plan.block_ids:
-            whole = load.tail is not None and load.tail_layers == len(self.layer_names)
-            checksums[-1] = load.tail.hexdigest() if whole else None  # hashed as each layer arrived
+        # a partial last block was hashed as each layer arrived: its page holds the forward's writes now
+        tail = load.plan.partial_tail and not load.plan.load_async and loaded == load.plan.block_ids
+        checksums = block_checksums(self.caches, self.layer_names, loaded[:-1] if tail else loaded)
+        if tail:
+            checksums.append(load.tail.hexdigest() if load.tail is not None else None)
         for block_id, hit, checksum in zip(loaded, load.hits, checksums):
             if checksum is not None and checksum != hit.checksum:
                 reports.append(specs.BlockRead(hash=hit.hash, ok=False))
@@ -377,7 +358,8 @@ class PagedKVWorker:
                 t is not None and t.wait(self.timeout_s) == "done" for t in transfers)
             for plan, prepared, admitted in reserved:
                 good = ok and plan.req_id not in step.failed_loads
-                sums = self._checksums([b for b, _ in admitted]) if good else [None] * len(admitted)
+                sums = block_checksums(self.caches, self.layer_names, [b for b, _ in admitted]) if good \
+                    else [None] * len(admitted)
                 reports = [specs.BlockWritten(hash=d.hash, ok=good, checksum=checksum)
                            for (_, d), checksum in zip(admitted, sums)]
                 try:

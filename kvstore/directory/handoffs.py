@@ -49,16 +49,15 @@ class Key(NamedTuple):
     def encode(self) -> str:
         return f"{self.namespace_id}/{self.handoff_id}"  # neither part may hold a '/' or a ','
 
-    @classmethod
-    def decode(cls, text: str) -> "Key":
-        namespace_id, _, handoff_id = text.partition("/")
-        return cls(namespace_id, handoff_id)
-
 
 class Known(NamedTuple):
     state: str  # committed / failed
     num_tokens: int
     committed_at: float
+
+    def answer(self, handoff_id: str, waited_s: float = 0.0) -> HandoffState:
+        return HandoffState(handoff_id=handoff_id, state=self.state, num_tokens=self.num_tokens,
+                            committed_at=self.committed_at, waited_s=waited_s)
 
 
 class Handoffs:
@@ -97,8 +96,7 @@ class Handoffs:
         self._metrics.handoffs.labels(known.state).inc()
         if commit.finished_at is not None:
             self._metrics.handoff_latency.observe(max(0.0, known.committed_at - commit.finished_at))
-        return HandoffState(handoff_id=key.handoff_id, state=known.state, num_tokens=known.num_tokens,
-                            committed_at=known.committed_at)
+        return known.answer(key.handoff_id)
 
     def learned(self, rows: list[HandoffRow]) -> None:
         for row in rows:
@@ -166,8 +164,7 @@ class Handoffs:
                     self._waiters.pop(key, None)
         waited = time.monotonic() - started
         if known is not None:
-            return HandoffState(handoff_id=key.handoff_id, state=known.state, num_tokens=known.num_tokens,
-                                committed_at=known.committed_at, waited_s=waited)
+            return known.answer(key.handoff_id, waited)
         return HandoffState(handoff_id=key.handoff_id, state="present" if present() else "pending", waited_s=waited)
 
     def learn_recent(self, session, now: float) -> None:

@@ -48,16 +48,16 @@ class Orphans:
         if not found:
             return 0
         waiting = self._moves.waiting()
-        dest_workers: dict[str, set[int]] = {}
+        orphans: dict[tuple[str, int], set[int]] = {}  # (token, its executor) -> the destinations' workers
         for token, worker_id in found:
-            if token not in waiting and move_executor(token) is not None:
-                dest_workers.setdefault(token, set()).add(worker_id)
-        if not dest_workers:
+            executor = move_executor(token)
+            if token not in waiting and executor is not None:
+                orphans.setdefault((token, executor), set()).add(worker_id)
+        if not orphans:
             return 0
         workers = self._write(lambda tx: {w.id: (w.state, w.control_url) for w in repo.workers(tx.session)})
         settled, asked = [], {}
-        for token, dests in dest_workers.items():
-            executor = move_executor(token)
+        for (token, executor), dests in orphans.items():
             state, url = workers.get(executor, ("gone", ""))
             if state == "dead" and dests == {executor}:
                 settled.append(token)  # its own tiers: nobody else writes there

@@ -103,7 +103,7 @@ class Store:
             token = secrets.token_hex(16)
             expires_at = now + self._settings.reservation_ttl_s
             admitted = self._place(req.namespace_id, wanted, token, expires_at, decisions, room_first,
-                                   frozenset(req.hosts), _hints(req))
+                                   frozenset(req.hosts), _hints(req.hints), req.blocks[-1].hash)
         if isinstance(admitted, _NeedRoom):
             return admitted
         return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
@@ -122,10 +122,12 @@ class Store:
         return worker is not None and worker.epoch == r.epoch
 
     def _place(self, namespace_id: str, wanted: list, token: str, expires_at: float, decisions: dict,
-               room_first: bool, hosts: frozenset[str] = frozenset(), hints: tuple = (None, None)) -> int | _NeedRoom:
+               room_first: bool, hosts: frozenset[str] = frozenset(), hints: Hints | None = None,
+               tail: str | None = None) -> int | _NeedRoom:
         """Pages for `wanted` on the placement tier, from the page pool, as one reservation; fills
         `decisions`. With `room_first`, a request the pool cannot hold changes nothing and asks for
-        room instead. `hints`: the save's, and the hash of its last block (the save's tail)."""
+        room instead. `hints`: what the save says; `tail`: the hash of its last block (a save's
+        tail until a later save names it as a parent)."""
         if not wanted:
             return 0
         choice = _placement(self._index, self._pools, hosts, sum(b.nbytes for b in wanted))
@@ -137,8 +139,7 @@ class Store:
         need = sum(b.nbytes for b in wanted)
         if room_first and need > self._pools.free_bytes(tier.id, worker.epoch):
             return _NeedRoom(tier.id, worker.id, need)
-        said, last = hints
-        block_hints = {b.hash: (said or NO_HINTS).as_tail(b.hash == last) for b in wanted}
+        block_hints = {b.hash: (hints or NO_HINTS).as_tail(b.hash == tail) for b in wanted}
         wanted = self._admitted(tier, namespace_id, wanted, decisions, block_hints)
         placed, rejected = [], set()
         allocated = self._pools.allocate_many(tier.id, worker.epoch, [b.nbytes for b in wanted])
@@ -325,9 +326,6 @@ def location(worker, tier, runs, nbytes: int) -> dict:
             "runs": runs}
 
 
-def _hints(req) -> tuple:
-    """(what the save says about its request, as the policies take it; the hash of its last block:
-    a save's tail until a later save names it as a parent)."""
-    said = req.hints
-    hints = Hints(session=said.session_id, retain=said.retain, priority=said.priority) if said is not None else None
-    return hints, req.blocks[-1].hash
+def _hints(said) -> Hints | None:
+    """What a save says about its request (specs or wire RequestHints), as the policies take it."""
+    return Hints(session=said.session_id, retain=said.retain, priority=said.priority) if said is not None else None

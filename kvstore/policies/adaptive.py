@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from kvstore.policies.admission import ADMIT, Decision, Doorkeeper
-from kvstore.policies.shadows import SHADOW_RATE, Shadow
+from kvstore.policies.shadows import Shadow, shadow_rate
 from kvstore.policies.tinylfu import key_hash
 
 class AdaptiveDoorkeeper:
     def __init__(self, capacity: int, window: int | None = None) -> None:
         assert capacity > 0, "an adaptive doorkeeper needs a capacity"
-        self.rate = SHADOW_RATE(capacity)
+        self.rate = shadow_rate(capacity)
         self._cut = int(self.rate * (1 << 64))
         shadow = max(1, round(capacity * self.rate))
         self._always = Shadow(shadow)

@@ -1,7 +1,6 @@
 """How often blocks of each class (a hint signature) are read again, learned online on a sample.
 
-    classes.sampled(key) -> bool          # 1 key in SAMPLE, by a stable hash: the measurement
-                                          # (sampled_hash(key_hash(key)) for a caller that has it)
+    sampled(key_hash(key)) -> bool        # 1 key in SAMPLE, by a stable hash: the measurement
     classes.inserted(key, sig)            # a sampled key was stored under `sig`
     classes.hit(key)                      # ... was read (its first read counts)
     classes.gone(key)                     # ... left without a read
@@ -22,7 +21,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvstore.policies.tinylfu import key_hash
 
 SAMPLE = 16
 DECAY = 20_000
@@ -32,6 +30,11 @@ BETTER = 1.5
 RECOMPUTE = 32  # levels are worked out again after this many outcomes
 
 
+def sampled(h: int) -> bool:
+    """Whether a key whose `key_hash` is `h` measures its class."""
+    return h % SAMPLE == 0
+
+
 class ReuseClasses:
     def __init__(self, limit: int | None = None) -> None:
         self._pending: OrderedDict[Hashable, tuple] = OrderedDict()  # sampled key -> its class, until read or gone
@@ -39,14 +42,6 @@ class ReuseClasses:
         self._stats: dict[tuple, list[float]] = {}  # class -> [reads, outcomes]
         self._outcomes = 0
         self._levels: dict[tuple, tuple[int, bool]] = {}  # class -> (level, better), until RECOMPUTE
-
-    @staticmethod
-    def sampled(key: Hashable) -> bool:
-        return key_hash(key) % SAMPLE == 0
-
-    @staticmethod
-    def sampled_hash(h: int) -> bool:
-        return h % SAMPLE == 0
 
     def inserted(self, key: Hashable, sig: tuple) -> None:
         self._pending[key] = sig

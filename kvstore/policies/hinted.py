@@ -17,8 +17,8 @@ from collections.abc import Hashable
 
 from kvstore.policies.adaptive import AdaptiveDoorkeeper
 from kvstore.policies.admission import ADMIT, Decision
-from kvstore.policies.classes import SAMPLE, ReuseClasses
-from kvstore.policies.hints import NONE, Hints
+from kvstore.policies.classes import SAMPLE, ReuseClasses, sampled
+from kvstore.policies.hints import Hints, signature
 from kvstore.policies.tinylfu import key_hash
 
 
@@ -29,10 +29,10 @@ class HintedAdmission:
         self.classes = ReuseClasses(limit=max(1, capacity // SAMPLE))  # the sampled keys the tier holds
 
     def admit(self, key: Hashable, nbytes: int = 0, hints: Hints | None = None) -> Decision:
-        sig = NONE.signature if hints is None else hints.signature
+        sig = signature(hints)
         h = key_hash(key)
         decision = self.doorkeeper.admit_hashed(key, h)  # a sighting, whatever is decided
-        if h % SAMPLE == 0:  # the measurement: admitted whatever its class, to see if it is read again
+        if sampled(h):  # the measurement: admitted whatever its class, to see if it is read again
             self.classes.inserted(key, sig)
             return ADMIT
         if decision is not ADMIT and self.classes.better(sig):

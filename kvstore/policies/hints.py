@@ -35,7 +35,6 @@ class Hints:
 
 
 NONE = Hints()
-TAIL = Hints(tail=True)
 
 
 def signature(hints: Hints | None) -> tuple:

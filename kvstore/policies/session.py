@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvstore.policies.classes import MAX_LEVEL, SAMPLE, ReuseClasses
-from kvstore.policies.hints import NONE, Hints
-from kvstore.policies.shadows import SHADOW_RATE, Shadow
+from kvstore.policies.classes import MAX_LEVEL, ReuseClasses, sampled
+from kvstore.policies.hints import Hints, signature
+from kvstore.policies.shadows import Shadow, shadow_rate
 from kvstore.policies.tinylfu import key_hash
 
 HOT_SHARE = 0.5
@@ -42,7 +42,7 @@ class SessionLRU:
         self._state: dict[Hashable, int] = {}
         self._tails: dict[Hashable, tuple] = {}  # key saved as a tail -> its class without the tail
         self.classes = ReuseClasses()
-        rate = SHADOW_RATE(capacity)
+        rate = shadow_rate(capacity)
         self._cut = int(rate * (1 << 64))  # keys hashed below it feed the shadows
         size = max(1, round(capacity * rate))
         self._shadows = (Shadow(size, 0.0), Shadow(size, HOT_SHARE))
@@ -54,12 +54,12 @@ class SessionLRU:
     def insert(self, key: Hashable, parent: Hashable | None = None, hints: Hints | None = None) -> None:
         assert key not in self._state, "insert of a present key"
         h = key_hash(key)
-        sig = NONE.signature if hints is None else hints.signature
+        sig = signature(hints)
         flags = 0
         if h < self._cut:
             flags |= SHADOWED
             self._observe(key)
-        if h % SAMPLE == 0:  # measured as if its class were the best
+        if sampled(h):  # measured as if its class were the best
             flags |= SAMPLED
             self.classes.inserted(key, sig)
             level = 0

@@ -2,7 +2,7 @@
 sampling as in SHARDS, Waldspurger et al. FAST'15): two variants of a policy run on the same
 sampled accesses, and the real one follows whichever hits more.
 
-    rate = SHADOW_RATE(capacity)   # keys whose key_hash is below rate * 2^64 feed the shadows
+    rate = shadow_rate(capacity)   # keys whose key_hash is below rate * 2^64 feed the shadows
     shadow = Shadow(round(capacity * rate), hot_share, door)   # LRU; with a hot share, SLRU; with a
                                                                # door (an admission), behind it
     shadow.access(key); shadow.score                           # hits, decayed by the caller
@@ -19,7 +19,7 @@ MIN_SHADOW = 256  # sampled slots per shadow: below this the sample is too noisy
 MIN_RATE = 1 / 64
 
 
-def SHADOW_RATE(capacity: int) -> float:  # noqa: N802 (a constant's rule, by capacity)
+def shadow_rate(capacity: int) -> float:
     return min(1.0, max(MIN_RATE, MIN_SHADOW / capacity))
 
 
