@@ -246,7 +246,7 @@ class PagedOps:
 
         from kvstore.client import DirectoryClient
         from kvstore.connector import Namespace
-        from kvstore.connector.vllm_worker import PagedKVWorker
+        from kvstore.connector.vllm.worker import PagedKVWorker
 
         self.args, self.torch = args, torch
         self.ns = Namespace(model_id="bench-vs-lmcache-paged", num_layers=args.layers, num_kv_heads=HEADS,
@@ -276,7 +276,7 @@ class PagedOps:
             page[n:].zero_()
 
     def store(self, rep: int) -> None:
-        from kvstore.connector.vllm_worker import BlockPlan
+        from kvstore.connector.vllm.worker import BlockPlan
 
         plans = [BlockPlan(f"store-{rep}", self.hashes, list(range(self.blocks)))]
         for name in self.names:  # as the forward hands each layer over
@@ -289,7 +289,7 @@ class PagedOps:
         return self.directory.lookup(self.namespace_id, self.hashes).num_hit_blocks * PAGE_TOKENS
 
     def retrieve(self, rep: int) -> None:
-        from kvstore.connector.vllm_worker import BlockPlan
+        from kvstore.connector.vllm.worker import BlockPlan
 
         plan = BlockPlan(f"load-{rep}", self.hashes, list(range(self.blocks, 2 * self.blocks)))
         self.worker.start_loads(self.namespace_id, [plan])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pwd
 import shutil
@@ -217,3 +218,31 @@ class Proxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+def raw_request(server, head: str, body: bytes = b"", timeout_s: float = 10) -> tuple[int, dict]:
+    """One HTTP/1.1 request written byte by byte to `server` (.host, .port): (status, JSON body)."""
+    with socket.create_connection((server.host, server.port), timeout=timeout_s) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1])
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def interrupt(proc) -> int:
+    """Ctrl-C a process (SIGINT) and wait for its exit status."""
+    proc.send_signal(signal.SIGINT)
+    return proc.wait(timeout=30)

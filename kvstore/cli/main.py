@@ -162,7 +162,7 @@ def db_upgrade(database_url: Annotated[str, typer.Option(envvar="KVSTORE_DATABAS
                = "sqlite:///var/directory.db", output: Output = "table") -> None:
     """Run the alembic migrations up to the newest revision."""
     from kvstore.core.config import redact_url
-    from kvstore.directory import db
+    from kvstore.directory.db import engine as db
 
     db.upgrade(database_url)
     emit(output, {"database_url": redact_url(database_url), "schema": "head"}, text="schema is at head")

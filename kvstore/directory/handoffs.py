@@ -30,10 +30,10 @@ from typing import NamedTuple
 
 from kvstore.core.errors import KVStoreError
 from kvstore.core.handoffs import HandoffCommit, HandoffState, HandoffWait
-from kvstore.directory import repository as repo
+from kvstore.directory.db import repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.models import HandoffRow
-from kvstore.directory.writer import Tx
+from kvstore.directory.db.models import HandoffRow
+from kvstore.directory.db.writer import Tx, Write
 
 KEEP_S = 600.0  # a hand-off is remembered this long after its commit
 MAX_KNOWN = 200_000  # in memory; the oldest are forgotten first (SQL still has them)
@@ -61,7 +61,7 @@ class Known(NamedTuple):
 
 
 class Handoffs:
-    def __init__(self, write, sessions, count: Callable[[str, list[str]], tuple], metrics: DirectoryMetrics,
+    def __init__(self, write: Write, sessions, count: Callable[[str, list[str]], tuple], metrics: DirectoryMetrics,
                  leading: Callable[[], bool] = lambda: True, clock: Callable[[], float] = time.time) -> None:
         """`write`: the writer's run; `sessions`: for reads; `count`: the lookup index's leading hits;
         `leading`: whether this replica leads (its index holds every commit)."""
@@ -83,7 +83,7 @@ class Handoffs:
 
         def job(tx: Tx) -> Known:
             known = Known("failed" if commit.failed else "committed", commit.num_tokens, self._clock())
-            row = tx.session.get(HandoffRow, key)
+            row = repo.handoff(tx.session, key)
             if row is None:
                 row = HandoffRow(namespace_id=key.namespace_id, handoff_id=key.handoff_id)
                 tx.session.add(row)

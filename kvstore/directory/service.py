@@ -1,93 +1,102 @@
-"""The directory: its parts wired together, namespaces, the reaper, operator calls.
+"""The directory: its parts wired together, and the calls routes make of it.
 
 Calls, in the order a block lives through them:
     start()                                             # recover, rebuild index and page pools (readyz)
-    register_namespace (workers: membership.register_worker / heartbeat)
-    store.prepare -> store.complete | store.abort       (WRITING -> READY, or rolled back)
-    loads.lookup                                        (the in-memory index: no lock, no SQL)
-    loads.prepare -> loads.complete                     (promotes to memory if needed; pins under a lease)
-    handoffs.commit / handoffs.wait                     (a prefill engine's saves, awaited by a decode engine)
-    reap()                                              (expired leases and reservations, dead workers,
-                                                         moves whose answer was lost, access statistics,
-                                                         drains, demotion, write-through,
-                                                         copies to other workers for replicated namespaces)
+    register_namespace (workers: register_worker / heartbeat)
+    prepare_store_async -> complete_store_async | abort_store   (WRITING -> READY, or rolled back)
+    lookup                                              (the in-memory index: no lock, no SQL)
+    prepare_loads -> loads.complete                     (promotes to memory if needed; pins under a lease)
+    commit_handoff / wait_handoff                       (a prefill engine's saves, awaited by a decode engine)
+    reaper.reap()                                       (expired leases, reservations and workers; moves)
 
-Every change to SQL is a job on the one writer (`writer.py`, group commit);
-worker calls are made outside jobs.
+Every change to SQL is a job on the one writer (`db/writer.py`, group commit);
+worker calls are made outside jobs. Among several directory replicas, the
+writer's commits are checked and logged by `db/changelog.py` and the election
+is `leader.py`, which calls `start`, `follow_from`, `apply` and `write` here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
-
-from sqlalchemy import text
-from sqlalchemy.orm import Session, sessionmaker
+from typing import TYPE_CHECKING
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
+from kvstore.core.handoffs import HandoffCommit, HandoffState, HandoffWait
 from kvstore.core.inspection import MAX_INSPECTED, InspectRequest, InspectResult
 from kvstore.core.keys import Namespace
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.core.tiers import MEMORY
-from kvstore.directory import repository as repo
-from kvstore.directory import inspection, wire
+from kvstore.directory.db import repository as repo
+from kvstore.directory.db.changelog import ChangeLog, Changes
+from kvstore.directory.db.index import Index
+from kvstore.directory.db.models.replica import DELETING, MOVING, READY, WRITING
+from kvstore.directory.db.writer import Tx, Writer
 from kvstore.directory.handoffs import Handoffs
-from kvstore.directory.index import Index
-from kvstore.directory.inspection import prefix_hashes
-from kvstore.directory.load import Loads
-from kvstore.directory.membership import Membership
+from kvstore.directory.loads import inspection
+from kvstore.directory.loads.inspection import prefix_hashes
+from kvstore.directory.loads.loads import Loads
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.models import NamespaceRow
-from kvstore.directory.models.replica import DELETING, MOVING, READY, WRITING
-from kvstore.directory.movement import Movement
-from kvstore.directory.moves import Moves
-from kvstore.directory.orphans import Orphans
-from kvstore.directory.policy import TierPolicies
-from kvstore.directory.pools import PagePools
-from kvstore.directory.reclaim import Reclaim
-from kvstore.directory.reservations import Reservations
+from kvstore.directory.moves.move import Moves
+from kvstore.directory.moves.orphans import Orphans
+from kvstore.directory.moves.spread import Spread
+from kvstore.directory.moves.tiers import Movement
+from kvstore.directory.reaper import Reaper
+from kvstore.directory.saves.checks import check_blocks, verified
+from kvstore.directory.saves.reservations import Reservations
+from kvstore.directory.saves.store import Store
 from kvstore.directory.settings import DirectorySettings
-from kvstore.directory.spread import Spread
-from kvstore.directory.store import Store
-from kvstore.directory.workercalls import WorkerCalls
-from kvstore.directory.writer import Tx, Writer
+from kvstore.directory.tier_policies import TierPolicies
+from kvstore.directory.workers.calls import WorkerCalls
+from kvstore.directory.workers.credit import PagePools
+from kvstore.directory.workers.membership import Membership
+from kvstore.directory.workers.reclaim import Reclaim
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 
 
 class DirectoryService:
     def __init__(self, sessions: sessionmaker[Session], settings: DirectorySettings,
-                 metrics: DirectoryMetrics, clock: Callable[[], float] = time.time) -> None:
-        self._sessions = self.sessions = sessions
+                 metrics: DirectoryMetrics, changelog: ChangeLog | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.sessions = sessions
         self.settings = settings
-        self.leading = True  # among several replicas, whether this one writes (replicas.py says)
+        self.changelog = changelog or ChangeLog()  # whether this replica leads, and its commits' log
         self.metrics = metrics
         self._clock = clock
         self.policies = TierPolicies(settings.tier_eviction(), settings.tier_admission())
         self.index = Index(on_change=self.policies.changed)
         self.pools = PagePools()
-        self.writer = Writer(sessions, self._follow_commit)
+        self.writer = Writer(sessions, self._follow_commit, self.changelog.before_commit)
         write = self.writer.run
         self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s, ca_file=settings.ca_file)
         reclaim = Reclaim(self.calls, self.pools)
         self.reservations = Reservations()
         moves = Moves(write, self.calls, reclaim, self.pools, metrics, clock)
-        self.orphans = Orphans(write, moves, self.calls, reclaim)
+        orphans = Orphans(write, moves, self.calls, reclaim)
         self.movement = Movement(write, moves, reclaim, self.pools, self.policies, self.reservations.reserved_bytes)
-        self.spread = Spread(write, moves, reclaim, self.pools)
+        spread = Spread(write, moves, reclaim, self.pools)
         self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock)
         self.store = Store(self.writer, self.index, self.pools, self.reservations, self.policies, metrics, settings,
                            self.movement.make_room, clock)
         self.loads = Loads(write, self.index, self.movement.promote, reclaim, self.policies, metrics, settings, clock,
                            self.calls.verify)
         self.handoffs = Handoffs(write, sessions, self.index.count, metrics, lambda: self.leading, clock)
+        self.reaper = Reaper(self.writer, reclaim, self.membership, self.handoffs, self.store, self.loads, orphans,
+                             spread, self.movement, metrics, clock)
         self._reclaim = reclaim
         self._namespaces: dict[str, Namespace] = {}
-        self._reaping = threading.Lock()
+
+    @property
+    def leading(self) -> bool:
+        """Among several directory replicas, whether this one writes."""
+        return self.changelog.leading
 
     def _follow_commit(self, touched: set[int], topology: bool, committed: list) -> None:
         """After each group commit (writer thread): the index adds the replicas the group committed,
@@ -95,7 +104,7 @@ class DirectoryService:
         if committed:
             self.index.add(committed)
         if touched or topology:
-            with self._sessions() as session:
+            with self.sessions() as session:
                 if topology:
                     self.index.reload_topology(session)
                 if touched:
@@ -123,7 +132,28 @@ class DirectoryService:
         log.info("index of %d blocks built in %.1f s", self.index.num_blocks, time.perf_counter() - t0)
 
     def load_namespaces(self, session: Session) -> None:
-        self._namespaces.update({row.id: Namespace.from_dict(row.spec) for row in session.query(NamespaceRow)})
+        self._namespaces.update({row.id: Namespace.from_dict(row.spec) for row in repo.namespace_rows(session)})
+
+    def follow_from(self, session: Session, now: float) -> int:
+        """A follower's index, namespaces and recent hand-offs, from SQL; returns the blocks indexed."""
+        self.load_namespaces(session)
+        self.index.rebuild(session)
+        self.handoffs.learn_recent(session, now)
+        return self.index.num_blocks
+
+    def apply(self, session: Session, changes: Changes) -> None:
+        """A follower applies a batch of the leader's changes."""
+        if changes.topology:
+            self.index.reload_topology(session)
+        if changes.blocks:
+            self.index.reload(session, changes.blocks)
+        if changes.namespaces:
+            self.load_namespaces(session)
+        if changes.handoffs:  # after the blocks: a waiter that hears of a hand-off finds its blocks
+            self.handoffs.learned(repo.handoff_rows(session, changes.handoffs))
+
+    def write(self, job: Callable[[Tx], object]) -> object:
+        return self.writer.run(job)
 
     def recover(self) -> int:
         """Reservations open when the directory stopped are rolled back (their writers got no answer
@@ -159,8 +189,7 @@ class DirectoryService:
         if namespace.namespace_id not in self._namespaces:
             def job(tx: Tx) -> None:
                 if repo.namespace(tx.session, namespace.namespace_id) is None:
-                    tx.session.add(NamespaceRow(id=namespace.namespace_id, spec=namespace.to_dict(),
-                                                created_at=self._clock()))
+                    repo.add_namespace(tx.session, namespace.namespace_id, namespace.to_dict(), self._clock())
             self.writer.run(job)
             self._namespaces[namespace.namespace_id] = namespace
         return namespace.namespace_id
@@ -176,9 +205,9 @@ class DirectoryService:
 
     def namespaces(self, tenants: frozenset[str] | None = None) -> list[NamespaceInfo]:
         """Every namespace the caller's tenants hold (None: all), with its replicas and bytes per tier."""
-        with self._sessions() as session:
+        with self.sessions() as session:
             usage = repo.namespace_usage(session)
-            rows = session.query(NamespaceRow).order_by(NamespaceRow.created_at).all()
+            rows = repo.namespace_rows(session)
         out = []
         for row in rows:
             ns = Namespace.from_dict(row.spec)
@@ -206,39 +235,21 @@ class DirectoryService:
 
     # ---- the hot calls, checked -------------------------------------------------------------------
 
-    def prepare_store(self, req: specs.PrepareStore) -> dict:
-        check_blocks(self.namespace(req.namespace_id), req.blocks)
-        return self.store.prepare(req)
-
     async def prepare_store_async(self, req, tenants: frozenset[str] | None = None) -> dict:
         check_blocks(self.namespace(req.namespace_id, tenants), req.blocks)
         return await self.store.prepare_async(req)
 
     async def complete_store_async(self, req):
         if self.settings.verify_writes:
-            req = await asyncio.to_thread(self._verified, req)
+            req = await asyncio.to_thread(verified, req, self.store.reservations, self.index, self.calls,
+                                          self.metrics)
         return await self.store.complete_async(req)
 
-    def _verified(self, req):
-        """The writer's report, with every block its worker does not find matching the reported
-        checksum marked failed (so it is not committed). Asked before the commit, outside every job."""
-        r = self.store.reservations.get(req.token)
-        worker = self.index.workers.get(r.worker_id) if r else None
-        tier = self.index.tiers.get(r.tier_id) if r else None
-        claimed = {b.hash: b.checksum for b in req.blocks if b.ok and b.checksum}
-        written = [b for b in r.blocks if b.hash in claimed] if worker and tier else []
-        if not written:
-            return req  # nothing to check; completing says what is wrong with the token
-        replicas = [(tier.kind, b.runs, b.nbytes, claimed[b.hash]) for b in written]
-        matches = self.calls.verify(worker.control_url, replicas)
-        bad = {b.hash for b, match in zip(written, matches) if match is not True}
-        if not bad:
-            return req
-        log.warning("%d of %d blocks written under %s do not match their writer's checksum; not committed",
-                    len(bad), len(written), req.token[:8])
-        self.metrics.checksum_failures.inc(len(bad))
-        return wire.CompleteStore(token=req.token, blocks=[
-            wire.BlockWritten(hash=b.hash, ok=b.ok and b.hash not in bad, checksum=b.checksum) for b in req.blocks])
+    def renew(self, token: str) -> specs.Renewed:
+        return self.store.renew(token)
+
+    def abort_store(self, token: str) -> int:
+        return self.store.abort(token)
 
     def lookup(self, namespace_id: str, hashes: list[str], locations: bool = False,
                tenants: frozenset[str] | None = None) -> dict:
@@ -257,51 +268,58 @@ class DirectoryService:
         namespace = self.namespace(req.namespace_id, tenants)
         hashes = req.hashes if req.hashes is not None else \
             prefix_hashes(namespace, req.token_ids, req.hash_seed, max_blocks=MAX_INSPECTED)
-        return inspection.inspect(self._sessions, req.namespace_id, namespace.block_tokens, hashes)
+        return inspection.inspect(self.sessions, req.namespace_id, namespace.block_tokens, hashes)
+
+    def complete_loads(self, req) -> specs.LoadCompleted:
+        return self.loads.complete(req)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the lookup index is built (lookups and /readyz wait for it)."""
+        return self.index.ready
+
+    @property
+    def indexed_blocks(self) -> int:
+        return self.index.num_blocks
 
     def prepare_loads(self, namespace_id: str, chains: list[list[str]], reader: str,
                       tenants: frozenset[str] | None = None) -> dict:
         self.namespace(namespace_id, tenants)
         return self.loads.prepare(namespace_id, chains, reader)
 
-    # ---- background -----------------------------------------------------------------------
+    def commit_handoff(self, body: HandoffCommit, tenants: frozenset[str] | None = None) -> HandoffState:
+        self.namespace(body.namespace_id, tenants)
+        return self.handoffs.commit(body)
 
-    def reap(self) -> dict[str, int]:
-        """Expire leases and reservations, declare silent workers dead, free deleted replicas, flush
-        access statistics, then move blocks (demotion, drains, write-through)."""
-        with self._reaping:  # one round at a time, whoever calls
-            return self._reap()
+    async def wait_handoff(self, body: HandoffWait, tenants: frozenset[str] | None = None) -> HandoffState:
+        self.namespace(body.namespace_id, tenants)
+        return await self.handoffs.wait(body)
 
-    def _reap(self) -> dict[str, int]:
-        def job(tx: Tx) -> tuple[int, int, int, list[int]]:
-            now = self._clock()
-            leases = repo.delete_expired_leases(tx.session, now)
-            tokens = repo.expired_reservations(tx.session, now)  # moves' destinations
-            for token in tokens:
-                rows = repo.replicas_with_token(tx.session, token, WRITING)
-                self._reclaim.drop(tx, [(r, t, w) for r, _, t, w in rows])
-            dead = self.membership.declare_dead(tx, now)
-            draining = self.membership.finish_drains(tx)
-            self.handoffs.expire(tx, now)
-            if leases or tokens or dead:
-                self._reclaim.collect_deleting(tx)
-            return leases, len(tokens) + self.store.expire(tx, now), dead, draining
-        leases, tokens, dead, draining = self.writer.run(job)
-        if dead:
-            self.metrics.declared_dead.inc(dead)
-        if leases or tokens or dead:
-            log.info("reaper: %d expired pins, %d expired reservations, %d dead workers", leases, tokens, dead)
-        settled = self.orphans.settle()  # moves whose answer was lost, whose workers have stopped them
-        self.loads.flush_accesses()
-        for worker_id in self.membership.ungranted():
-            self.membership.grant(worker_id)
-        drained = sum(self.spread.drain(w) for w in draining)  # onto other workers first
-        drained += self.movement.drain(draining) if draining else 0  # what found no room there: a tier down
-        demoted = self.movement.demote()
-        copied = self.movement.write_through()
-        replicated = self.spread.replicate()
-        return {"leases": leases, "reservations": tokens + settled, "dead_workers": dead, "drained": drained,
-                "demoted": demoted, "written_through": copied, "replicated": replicated}
+    # ---- workers ---------------------------------------------------------------------------
+
+    def register_worker(self, reg: specs.WorkerRegistration, owner: str) -> specs.Registered:
+        return self.membership.register_worker(reg, owner)
+
+    def heartbeat(self, name: str, epoch: int, owner: str) -> None:
+        self.membership.heartbeat(name, epoch, owner)
+
+    def deregister(self, name: str, epoch: int, owner: str) -> None:
+        self.membership.deregister(name, epoch, owner)
+
+    def drain(self, name: str) -> specs.WorkerInfo:
+        return self.membership.drain(name)
+
+    def undrain(self, name: str) -> specs.WorkerInfo:
+        return self.membership.undrain(name)
+
+    def workers(self) -> list[specs.WorkerInfo]:
+        return self.membership.workers()
+
+    def worker(self, name: str) -> specs.WorkerInfo:
+        return self.membership.worker(name)
+
+    def live_workers(self) -> int:
+        return self.membership.live_count()
 
     # ---- operators ------------------------------------------------------------------------
 
@@ -336,7 +354,7 @@ class DirectoryService:
         return evicted
 
     def tiers(self) -> list[specs.TierUsage]:
-        with self._sessions() as session:
+        with self.sessions() as session:
             return [specs.TierUsage(worker=w.name, kind=t.kind, capacity_bytes=t.capacity_bytes,
                                     used_bytes=t.used_bytes + self.reservations.reserved_bytes(t.id), num_blocks=n,
                                     page_bytes=t.page_bytes,
@@ -345,13 +363,17 @@ class DirectoryService:
                                     if t.kind in MEMORY and self.leading else None)
                     for t, w, n in repo.tier_usage(session)]
 
+    def metrics_text(self) -> bytes:
+        """Prometheus' text: the counters, the stats, and (on the leader) tiers and workers."""
+        return self.metrics.render(self.stats(), self.tiers() if self.leading else [], self.workers())
+
     def ping_database(self) -> None:
         """Raises when the database does not answer a trivial query."""
-        with self._sessions() as session:
-            session.execute(text("SELECT 1"))
+        with self.sessions() as session:
+            repo.ping(session)
 
     def stats(self) -> specs.Stats:
-        with self._sessions() as session:
+        with self.sessions() as session:
             counts = repo.counts(session)  # its reservations are the moves' destinations
             counts["reservations"] += self.reservations.blocks
             return specs.Stats(**counts, replicas_by_tier=repo.replicas_by_tier(session),
@@ -363,8 +385,7 @@ class DirectoryService:
         (the eviction order a restart rebuilds depends on them)."""
         if self.leading:
             try:
-                with self._reaping:  # a reaper tick still running finishes first
-                    self.loads.flush_accesses(rows=None)
+                self.reaper.flush()  # a reaper tick still running finishes first
             except Exception:  # noqa: BLE001 (a database gone at shut-down costs only recency)
                 log.exception("the last access statistics were not written")
 
@@ -376,16 +397,3 @@ class DirectoryService:
 def _foreign(namespace: Namespace, tenants: frozenset[str] | None) -> bool:
     """Whether the namespace belongs to none of `tenants` (None: the caller may use every tenant's)."""
     return tenants is not None and namespace.tenant not in tenants
-
-
-def check_blocks(namespace: Namespace, blocks) -> None:
-    """Every block has the namespace's size, and no hash comes twice."""
-    expected = namespace.block_nbytes
-    wrong = [b.hash for b in blocks if b.nbytes != expected]
-    if wrong:
-        raise KVStoreError("invalid", f"blocks of this namespace are {expected} bytes",
-                           expected=expected, wrong_hashes=wrong[:5])
-    seen: set[str] = set()
-    twice = [b.hash for b in blocks if b.hash in seen or seen.add(b.hash)]
-    if twice:
-        raise KVStoreError("invalid", "a hash appears more than once in one request", duplicate_hashes=twice[:5])

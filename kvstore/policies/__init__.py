@@ -3,7 +3,7 @@
     make_eviction(name, capacity)   # see `base.py` for the contract every eviction policy meets
     make_admission(spec, capacity)  # "adaptive", "doorkeeper,backpressure", "size:4KiB-64MiB,tinylfu"
 
-The directory runs one eviction and one admission object per tier (`directory/policy.py`);
+The directory runs one eviction and one admission object per tier (`directory/tier_policies.py`);
 `bench/hit_ratio.py` drives the same objects. DEFAULT_EVICTION + DEFAULT_ADMISSION is what the
 directory runs out of the box.
 """

@@ -1,13 +1,12 @@
 """Credentials, scopes, tenants and worker identity, over HTTP against the directory in this process.
 
 The route matrix is read from the app's own route table: a route added without an entry in
-kvstore.directory.auth.ROUTES stops the app from starting, and every protected route is called
+kvstore.directory.http.auth.ROUTES stops the app from starting, and every protected route is called
 here without a token, with an unknown one, and with a token of each scope.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import os
 import stat
@@ -20,9 +19,9 @@ from kvstore.cli.serve import bootstrap_token
 from kvstore.core import specs
 from kvstore.core.credentials import SCOPES
 from kvstore.core.errors import KVStoreError
-from kvstore.directory.auth import PUBLIC, ROUTES, flat_routes
-from tests.component.test_directory import chain, complete, hits, prepare
-from tests.stacks import NS, PAGE, directory_stack, make_settings
+from kvstore.directory.http.auth import PUBLIC, ROUTES, flat_routes
+from tests.calls import chain, complete, hits, prepare
+from tests.stacks import DEFAULT_MARKS, NS, PAGE, directory_stack, dram_tier, make_settings, registration
 
 PARAMS = {"{name}": "w0", "{namespace_id}": "0" * 16, "{token_id}": "0" * 16}
 
@@ -140,10 +139,7 @@ def test_an_engine_sees_only_its_own_tenants_namespaces(secure):
 
 
 def _registration(name: str, secret: str | None = None, url: str = "") -> specs.WorkerRegistration:
-    return specs.WorkerRegistration(
-        name=name, agent_name=f"{name}-agent", agent_metadata=base64.b64encode(b"md").decode(), control_url=url,
-        pid=1, backends=["UCX"], control_secret=secret,
-        tiers=[specs.TierSpec(kind="dram", capacity_bytes=4 * PAGE, page_bytes=PAGE, base_addr=1 << 20)])
+    return registration(name, url, control_secret=secret, tiers=[dram_tier(4, **DEFAULT_MARKS)])
 
 
 def test_a_forged_registration_cannot_take_a_live_workers_name(secure):
@@ -156,8 +152,8 @@ def test_a_forged_registration_cannot_take_a_live_workers_name(secure):
             call()
         assert refused.value.kind in ("conflict", "forbidden")
     assert secure.client.worker("wx").epoch == epoch  # untouched
-    with secure.service._sessions() as session:
-        from kvstore.directory import repository as repo
+    with secure.service.sessions() as session:
+        from kvstore.directory.db import repository as repo
         assert repo.worker_by_name(session, "wx").control_secret == "s" * 32
     owner.heartbeat("wx", epoch)
     owner.deregister("wx", epoch)  # gone: the name is free again
@@ -167,7 +163,7 @@ def test_a_forged_registration_cannot_take_a_live_workers_name(secure):
 def test_a_revoked_token_is_refused_at_once(secure):
     token = secure.token("read")
     reader = secure.as_(token)
-    assert reader.stats().blocks >= 0
+    assert reader.stats().indexed_blocks == secure.client.stats().indexed_blocks  # the token works until revoked
     token_id = next(t.id for t in secure.client.tokens() if t.name == "read" and t.revoked_at is None)
     secure.client.revoke_token(token_id)
     with pytest.raises(KVStoreError) as refused:
@@ -175,7 +171,8 @@ def test_a_revoked_token_is_refused_at_once(secure):
     assert refused.value.kind == "unauthorized"
     secure.app.state.tokens.load()  # what another directory reading the table would find
     assert secure.app.state.tokens.authenticate(token) is None
-    assert all(t.revoked_at for t in secure.client.tokens() if t.id == token_id)
+    revoked = [t for t in secure.client.tokens() if t.id == token_id]
+    assert len(revoked) == 1 and revoked[0].revoked_at is not None
 
 
 def test_token_creation_checks_its_input(secure):

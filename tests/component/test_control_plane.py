@@ -13,19 +13,17 @@ from sqlalchemy import select
 
 from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
-from kvstore.core.pages import PageAllocator
-from kvstore.directory.index import Index
-from kvstore.directory.models import Replica
-from kvstore.worker.control import ControlServer
-from tests.stacks import PAGE, Stack, directory_stack, make_settings
-from tests.component.test_directory import BLOCK, chain, complete, hits, prepare
+from kvstore.directory.db.index import Index
+from kvstore.directory.db.models import Replica
+from tests.stacks import PAGE, directory_stack, dram_tier, make_settings, registration, worker_endpoint
+from tests.calls import BLOCK, chain, complete, hits, prepare
 from tests.helpers import wait_until
 
 
 def index_matches_sql(service) -> None:
     """The lookup index equals one rebuilt from SQL: no block, replica or location differs."""
     fresh = Index()
-    with service._sessions() as session:
+    with service.sessions() as session:
         fresh.rebuild(session)
     assert fresh._blocks == service.index._blocks
     assert fresh._by_id == service.index._by_id
@@ -197,7 +195,7 @@ def test_waiting_writers_share_one_commit(quiet):
 
 def test_a_failing_job_is_rolled_back_alone(quiet):
     stack = quiet
-    from kvstore.directory.models import NamespaceRow
+    from kvstore.directory.db.models import NamespaceRow
 
     def good(tx):
         tx.session.add(NamespaceRow(id="good0000", spec={}, created_at=0.0))
@@ -226,7 +224,7 @@ def test_a_failing_job_is_rolled_back_alone(quiet):
     assert isinstance(_try(stack.service.writer.run, bad), KVStoreError)  # alone in its group: no SAVEPOINT
     stack.service.writer.run(lambda tx: tx.session.add(NamespaceRow(id="next0000", spec={}, created_at=0.0)))
     assert stack.service.writer.groups == groups + 2
-    with stack.service._sessions() as session:
+    with stack.service.sessions() as session:
         assert session.get(NamespaceRow, "good0000") is not None
         assert session.get(NamespaceRow, "bad00000") is None
         assert session.get(NamespaceRow, "next0000") is not None
@@ -239,34 +237,15 @@ def _try(call, *args):
         return exc
 
 
-class TwoTierWorker:
-    """DRAM and NVMe page allocators behind a control endpoint whose mover the test scripts."""
-
-    def __init__(self, mover) -> None:
-        self.dram, self.nvme = PageAllocator(32, PAGE), PageAllocator(64, PAGE)
-        self.control = ControlServer({"dram": self.dram, "nvme": self.nvme}, mover=mover)
-        self.control.start()
-
-    def register(self, s: Stack) -> None:
-        import base64
-
-        s.client.register_worker(specs.WorkerRegistration(
-            name="w0", agent_name="w0-agent", agent_metadata=base64.b64encode(b"md").decode(),
-            control_url=self.control.url, pid=1, backends=["UCX", "POSIX"], tiers=[
-                specs.TierSpec(kind="dram", capacity_bytes=32 * PAGE, page_bytes=PAGE, base_addr=1 << 20,
-                               high_watermark=1.0, low_watermark=1.0),
-                specs.TierSpec(kind="nvme", capacity_bytes=64 * PAGE, page_bytes=PAGE)]))
-
-
 @contextmanager
 def two_tier_stack(database_url, mover, **settings):
-    worker = TwoTierWorker(mover)
-    try:
-        with directory_stack(make_settings(database_url, **settings), worker.control, register=False) as s:
-            worker.register(s)
-            yield s, worker
-    finally:
-        worker.control.stop()
+    """The directory and a worker endpoint with DRAM (32 pages) and NVMe (64) whose mover the test
+    scripts; yields (stack, the endpoint)."""
+    with worker_endpoint(32, nvme_pages=64, mover=mover) as control:
+        with directory_stack(make_settings(database_url, **settings), control, register=False) as s:
+            s.client.register_worker(registration("w0", control.url, backends=["UCX", "POSIX"], tiers=[
+                dram_tier(32), specs.TierSpec(kind="nvme", capacity_bytes=64 * PAGE, page_bytes=PAGE)]))
+            yield s, control
 
 
 def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(database_url):
@@ -280,7 +259,7 @@ def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(databas
         s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
         assert hits(s, chain(3)) == 0  # before: the corrupt source went back to READY for good
         s.service.calls.settle()
-        assert worker.nvme.free_pages == 64  # the destination went back too
+        assert worker.allocators['nvme'].free_pages == 64  # the destination went back too
         index_matches_sql(s.service)
 
 
@@ -296,7 +275,7 @@ def test_a_move_without_an_answer_keeps_its_destination_while_the_worker_may_wri
         assert req.expires_at is not None and req.expires_at > time.time()
         time.sleep(3.5)  # longer than the directory waits
         if stuck:
-            worker.control.fence.stuck({item.dst_token for item in req.items}, SimpleNamespace(settled=lambda: False))
+            worker.fence.stuck({item.dst_token for item in req.items}, SimpleNamespace(settled=lambda: False))
         answered.set()
         n = len(req.items)
         return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
@@ -305,7 +284,7 @@ def test_a_move_without_an_answer_keeps_its_destination_while_the_worker_may_wri
         complete(s, prepare(s, chain(2)))
         outcome = s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
         assert outcome.demoted == 0
-        assert worker.nvme.free_pages == 64 - 4 and s.client.stats().reservations == 2  # still reserved
+        assert worker.allocators['nvme'].free_pages == 64 - 4 and s.client.stats().reservations == 2  # still reserved
         with s.service.sessions() as session:
             expires_at = session.scalar(select(Replica.expires_at).where(Replica.state == "writing"))
         assert hits(s, chain(2)) == 2  # the source is READY again
@@ -313,16 +292,14 @@ def test_a_move_without_an_answer_keeps_its_destination_while_the_worker_may_wri
         wait_until(lambda: s.client.stats().reservations == 0, 15, "the destination rolled back")
         assert answered.is_set()  # never while the worker was writing
         assert (time.time() >= expires_at) is stuck  # settled by the worker, or by the deadline
-        wait_until(lambda: worker.nvme.free_pages == 64, 5, "its pages back on the worker")
+        wait_until(lambda: worker.allocators['nvme'].free_pages == 64, 5, "its pages back on the worker")
         index_matches_sql(s.service)
 
 
 def test_a_worker_grants_at_most_its_free_pages_and_only_of_memory_tiers():
     import httpx
 
-    control = ControlServer({"dram": PageAllocator(8, PAGE), "nvme": PageAllocator(8, PAGE)})
-    control.start()
-    try:
+    with worker_endpoint(8, nvme_pages=8) as control:
         grant = lambda body: httpx.post(control.url + "/v1/grant", json=body, timeout=10)  # noqa: E731
         first = grant({"token": "g1", "kind": "dram", "max_pages": 6})
         assert first.status_code == 200 and first.json()["runs"] == [{"first": 0, "count": 6}]
@@ -332,5 +309,3 @@ def test_a_worker_grants_at_most_its_free_pages_and_only_of_memory_tiers():
         assert refused.status_code == 400 and refused.json()["error"] == "invalid"
         assert grant({"token": "g5", "kind": "dram", "max_pages": 0}).status_code == 400
         assert grant({"token": "x" * 65, "kind": "dram", "max_pages": 1}).status_code == 400
-    finally:
-        control.stop()

@@ -9,38 +9,8 @@ import pytest
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
-from tests.stacks import NS, PAGE
-
-BLOCK = NS.block_nbytes  # 256 bytes = 2 pages of 128
-
-
-def chain(n: int, start: int = 0) -> list[str]:
-    return [h.hex() for h in block_hashes(NS, list(range(start, start + 4 * n)))]
-
-
-def prepare(stack, hashes, parent=None) -> specs.StorePrepared:
-    parents = [parent] + hashes[:-1]
-    return stack.client.prepare_store(specs.PrepareStore(namespace_id=stack.namespace_id, blocks=[
-        specs.BlockToStore(hash=h, parent=p, nbytes=BLOCK) for h, p in zip(hashes, parents)]))
-
-
-def complete(stack, prepared, ok=True):
-    return stack.client.complete_store(specs.CompleteStore(token=prepared.token, blocks=[
-        specs.BlockWritten(hash=b.hash, ok=ok, checksum="0123456789abcdef")
-        for b in prepared.blocks if b.status == "admitted"]))
-
-
-def hits(stack, hashes) -> int:
-    return stack.client.lookup(stack.namespace_id, hashes).num_hit_blocks
-
-
-def read(stack, hashes) -> int:
-    """Load the prefix as an engine does (pin, read, release): an access, unlike a lookup."""
-    load = stack.client.prepare_load(specs.PrepareLoad(namespace_id=stack.namespace_id, hashes=hashes))
-    if load.token:
-        stack.client.complete_load(specs.CompleteLoad(token=load.token, blocks=[
-            specs.BlockRead(hash=b.hash, ok=True) for b in load.blocks]))
-    return len(load.blocks)
+from tests.calls import BLOCK, chain, complete, hits, prepare
+from tests.stacks import DEFAULT_MARKS, NS, PAGE, dram_tier, registration
 
 
 def test_a_block_is_visible_only_after_complete(stack):
@@ -59,8 +29,8 @@ def test_a_chain_saved_over_several_calls_continues_its_depth(stack):
     """Chunked prefill saves a prompt's blocks step by step; each call names the stored parent."""
     from sqlalchemy import select
 
-    from kvstore.directory.db import make_engine, make_sessions
-    from kvstore.directory.models.block import Block
+    from kvstore.directory.db.engine import make_engine, make_sessions
+    from kvstore.directory.db.models.block import Block
 
     hashes = chain(4)
     complete(stack, prepare(stack, hashes[:2]))
@@ -289,9 +259,9 @@ def test_a_survivor_whose_pages_cannot_hold_it_is_not_adopted(stack):
         return specs.Survivor(kind="nvme", token="t", runs=[specs.PageRun(first=4 * pages, count=pages)],
                               namespace_id=stack.namespace_id, hash=block_hash, nbytes=BLOCK,
                               checksum="0123456789abcdef")
-    stack.client.register_worker(specs.WorkerRegistration(
-        name="w1", agent_name="w1-agent", agent_metadata="bWQ=", control_url="", pid=2, backends=["UCX", "POSIX"],
-        tiers=[specs.TierSpec(kind="dram", capacity_bytes=32 * PAGE, page_bytes=PAGE, base_addr=1 << 30),
+    stack.client.register_worker(registration(
+        "w1", pid=2, backends=["UCX", "POSIX"],
+        tiers=[dram_tier(32, base_addr=1 << 30, **DEFAULT_MARKS),
                specs.TierSpec(kind="nvme", capacity_bytes=32 * PAGE, page_bytes=PAGE)],
         inventory=[survivor(good, 2), survivor(short, 1)]))
     assert hits(stack, [good]) == 1 and hits(stack, [short]) == 0

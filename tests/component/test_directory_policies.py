@@ -8,18 +8,14 @@ from pydantic import ValidationError
 
 from kvstore.core import specs
 from kvstore.directory.settings import DirectorySettings
-from kvstore.core.pages import PageAllocator
-from kvstore.worker.control import ControlServer
-from tests.stacks import directory_stack, make_settings
-from tests.component.test_directory import chain, complete, hits, prepare, read
+from tests.stacks import directory_stack, make_settings, worker_endpoint
+from tests.calls import chain, complete, hits, prepare, read
 
 
 @pytest.fixture
 def control():
-    control = ControlServer({"dram": PageAllocator(num_pages=32, page_bytes=128)})  # room for 16 blocks
-    control.start()
-    yield control
-    control.stop()
+    with worker_endpoint(32) as control:  # room for 16 blocks
+        yield control
 
 
 def test_a_doorkeeper_admits_a_block_on_its_second_save(database_url, control):

@@ -7,7 +7,7 @@ import pytest
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from tests.stacks import make_settings
-from tests.component.test_directory import chain, complete, hits, prepare
+from tests.calls import chain, complete, hits, prepare
 from tests.helpers import wait_until
 
 

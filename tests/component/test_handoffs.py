@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.core.errors import KVStoreError
 from kvstore.core.handoffs import HandoffCommit, HandoffWait
-from tests.component.test_directory import chain, complete, prepare
+from tests.calls import chain, complete, prepare
 from tests.stacks import NS, directory_stack, make_settings
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from tests.component.test_directory import chain, complete
+from tests.calls import chain, complete
 
 
 def test_a_saves_hints_reach_the_tiers_policy_and_bad_ones_are_refused(stack):
     """Hints travel with a save into the placement tier's eviction policy (its last block marked a
     tail); malformed hints are a 400 and change nothing."""
     from kvstore.core import specs
-    from kvstore.directory.policy import VictimRow
-    from tests.component.test_directory import BLOCK
+    from kvstore.directory.tier_policies import VictimRow
+    from tests.calls import BLOCK
 
     hashes = chain(3)
     body = specs.PrepareStore(namespace_id=stack.namespace_id, hints=specs.RequestHints(

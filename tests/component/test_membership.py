@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.core.errors import KVStoreError
-from kvstore.core.pages import PageAllocator
-from kvstore.worker.control import ControlServer
-from tests.stacks import directory_stack, make_settings
-from tests.component.test_directory import chain, complete, hits, prepare
+from tests.stacks import directory_stack, make_settings, worker_endpoint
+from tests.calls import chain, complete, hits, prepare
 from tests.helpers import wait_until
 
 
@@ -30,9 +28,7 @@ def test_a_silent_worker_is_declared_dead_and_its_dram_replicas_leave_lookups(st
 
 def test_a_restarted_directory_keeps_committed_blocks(database_url):
     settings = make_settings(database_url, heartbeat_timeout_s=600)
-    control = ControlServer({"dram": PageAllocator(32, 128)})
-    control.start()
-    try:
+    with worker_endpoint() as control:
         with directory_stack(settings, control) as s:
             complete(s, prepare(s, chain(3)))
             dangling = prepare(s, chain(2, start=100))  # open at the "crash"
@@ -41,16 +37,10 @@ def test_a_restarted_directory_keeps_committed_blocks(database_url):
             assert hits(s, chain(3)) == 3
             assert hits(s, chain(2, start=100)) == 0
             assert s.client.workers()[0].epoch == 1
-    finally:
-        control.stop()
 
 
 def test_a_live_workers_name_is_refused_to_a_second_worker_and_freed_when_it_stops_answering(database_url):
-    first = ControlServer({"dram": PageAllocator(32, 128)})
-    second = ControlServer({"dram": PageAllocator(32, 128)})
-    for control in (first, second):
-        control.start()
-    try:
+    with worker_endpoint() as first, worker_endpoint() as second:
         with directory_stack(make_settings(database_url, heartbeat_timeout_s=600), first) as s:
             assert s.client.worker("w0").control_url == first.url
             with pytest.raises(KVStoreError) as refused:  # same token, same name, another live endpoint
@@ -58,10 +48,5 @@ def test_a_live_workers_name_is_refused_to_a_second_worker_and_freed_when_it_sto
             assert refused.value.kind == "conflict" and first.url in refused.value.message
             assert s.register_worker(control_url=first.url).epoch == 2  # the holder itself, again: fine
             first.stop()  # the holder died (its heartbeats would stop too, much later)
-            first = None
             assert s.register_worker(control_url=second.url).epoch == 3
             assert s.client.worker("w0").control_url == second.url
-    finally:
-        for control in (first, second):
-            if control is not None:
-                control.stop()

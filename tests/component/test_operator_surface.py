@@ -13,7 +13,7 @@ from kvstore.core import specs, vllm_hashes
 from kvstore.core.errors import KVStoreError
 from kvstore.core.inspection import InspectRequest
 from kvstore.core.keys import Namespace
-from tests.component.test_directory import chain, complete, prepare
+from tests.calls import chain, complete, prepare
 from tests.helpers import Proxy, wait_until
 from tests.stacks import NS, PAGE, directory_stack, make_settings
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from kvstore.core import specs
 from kvstore.core.inspection import InspectRequest
-from kvstore.core.pages import PageAllocator
-from kvstore.worker.control import ControlServer
-from tests.component.test_directory import BLOCK, chain, complete
-from tests.stacks import PAGE
+from tests.calls import BLOCK, chain, complete
+from tests.stacks import PAGE, worker_endpoint
 
 
 def save(stack, hashes: list[str], hosts: list[str]) -> set[str]:
@@ -22,9 +20,7 @@ def save(stack, hashes: list[str], hosts: list[str]) -> set[str]:
 
 
 def test_a_save_goes_to_a_worker_on_the_engines_host_while_it_has_room(stack):
-    other_host = ControlServer({"dram": PageAllocator(num_pages=32, page_bytes=PAGE)}, host="127.0.0.2")
-    other_host.start()
-    try:
+    with worker_endpoint(host="127.0.0.2") as other_host:
         stack.register_worker(name="w1", control_url=other_host.url)
         assert other_host.url.startswith("http://127.0.0.2:")
         assert save(stack, chain(2), ["engine-b", "127.0.0.2"]) == {"w1"}
@@ -35,5 +31,3 @@ def test_a_save_goes_to_a_worker_on_the_engines_host_while_it_has_room(stack):
         assert save(stack, chain(1, start=400), []) == {"w0"}  # no host named: the most credit left
         assert [t.used_bytes for t in sorted(stack.client.tiers(), key=lambda t: t.worker)] == [
             (2 + 1 + 1) * BLOCK, 32 * PAGE]
-    finally:
-        other_host.stop()

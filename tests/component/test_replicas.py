@@ -5,9 +5,6 @@ SQLite there is one directory, the leader, and no change log."""
 
 from __future__ import annotations
 
-import base64
-from contextlib import contextmanager
-
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
@@ -16,26 +13,8 @@ from kvstore.client import DirectoryClient
 from kvstore.core import specs
 from kvstore.core.credentials import TokenCreate
 from kvstore.core.errors import KVStoreError
-from kvstore.core.pages import PageAllocator
-from kvstore.directory.app import create_app
-from kvstore.worker.control import ControlServer
-from tests.helpers import ServerThread, free_port, wait_until
-from tests.stacks import NS, PAGE, Verdicts, make_settings
-
-
-@contextmanager
-def replica(database_url: str, **overrides):
-    port = free_port()
-    app = create_app(make_settings(database_url, advertise_url=f"http://127.0.0.1:{port}", **overrides))
-    with ServerThread(app, port=port) as server:
-        yield app, server.url
-
-
-def registration(control_url: str) -> specs.WorkerRegistration:
-    return specs.WorkerRegistration(
-        name="w0", agent_name="w0-agent", agent_metadata=base64.b64encode(b"md").decode(), control_url=control_url,
-        pid=1, backends=["UCX"], tiers=[specs.TierSpec(kind="dram", capacity_bytes=32 * PAGE, page_bytes=PAGE,
-                                                       base_addr=1 << 20, high_watermark=1.0, low_watermark=1.0)])
+from tests.helpers import wait_until
+from tests.stacks import NS, PAGE, Verdicts, directory_replica, registration, worker_endpoint
 
 
 def save(client: DirectoryClient, namespace_id: str, hashes: list[str]) -> int:
@@ -49,14 +28,12 @@ def save(client: DirectoryClient, namespace_id: str, hashes: list[str]) -> int:
 @pytest.mark.postgres
 def test_a_follower_serves_lookups_and_forwards_the_rest_with_the_callers_credential(postgres):
     database_url = postgres.create_database()
-    control = ControlServer({"dram": PageAllocator(num_pages=32, page_bytes=PAGE)}, verifier=Verdicts())
-    control.start()
-    try:
-        with replica(database_url, require_auth=True) as (leader_app, leader_url):
+    with worker_endpoint(verifier=Verdicts()) as control:
+        with directory_replica(database_url, require_auth=True) as (leader_app, leader_url):
             tokens = leader_app.state.tokens
             engine, worker, admin = (tokens.create(TokenCreate(name=s, scopes=[s], tenants=t)).token
                                      for s, t in (("engine", [NS.tenant]), ("worker", []), ("admin", [])))
-            with replica(database_url, require_auth=True) as (_, url):  # reads the tokens at its start
+            with directory_replica(database_url, require_auth=True) as (_, url):  # reads the tokens at its start
                 as_engine = DirectoryClient(url, token=engine)
                 assert not DirectoryClient(url, token=admin).stats().leader
                 assert DirectoryClient(leader_url, token=admin).stats().leader
@@ -65,9 +42,9 @@ def test_a_follower_serves_lookups_and_forwards_the_rest_with_the_callers_creden
                         DirectoryClient(url, token=token).register_namespace(NS)
                     assert refused.value.kind == "unauthorized"
                 with pytest.raises(KVStoreError) as refused:  # an engine may not register workers
-                    DirectoryClient(url, token=engine).register_worker(registration(control.url))
+                    DirectoryClient(url, token=engine).register_worker(registration(control_url=control.url))
                 assert refused.value.kind == "forbidden"
-                DirectoryClient(url, token=worker).register_worker(registration(control.url))
+                DirectoryClient(url, token=worker).register_worker(registration(control_url=control.url))
                 namespace_id = as_engine.register_namespace(NS)
                 hashes = [f"{i:032x}" for i in range(1, 5)]
                 assert save(as_engine, namespace_id, hashes) == 4
@@ -84,14 +61,12 @@ def test_a_follower_serves_lookups_and_forwards_the_rest_with_the_callers_creden
                 # an eviction through the follower: the blocks leave its index too
                 DirectoryClient(url, token=admin).evict(namespace_id)
                 wait_until(lambda: as_engine.lookup(namespace_id, hashes).num_hit_blocks == 0, 5, "misses on follower")
-    finally:
-        control.stop()
 
 
 @pytest.mark.postgres
 def test_a_leader_whose_term_was_taken_writes_nothing_more(postgres):
     database_url = postgres.create_database()
-    with replica(database_url) as (app, url):
+    with directory_replica(database_url) as (app, url):
         client = DirectoryClient(url)
         assert client.stats().leader
         engine = create_engine(database_url)
@@ -109,7 +84,7 @@ def test_a_leader_whose_term_was_taken_writes_nothing_more(postgres):
 
 def test_on_sqlite_the_one_directory_leads_and_logs_no_changes(tmp_path):
     database_url = f"sqlite:///{tmp_path / 'd.db'}"
-    with replica(database_url) as (_, url):
+    with directory_replica(database_url) as (_, url):
         client = DirectoryClient(url)
         namespace_id = client.register_namespace(NS)
         assert client.stats().leader and namespace_id
@@ -129,12 +104,10 @@ def test_a_follower_hears_of_a_handoff_from_the_change_log_after_its_blocks(post
     from kvstore.core.handoffs import HandoffCommit, HandoffWait
 
     database_url = postgres.create_database()
-    control = ControlServer({"dram": PageAllocator(num_pages=32, page_bytes=PAGE)}, verifier=Verdicts())
-    control.start()
-    try:
-        with replica(database_url) as (_, leader_url), replica(database_url) as (_, url):
+    with worker_endpoint(verifier=Verdicts()) as control:
+        with directory_replica(database_url) as (_, leader_url), directory_replica(database_url) as (_, url):
             leader, follower = DirectoryClient(leader_url), DirectoryClient(url)
-            leader.register_worker(registration(control.url))
+            leader.register_worker(registration(control_url=control.url))
             namespace_id = leader.register_namespace(NS)
             def known() -> bool:  # lookups are the follower's own: it has read the namespace
                 try:
@@ -157,5 +130,3 @@ def test_a_follower_hears_of_a_handoff_from_the_change_log_after_its_blocks(post
             consumer.join(10)
             assert seen["state"].state == "committed" and seen["state"].waited_s < 3.0
             assert seen["hits"] == 3  # the blocks were in the follower's index when it heard
-    finally:
-        control.stop()

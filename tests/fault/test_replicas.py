@@ -30,8 +30,8 @@ from kvstore.core.inspection import InspectRequest
 from kvstore.core.specs import NamespacePolicy
 from tests.fault.conftest import SETTLE_S, TTL_S
 from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, prompt
-from tests.helpers import MotoServer, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
-from tests.stacks import engines
+from tests.helpers import wait_until
+from tests.stacks import ReplicaCluster, engines, s3_bucket
 
 pytestmark = pytest.mark.postgres
 PER_PROCESS = ("leader", "commit_groups", "committed_jobs")  # what differs between replicas by design
@@ -41,120 +41,23 @@ MOVE_TIMEOUT_S = 15.0
 IDLE_S = 60.0  # after the engines stop, until no pin, lease or reservation is left
 
 
-class Cluster:
-    def __init__(self, tmp: Path, database_url: str, s3_url: str) -> None:
-        self.tmp, self.database_url, self.s3_url = tmp, database_url, s3_url
-        self.ports = [free_port() for _ in range(3)]
-        self.replicas: list[subprocess.Popen | None] = [None] * 3
-        self.workers: dict[str, subprocess.Popen] = {}
-        self.engines: list[subprocess.Popen] = []  # killed at the end, whatever happened
-        self.env = {"KVSTORE_RESERVATION_TTL_S": str(TTL_S), **MotoServer.CREDENTIALS}
-
-    def url(self, i: int) -> str:
-        return f"http://127.0.0.1:{self.ports[i]}"
-
-    @property
-    def urls(self) -> str:
-        return ",".join(self.url(i) for i in range(3))
-
-    def start_replica(self, i: int) -> None:
-        self.replicas[i] = spawn(kvstore_cmd(
-            "directory", "serve", "--insecure-no-auth", "--port", str(self.ports[i]), "--database-url",
-            self.database_url, "--lease-ttl", str(TTL_S), "--heartbeat-timeout", str(TTL_S),
-            "--move-timeout", str(MOVE_TIMEOUT_S)),
-            self.tmp / f"directory-{i}.log", env=self.env)
-        wait_http(self.url(i) + "/readyz?workers=0", proc=self.replicas[i])
-
-    def start_worker(self, i: int) -> None:
-        name = f"w{i}"
-        self.workers[name] = spawn(kvstore_cmd(
-            "worker", "serve", "--directory-url", self.urls, "--name", name, "--host", f"127.0.0.{2 + i}",
-            "--dram-bytes", "2MiB", "--page-bytes", "16KiB", "--nvme-bytes", "8MiB",
-            "--nvme-dir", str(self.tmp / f"nvme-{i}"), "--s3-bucket", "kv-replicas", "--s3-endpoint", self.s3_url,
-            "--s3-prefix", name, "--bounce-bytes", "1MiB"), self.tmp / f"worker-{i}.log", env=self.env)
-
-    def live(self) -> list[int]:
-        return [i for i, p in enumerate(self.replicas) if p is not None and p.poll() is None]
-
-    def client(self, i: int) -> DirectoryClient:
-        return DirectoryClient(self.url(i))
-
-    def leader(self) -> int | None:
-        for i in self.live():
-            try:
-                if self.client(i).stats().leader:
-                    return i
-            except Exception:  # noqa: BLE001 (a replica that does not answer leads nothing)
-                pass
-        return None
-
-    def log_tail(self, i: int | None, lines: int = 40) -> str:
-        """The last warnings and errors a replica logged."""
-        if i is None:
-            return "(no leader)"
-        text = (self.tmp / f"directory-{i}.log").read_text(errors="replace").splitlines()
-        return "\n".join([line for line in text if " WARNING " in line or " ERROR " in line][-lines:])
-
-    def holdings(self) -> str:
-        """Replicas by worker, tier and state (and how many are moves' destinations), from SQL."""
-        import sqlalchemy as sa
-
-        engine = sa.create_engine(self.database_url)
-        try:
-            with engine.connect() as conn:
-                rows = conn.execute(sa.text(
-                    "SELECT w.name, w.state, t.kind, r.state, count(*), "
-                    "sum(CASE WHEN r.token LIKE 'move-%' THEN 1 ELSE 0 END), min(r.expires_at) "
-                    "FROM replicas r JOIN tiers t ON r.tier_id = t.id JOIN workers w ON t.worker_id = w.id "
-                    "GROUP BY 1, 2, 3, 4 ORDER BY 1, 3, 4")).fetchall()
-                leases = conn.execute(sa.text("SELECT count(*) FROM leases")).scalar()
-        finally:
-            engine.dispose()
-        return "\n".join(f"{r[0]} ({r[1]}) {r[2]} {r[3]}: {r[4]} ({r[5]} moves, expiring {r[6]})" for r in rows) + \
-            f"\nleases: {leases}, now {time.time():.1f}"
-
-    def wait(self, predicate, timeout_s: float, what: str) -> None:
-        """wait_until, with what the database holds and the leader's warnings when it times out."""
-        try:
-            wait_until(predicate, timeout_s, what)
-        except TimeoutError as exc:
-            raise AssertionError(f"{exc}\n{self.holdings()}\nleader's log:\n{self.log_tail(self.leader())}") from None
-
-    def kill_replica(self, i: int) -> float:
-        self.replicas[i].send_signal(signal.SIGKILL)
-        self.replicas[i].wait()
-        return time.time()
-
-    def close(self) -> None:
-        for proc in self.engines:
-            proc.kill()
-            proc.wait()
-        for proc in [*self.workers.values(), *self.replicas]:
-            if proc is not None:
-                stop(proc)
-
-
 @pytest.fixture
 def cluster(tmp_path, postgres, monkeypatch):
-    for key, value in MotoServer.CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
-    moto = MotoServer(tmp_path / "moto.log").start()
-    moto.client().create_bucket(Bucket="kv-replicas")
-    c = Cluster(tmp_path, postgres.create_database(), moto.url)
-    try:
-        for i in range(3):
-            c.start_replica(i)
-        for i in range(3):
-            c.start_worker(i)
-        wait_until(lambda: sorted(w.name for w in c.client(1).workers() if w.state == "active")
-                   == ["w0", "w1", "w2"], 60, "three active workers")
-        yield c
-    finally:
-        c.close()
-        moto.stop()
+    with s3_bucket(tmp_path, monkeypatch, "kv-replicas") as moto:
+        c = ReplicaCluster(tmp_path, postgres.create_database(), moto.url, "kv-replicas", TTL_S, MOVE_TIMEOUT_S)
+        try:
+            for i in range(3):
+                c.start_replica(i)
+            for i in range(3):
+                c.start_worker(i)
+            wait_until(lambda: sorted(w.name for w in c.client(1).workers() if w.state == "active")
+                       == ["w0", "w1", "w2"], 60, "three active workers")
+            yield c
+        finally:
+            c.close()
 
 
-def engine(c: Cluster, urls: str, seed: int, run: str = "", *args: str) -> tuple[subprocess.Popen, Path]:
+def engine(c: ReplicaCluster, urls: str, seed: int, run: str = "", *args: str) -> tuple[subprocess.Popen, Path]:
     markers = c.tmp / f"markers-{seed}{run}"
     markers.mkdir()
     proc = engines().spawn("tests.fault.loop_engine", ["--url", urls, "--seed", str(seed), "--out",
@@ -179,14 +82,14 @@ def workers_per_block(client: DirectoryClient, seeds=(1, 2)) -> list[set[str]]:
     return held
 
 
-def hits_after(c: Cluster, t: float, markers: list[Path]) -> None:
+def hits_after(c: ReplicaCluster, t: float, markers: list[Path]) -> None:
     """Wait until each engine has loaded a whole prompt after `t` (the store serves again)."""
     def served() -> bool:
         return all((m / "last_exact").exists() and float((m / "last_exact").read_text()) > t for m in markers)
     wait_until(served, 60, "an exact load by every engine")
 
 
-def same_stats(c: Cluster) -> dict:
+def same_stats(c: ReplicaCluster) -> dict:
     """Every live replica answers the same stats (per-process counters aside), within the settle time."""
     def agree() -> bool:
         seen = [{k: v for k, v in c.client(i).stats().model_dump().items() if k not in PER_PROCESS} for i in c.live()]
@@ -231,7 +134,9 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
     c.wait(lambda: any_replica.worker("w0").state == "drained", 60, "w0 drained")
     drained = time.time()
     hits_after(c, drained, markers)
-    assert all("w0" not in held for held in workers_per_block(any_replica))  # nothing left on w0, NVMe included
+    held = workers_per_block(any_replica)
+    assert held and all(workers and "w0" not in workers for workers in held), held  # each block on another
+    # worker, none left on w0 (NVMe included)
 
     # (d) a worker dies, while the engines load, once every block is on two workers: nothing is lost
     c.wait(lambda: all(held == {"w1", "w2"} for held in workers_per_block(any_replica)), 60,

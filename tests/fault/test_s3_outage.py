@@ -9,8 +9,9 @@ import pytest
 
 from kvstore.core import specs
 from tests.fault.conftest import fault_stack
-from tests.helpers import MotoServer, wait_until
+from tests.helpers import wait_until
 from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS
+from tests.stacks import s3_bucket
 
 FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
 BLOCKS = FULL // BLOCK_TOKENS
@@ -18,17 +19,15 @@ BLOCKS = FULL // BLOCK_TOKENS
 
 @pytest.fixture
 def s3_stack(tmp_path, monkeypatch):
-    for key, value in MotoServer.CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
-    moto = MotoServer(tmp_path / "moto.log").start()
-    moto.client().create_bucket(Bucket="kv-cache")
-    stack = fault_stack(tmp_path, worker_args=["--s3-bucket", "kv-cache", "--s3-endpoint", moto.url,
-                                              "--s3-prefix", "outage", "--open-metrics"])
-    stack.start_directory()
-    stack.start_worker()
-    yield stack, moto
-    stack.close()
-    moto.stop()
+    with s3_bucket(tmp_path, monkeypatch, "kv-cache") as moto:
+        stack = fault_stack(tmp_path, worker_args=["--s3-bucket", "kv-cache", "--s3-endpoint", moto.url,
+                                                  "--s3-prefix", "outage", "--open-metrics"])
+        try:
+            stack.start_directory()
+            stack.start_worker()
+            yield stack, moto
+        finally:
+            stack.close()
 
 
 def move_failures(url: str) -> float:

@@ -9,7 +9,7 @@ import signal
 from kvstore.client import DirectoryClient
 from tests.fault.conftest import TTL_S
 from tests.helpers import free_port, kvstore_cmd, spawn, wait_http, wait_until
-from tests.integration.test_up import interrupt
+from tests.helpers import interrupt
 
 
 def test_up_restarts_a_killed_worker_under_a_new_epoch(tmp_path):

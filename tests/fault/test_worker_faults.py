@@ -97,7 +97,7 @@ def test_a_connector_follows_a_restarted_worker_into_its_new_epoch(stack):
     import numpy as np
 
     from kvstore.connector import KVStoreClient
-    from tests.fault.test_directory_restart import NS, load, prompt, save
+    from tests.fault.prompts import NS, load, prompt, save
 
     client = KVStoreClient(stack.url, NS, staging_bytes=4 * NS.block_nbytes)
     try:

@@ -17,7 +17,7 @@ from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from kvstore.directory.auth import ROUTES
+from kvstore.directory.http.auth import ROUTES
 from tests.stacks import directory_stack, make_settings
 
 RANDOM = bool(os.environ.get("KVSTORE_FUZZ_RANDOM"))  # explore new inputs instead of the fixed ones

@@ -5,10 +5,10 @@ body unless it succeeded, and the endpoint keeps serving."""
 
 from __future__ import annotations
 
-import os
-
 import copy
 import json
+import os
+import random
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import ControlServer
-from tests.unit.test_worker_control import request
+from tests.helpers import raw_request
 
 SECRET = "s" * 43
 RUN = {"first": 0, "count": 1}
@@ -45,7 +45,11 @@ def control():
                            object_tiers={"s3": deleted.append})
     server.start()
     yield server
-    server.stop()
+    try:
+        assert raw_request(server, "GET /healthz HTTP/1.1\r\nhost: x\r\n") == (200, {"status": "ok"}), \
+            "the endpoint stopped serving during the fuzz"
+    finally:
+        server.stop()
 
 
 def _paths(value, prefix=()):
@@ -76,7 +80,7 @@ def mutated(draw):
 def _send(control, route: str, body: bytes, secret: str | None = SECRET, length: str | None = None):
     auth = f"authorization: Bearer {secret}\r\n" if secret else ""
     head = f"POST {route} HTTP/1.1\r\nhost: x\r\n{auth}content-length: {len(body) if length is None else length}\r\n"
-    return request(control, head, body)
+    return raw_request(control, head, body)
 
 
 def _answered(status: int, answer: dict) -> None:
@@ -116,6 +120,12 @@ def test_arbitrary_content_lengths(control, length):
     _answered(status, answer)
 
 
-def test_the_endpoint_still_serves_after_the_fuzz(control):
-    status, answer = request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n")
+def test_the_endpoint_still_serves_after_bad_requests(control):
+    """On its own too (the fixture checks again after the whole module): a burst of garbage on every
+    route, then a health check."""
+    rng = random.Random(7)
+    for route in [*VALID, "/", "/v1/nope"]:
+        for secret in (SECRET, None, "wrong"):
+            _answered(*_send(control, route, rng.randbytes(rng.randrange(1, 200)), secret))
+    status, answer = raw_request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n")
     assert (status, answer) == (200, {"status": "ok"})

@@ -9,10 +9,7 @@ from tests.stacks import ProcessStack
 
 @pytest.fixture
 def running_stack(tmp_path, database_url):
-    s = ProcessStack(tmp_path, database_url=database_url, worker_name="worker-0", worker_memory=["--dram-bytes",
-                                                                                                  "256MiB"])
-    s.start_directory()
-    s.start_worker()
-    yield s
-    s.close()
+    with ProcessStack(tmp_path, database_url=database_url, worker_name="worker-0",
+                      worker_memory=["--dram-bytes", "256MiB"]) as s:
+        yield s
     assert s.worker.returncode == 0, (tmp_path / "worker.log").read_text()[-3000:]

@@ -10,9 +10,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvstore.client import DirectoryClient
-from tests.helpers import free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
-from tests.stacks import run_engine
+from tests.helpers import kvstore_cmd
+from tests.stacks import ProcessStack, run_engine
 from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS
 
 pytestmark = pytest.mark.gpu
@@ -22,23 +21,9 @@ FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
 @contextmanager
 def gpu_stack(tmp_path, *worker_args: str):
     """A directory and a worker with a 64 MiB HBM tier (and `worker_args`); yields (url, client)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var")),
-                      tmp_path / "directory.log")
-    worker = None
-    try:
-        wait_http(url + "/readyz?workers=0", proc=directory)
-        worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "gpu0", "--page-bytes",
-                                   "16KiB", "--hbm-bytes", "64MiB", "--dram-bytes", "64MiB", *worker_args),
-                       tmp_path / "worker.log")
-        client = DirectoryClient(url)
-        wait_until(lambda: any(w.state == "active" for w in client.workers()), 120, "worker up")
-        yield url, client
-    finally:
-        if worker is not None:
-            stop(worker)
-        stop(directory)
+    with ProcessStack(tmp_path, worker_name="gpu0", worker_start_s=120.0, worker_memory=[
+            "--page-bytes", "16KiB", "--hbm-bytes", "64MiB", "--dram-bytes", "64MiB", *worker_args]) as stack:
+        yield stack.url, stack.client
 
 
 def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):

@@ -3,7 +3,6 @@ pressure, promotion back from S3, survival of a SIGKILL, corruption and a missin
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from collections import Counter
 
@@ -12,8 +11,8 @@ import pytest
 
 from kvstore.client import DirectoryClient
 from kvstore.core.keys import block_hashes
-from tests.helpers import MotoServer, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
-from tests.stacks import run_engine
+from tests.helpers import MotoServer, kvstore_cmd, wait_until
+from tests.stacks import ProcessStack, run_engine, s3_bucket
 from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS, build_model, namespace_of, tokens
 
 FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
@@ -22,26 +21,22 @@ BLOCKS = FULL // BLOCK_TOKENS
 
 @pytest.fixture
 def s3(tmp_path, monkeypatch):
-    for key, value in MotoServer.CREDENTIALS.items():
-        monkeypatch.setenv(key, value)  # the worker finds them like any AWS credentials
-    server = MotoServer(tmp_path / "moto.log").start()
-    server.client().create_bucket(Bucket="kv-cache")
-    yield server
-    server.stop()
+    with s3_bucket(tmp_path, monkeypatch, "kv-cache") as moto:
+        yield moto
 
 
-def start(tmp_path, s3: MotoServer, port: int, run: int):
-    url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var")),
-                      tmp_path / f"directory-{run}.log")
-    wait_http(url + "/readyz?workers=0", proc=directory)
-    worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
-                               "--dram-bytes", "2MiB", "--nvme-bytes", "2MiB", "--nvme-dir", str(tmp_path / "nvme"),
-                               "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url, "--s3-prefix", "test"),
-                   tmp_path / f"worker-{run}.log")
-    client = DirectoryClient(url)
-    wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", run)], 60, "worker up")
-    return url, client, [worker, directory]
+def s3_stack(tmp_path, s3: MotoServer, prefix: str, memory: list[str], *directory_args: str) -> ProcessStack:
+    """A directory and a worker whose tiers end in S3 under `prefix` (not started)."""
+    return ProcessStack(tmp_path, worker_memory=[*memory, "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url,
+                                                 "--s3-prefix", prefix], directory_args=list(directory_args))
+
+
+@pytest.fixture
+def stack(tmp_path, s3):
+    """DRAM of 2 MiB over NVMe of 2 MiB over S3 (16 KiB pages), running."""
+    with s3_stack(tmp_path, s3, "test", ["--page-bytes", "16KiB", "--dram-bytes", "2MiB", "--nvme-bytes", "2MiB",
+                                         "--nvme-dir", str(tmp_path / "nvme")]) as s:
+        yield s
 
 
 def settle(client: DirectoryClient, timeout_s: float = 60.0) -> None:
@@ -70,60 +65,48 @@ def where(client: DirectoryClient, seed: int) -> dict:
     return found.by_tier
 
 
-def test_blocks_cascade_to_s3_and_come_back_even_after_a_kill(tmp_path, s3):
-    port = free_port()
-    url, client, procs = start(tmp_path, s3, port, run=1)
-    try:
-        for seed in (1, 2, 3, 4):
-            assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL
-        wait_until(lambda: where(client, 1).get("s3", 0) > 0, 60, "oldest prompt partly in S3")
-        assert sum(where(client, 1).values()) == BLOCKS and "dram" not in where(client, 1)
-        objects = s3.client().list_objects_v2(Bucket="kv-cache", Prefix="test/")["Contents"]
-        ns_id = namespace_of(build_model()).namespace_id
-        assert objects and all(o["Key"].startswith(f"test/{ns_id}/") for o in objects)
+def test_blocks_cascade_to_s3_and_come_back_even_after_a_kill(tmp_path, s3, stack):
+    url, client = stack.url, stack.client
+    for seed in (1, 2, 3, 4):
+        assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL
+    wait_until(lambda: where(client, 1).get("s3", 0) > 0, 60, "oldest prompt partly in S3")
+    assert sum(where(client, 1).values()) == BLOCKS and "dram" not in where(client, 1)
+    objects = s3.client().list_objects_v2(Bucket="kv-cache", Prefix="test/")["Contents"]
+    ns_id = namespace_of(build_model()).namespace_id
+    assert objects and all(o["Key"].startswith(f"test/{ns_id}/") for o in objects)
 
-        loaded = run_engine(url, "load", tmp_path, 1)  # staged from S3 into DRAM, then read over UCX
-        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+    loaded = run_engine(url, "load", tmp_path, 1)  # staged from S3 into DRAM, then read over UCX
+    assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
 
-    url, client, procs = start(tmp_path, s3, port, run=2)
-    try:
-        in_s3 = where(client, 1).get("s3", 0)
-        assert in_s3 > 0 and "dram" not in where(client, 1)
-        loaded = run_engine(url, "load", tmp_path, 1)
-        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
-        stats = client.stats()
-        assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
-    finally:
-        for proc in procs:
-            stop(proc)
+    stack.kill_all()
+    stack.start_directory()
+    assert stack.start_worker() == 2
+    client = stack.client
+    in_s3 = where(client, 1).get("s3", 0)
+    assert in_s3 > 0 and "dram" not in where(client, 1)
+    loaded = run_engine(url, "load", tmp_path, 1)
+    assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+    stats = client.stats()
+    assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
 
 
-def test_a_corrupted_object_shortens_the_load(tmp_path, s3):
-    port = free_port()
-    url, client, procs = start(tmp_path, s3, port, run=1)
-    try:
-        for seed in (1, 2, 3, 4):
-            run_engine(url, "save", tmp_path, seed)
-        wait_until(lambda: where(client, 1).get("s3", 0) > 0, 60, "oldest prompt partly in S3")
-        ns = namespace_of(build_model())
-        hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=1))]
-        hits = client.lookup(ns.namespace_id, hashes, locations=True).blocks
-        index = next(i for i, hit in enumerate(hits) if hit.location.tier == "s3")
-        key = f"test/{ns.namespace_id}/{hashes[index]}"
-        body = bytearray(s3.client().get_object(Bucket="kv-cache", Key=key)["Body"].read())
-        body[123] ^= 0xFF
-        s3.client().put_object(Bucket="kv-cache", Key=key, Body=bytes(body))
+def test_a_corrupted_object_shortens_the_load(tmp_path, s3, stack):
+    url, client = stack.url, stack.client
+    for seed in (1, 2, 3, 4):
+        run_engine(url, "save", tmp_path, seed)
+    wait_until(lambda: where(client, 1).get("s3", 0) > 0, 60, "oldest prompt partly in S3")
+    ns = namespace_of(build_model())
+    hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=1))]
+    hits = client.lookup(ns.namespace_id, hashes, locations=True).blocks
+    index = next(i for i, hit in enumerate(hits) if hit.location.tier == "s3")
+    key = f"test/{ns.namespace_id}/{hashes[index]}"
+    body = bytearray(s3.client().get_object(Bucket="kv-cache", Key=key)["Body"].read())
+    body[123] ^= 0xFF
+    s3.client().put_object(Bucket="kv-cache", Key=key, Body=bytes(body))
 
-        loaded = run_engine(url, "load", tmp_path, 1)
-        assert loaded["loaded_tokens"] == index * BLOCK_TOKENS and loaded["max_abs_diff"] <= 1e-4, loaded
-        assert "kvstore_checksum_failures_total 1.0" in httpx.get(url + "/metrics").text
-    finally:
-        for proc in procs:
-            stop(proc)
+    loaded = run_engine(url, "load", tmp_path, 1)
+    assert loaded["loaded_tokens"] == index * BLOCK_TOKENS and loaded["max_abs_diff"] <= 1e-4, loaded
+    assert "kvstore_checksum_failures_total 1.0" in httpx.get(url + "/metrics").text
 
 
 def test_a_missing_bucket_is_one_clear_error(tmp_path, s3):
@@ -135,22 +118,8 @@ def test_a_missing_bucket_is_one_clear_error(tmp_path, s3):
 
 
 def test_write_through_keeps_a_namespace_durable_without_pressure(tmp_path, s3):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-
-    def start_plain(run: int):
-        directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir",
-                                      str(tmp_path / "var")), tmp_path / f"wt-directory-{run}.log")
-        wait_http(url + "/readyz?workers=0", proc=directory)
-        worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--dram-bytes",
-                                   "64MiB", "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url, "--s3-prefix", "wt"),
-                       tmp_path / f"wt-worker-{run}.log")
-        client = DirectoryClient(url)
-        wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", run)], 60, "worker up")
-        return client, [worker, directory]
-
-    client, procs = start_plain(1)
-    try:
+    with s3_stack(tmp_path, s3, "wt", ["--dram-bytes", "64MiB"]) as stack:
+        url, client = stack.url, stack.client
         ns = namespace_of(build_model())
         client.register_namespace(ns)
         on = subprocess.run(kvstore_cmd("write-through", ns.namespace_id, "--url", url), capture_output=True,
@@ -160,39 +129,24 @@ def test_write_through_keeps_a_namespace_durable_without_pressure(tmp_path, s3):
         listed = lambda: s3.client().list_objects_v2(Bucket="kv-cache", Prefix="wt/").get("KeyCount", 0)  # noqa: E731
         wait_until(lambda: listed() == BLOCKS, 60, "every block copied to S3")
         assert where(client, 1) == {"dram": BLOCKS}  # DRAM stays the copy readers get
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-
-    client, procs = start_plain(2)  # DRAM is gone with the worker; the S3 copies are not
-    try:
+        stack.kill_all()
+        stack.start_directory()
+        assert stack.start_worker() == 2  # DRAM is gone with the worker; the S3 copies are not
+        client = stack.client
         assert where(client, 1) == {"s3": BLOCKS}
         loaded = run_engine(url, "load", tmp_path, 1)
         assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
-    finally:
-        for proc in procs:
-            stop(proc)
 
 
 def test_a_dram_tier_the_size_of_one_prompt_stores_and_loads_every_prompt_whole(tmp_path, s3):
     """DRAM holds about one prompt's KV, NVMe a few, S3 the rest, admission `always`: every save
     stores the whole prompt (room is made for all of it) and a prompt that went down to NVMe or
     S3 loads whole. Before, saves after the first stored about 70 % and said nothing."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var"),
-                                  "--admission", "always"), tmp_path / "directory.log")
-    procs = [directory]
-    try:
-        wait_http(url + "/readyz?workers=0", proc=directory)
-        procs.insert(0, spawn(kvstore_cmd(
-            "worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
-            "--dram-bytes", f"{(BLOCKS + 3) * 16}KiB", "--nvme-bytes", f"{3 * BLOCKS * 16}KiB",
-            "--nvme-dir", str(tmp_path / "nvme"), "--s3-bucket", "kv-cache", "--s3-endpoint", s3.url,
-            "--s3-prefix", "small"), tmp_path / "worker.log"))
-        client = DirectoryClient(url)
-        wait_until(lambda: [w.state for w in client.workers()] == ["active"], 60, "worker up")
+    small = s3_stack(tmp_path, s3, "small", ["--page-bytes", "16KiB", "--dram-bytes", f"{(BLOCKS + 3) * 16}KiB",
+                                             "--nvme-bytes", f"{3 * BLOCKS * 16}KiB", "--nvme-dir", str(tmp_path / "nvme")],
+                     "--admission", "always")
+    with small as stack:
+        url, client = stack.url, stack.client
         for seed in range(1, 7):
             assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL, seed
         assert "s3" in where(client, 1) and "dram" not in where(client, 1)
@@ -204,6 +158,3 @@ def test_a_dram_tier_the_size_of_one_prompt_stores_and_loads_every_prompt_whole(
                                                              tmp_path / f"engine-load-{seed}.log"))
         metrics = httpx.get(url + "/metrics").text
         assert 'kvstore_store_decisions_total{reason="no_space",status="rejected"}' not in metrics
-    finally:
-        for proc in procs:
-            stop(proc)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from collections import Counter
 
 import pytest
@@ -10,24 +9,19 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.core.keys import block_hashes
-from tests.helpers import free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
-from tests.stacks import run_engine
+from tests.helpers import kvstore_cmd
+from tests.stacks import ProcessStack, run_engine
 from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS, build_model, namespace_of, tokens
 
 FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS  # 1040 tokens = 65 blocks of 16 KiB
 
 
-def start(tmp_path, port: int, run: int):
-    url = f"http://127.0.0.1:{port}"
-    directory = spawn(kvstore_cmd("directory", "serve", "--insecure-no-auth", "--port", str(port), "--data-dir", str(tmp_path / "var")),
-                      tmp_path / f"directory-{run}.log")
-    wait_http(url + "/readyz?workers=0", proc=directory)
-    worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w0", "--page-bytes", "16KiB",
-                               "--dram-bytes", "2MiB", "--nvme-bytes", "16MiB",
-                               "--nvme-dir", str(tmp_path / "nvme")), tmp_path / f"worker-{run}.log")
-    client = DirectoryClient(url)
-    wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", run)], 60, "worker up")
-    return url, client, directory, worker
+@pytest.fixture
+def stack(tmp_path):
+    """A directory and a worker with 2 MiB of DRAM over 16 MiB of NVMe (16 KiB pages)."""
+    with ProcessStack(tmp_path, worker_memory=["--page-bytes", "16KiB", "--dram-bytes", "2MiB", "--nvme-bytes",
+                                                "16MiB", "--nvme-dir", str(tmp_path / "nvme")]) as s:
+        yield s
 
 
 def by_tier(client: DirectoryClient, seed: int) -> dict:
@@ -40,63 +34,51 @@ def by_tier(client: DirectoryClient, seed: int) -> dict:
     return found.by_tier
 
 
-def test_demotion_promotion_and_survival_of_a_kill(tmp_path):
-    port = free_port()
-    url, client, directory, worker = start(tmp_path, port, run=1)
-    try:
-        for seed in (1, 2, 3):  # three prompts of ~1 MiB into a 2 MiB DRAM tier
-            assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL
-        tiers = {t.kind: t for t in client.tiers()}
-        assert tiers["nvme"].num_blocks > 0 and tiers["dram"].used_bytes <= tiers["dram"].capacity_bytes
-        assert by_tier(client, 1).get("nvme", 0) > 0  # the oldest prompt went down
+def test_demotion_promotion_and_survival_of_a_kill(tmp_path, stack):
+    url, client = stack.url, stack.client
+    for seed in (1, 2, 3):  # three prompts of ~1 MiB into a 2 MiB DRAM tier
+        assert run_engine(url, "save", tmp_path, seed)["stored_tokens"] == FULL
+    tiers = {t.kind: t for t in client.tiers()}
+    assert tiers["nvme"].num_blocks > 0 and tiers["dram"].used_bytes <= tiers["dram"].capacity_bytes
+    assert by_tier(client, 1).get("nvme", 0) > 0  # the oldest prompt went down
 
-        loaded = run_engine(url, "load", tmp_path, 1)  # promoted back into DRAM to be read
-        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
-        stats = client.stats()
-        assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
-    finally:
-        for proc in (worker, directory):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+    loaded = run_engine(url, "load", tmp_path, 1)  # promoted back into DRAM to be read
+    assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+    stats = client.stats()
+    assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
 
-    url, client, directory, worker = start(tmp_path, port, run=2)
-    try:
-        assert "dram" not in by_tier(client, 1)  # DRAM died with the worker; NVMe came back
-        assert sum(by_tier(client, 1).values()) == FULL // BLOCK_TOKENS
-        loaded = run_engine(url, "load", tmp_path, 1)
-        assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
-        stats = client.stats()
-        assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
-    finally:
-        stop(worker)
-        stop(directory)
+    stack.kill_all()
+    stack.start_directory()
+    assert stack.start_worker() == 2
+    client = stack.client  # the second run: DRAM is gone, NVMe is not
+    assert "dram" not in by_tier(client, 1)  # DRAM died with the worker; NVMe came back
+    assert sum(by_tier(client, 1).values()) == FULL // BLOCK_TOKENS
+    loaded = run_engine(url, "load", tmp_path, 1)
+    assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+    stats = client.stats()
+    assert (stats.pins, stats.leases_active, stats.reservations) == (0, 0, 0)
 
 
-def test_a_corrupted_nvme_page_shortens_the_load_and_invalidates_the_replica(tmp_path):
+def test_a_corrupted_nvme_page_shortens_the_load_and_invalidates_the_replica(tmp_path, stack):
     import httpx
 
-    port = free_port()
-    url, client, directory, worker = start(tmp_path, port, run=1)
-    try:
-        for seed in (1, 2, 3):
-            run_engine(url, "save", tmp_path, seed)
-        assert by_tier(client, 1).get("nvme", 0) == FULL // BLOCK_TOKENS  # prompt 1 lives on NVMe only
-        ns = namespace_of(build_model())
-        hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=1))]
-        hit = client.lookup(ns.namespace_id, hashes, locations=True).blocks[10]
-        assert hit.location.tier == "nvme"
-        offset = hit.location.runs[0][0]  # the NVMe location is a file offset in slab 0
-        with open(tmp_path / "nvme" / "slab-0000.bin", "r+b") as slab:
-            slab.seek(offset + 100)
-            slab.write(b"\xde\xad\xbe\xef")
+    url, client = stack.url, stack.client
+    for seed in (1, 2, 3):
+        run_engine(url, "save", tmp_path, seed)
+    assert by_tier(client, 1).get("nvme", 0) == FULL // BLOCK_TOKENS  # prompt 1 lives on NVMe only
+    ns = namespace_of(build_model())
+    hashes = [h.hex() for h in block_hashes(ns, tokens(PROMPT_TOKENS, seed=1))]
+    hit = client.lookup(ns.namespace_id, hashes, locations=True).blocks[10]
+    assert hit.location.tier == "nvme"
+    offset = hit.location.runs[0][0]  # the NVMe location is a file offset in slab 0
+    with open(tmp_path / "nvme" / "slab-0000.bin", "r+b") as slab:
+        slab.seek(offset + 100)
+        slab.write(b"\xde\xad\xbe\xef")
 
-        loaded = run_engine(url, "load", tmp_path, 1)
-        assert loaded["loaded_tokens"] == 10 * BLOCK_TOKENS and loaded["max_abs_diff"] <= 1e-4, loaded
-        assert client.lookup(ns.namespace_id, hashes).num_hit_blocks == 10  # the bad replica is gone
-        assert "kvstore_checksum_failures_total 1.0" in httpx.get(url + "/metrics").text
-    finally:
-        stop(worker)
-        stop(directory)
+    loaded = run_engine(url, "load", tmp_path, 1)
+    assert loaded["loaded_tokens"] == 10 * BLOCK_TOKENS and loaded["max_abs_diff"] <= 1e-4, loaded
+    assert client.lookup(ns.namespace_id, hashes).num_hit_blocks == 10  # the bad replica is gone
+    assert "kvstore_checksum_failures_total 1.0" in httpx.get(url + "/metrics").text
 
 
 def test_an_unwritable_nvme_dir_is_one_clear_error(tmp_path):

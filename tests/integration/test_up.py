@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import signal
 
 import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import KVStoreClient, Namespace
-from tests.helpers import free_port, kvstore_cmd, spawn, wait_http, wait_until
+from tests.helpers import free_port, interrupt, kvstore_cmd, spawn, wait_http, wait_until
 
 NS = Namespace(model_id="up-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=4)
 
@@ -21,11 +20,6 @@ def start_up(port: int, data_dir, log, epoch: int = 1):
     wait_until(lambda: [(w.state, w.epoch) for w in client.workers()] == [("active", epoch)], 60,
                "worker registered")
     return proc, client
-
-
-def interrupt(proc) -> int:
-    proc.send_signal(signal.SIGINT)
-    return proc.wait(timeout=30)
 
 
 def test_up_serves_stops_cleanly_and_keeps_state_across_restarts(tmp_path):

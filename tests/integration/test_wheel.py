@@ -57,9 +57,9 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", tmp_path / "dist", source, cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("kvstore-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "kvstore/directory/migrations/env.py" in names
-    assert {f"kvstore/directory/migrations/versions/{p.name}" for p in
-            (REPO / "kvstore/directory/migrations/versions").glob("*.py")} <= set(names)
+    assert "kvstore/directory/db/migrations/env.py" in names
+    assert {f"kvstore/directory/db/migrations/versions/{p.name}" for p in
+            (REPO / "kvstore/directory/db/migrations/versions").glob("*.py")} <= set(names)
 
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)

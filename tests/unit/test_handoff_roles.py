@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvstore.connector.vllm_handoff import DEFAULT_TIMEOUT_S, HandoffRoles
+from kvstore.connector.vllm.handoff import DEFAULT_TIMEOUT_S, HandoffRoles
 from kvstore.core.errors import KVStoreError
 from kvstore.core.handoffs import HandoffState
 
@@ -134,7 +134,7 @@ def test_a_producer_commits_after_its_saves_and_fails_an_unfinished_prompt():
 def test_a_requests_hints_are_checked_once_and_reach_its_saves():
     import torch
 
-    from kvstore.connector.vllm_worker import BlockPlan, PagedKVWorker
+    from kvstore.connector.vllm.worker import BlockPlan, PagedKVWorker
 
     roles_ = roles("kv_both")
     good = request("g", {"hints": {"session_id": "chat-1", "retain": "turn", "priority": 1}})

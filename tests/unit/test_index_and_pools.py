@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from kvstore.directory.index import Index, TierView, WorkerView, tier_runs
-from kvstore.directory.pools import PagePools
+from kvstore.directory.db.index import Index, TierView, WorkerView, tier_runs
+from kvstore.directory.workers.credit import PagePools
 from kvstore.core import specs
 
 

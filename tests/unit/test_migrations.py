@@ -6,8 +6,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 
-from kvstore.directory.db import upgrade
-from kvstore.directory.models.base import Base
+from kvstore.directory.db.engine import upgrade
+from kvstore.directory.db.models.base import Base
 
 
 def test_the_migrated_schema_is_the_models_schema(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.directory.policy import TierPolicies, VictimRow
+from kvstore.directory.tier_policies import TierPolicies, VictimRow
 from kvstore.policies import Admit, Reject
 
 

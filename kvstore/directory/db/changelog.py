@@ -1,0 +1,138 @@
+"""The leader's side of SQL: its term, the change log followers read, and the advisory lock.
+
+    log = ChangeLog(enabled)            # enabled: PostgreSQL (replicas may run side by side)
+    log.leading / log.term / log.retired  # this replica's role, set by `leader.Leader`
+    Writer(..., before_commit=log.before_commit)   # every group commit checks the term and logs
+
+Each group commit of the leader logs the blocks it touched (and whether workers, tiers or
+namespaces changed, and the hand-offs it committed) in `changes`, in the same transaction, and
+notifies CHANNEL; followers read the log from `changes_after`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from sqlalchemy import Engine, func, insert, select, text, update
+from sqlalchemy.orm import Session
+
+from kvstore.core.errors import KVStoreError
+from kvstore.directory.db.models import Change, LeaderRow, Worker
+
+log = logging.getLogger(__name__)
+LOCK_KEY = 0x6B7673746F7265  # the advisory lock of the leader ("kvstore")
+CHANNEL = "kvstore_changes"
+
+
+class ChangeLog:
+    def __init__(self, enabled: bool = False, clock: Callable[[], float] = time.time) -> None:
+        self.enabled = enabled
+        self.leading = not enabled  # one directory alone (SQLite) leads from the start
+        self.term = 0
+        self.retired = ""  # why this replica stopped serving (it lost the lead); "" while it serves
+        self._checks = False  # from its promotion on, a leader checks its term in every commit
+        self._clock = clock
+
+    def lead(self, term: int) -> None:
+        self.term = term
+        self._checks = True
+
+    def retire(self, why: str) -> None:
+        self.leading = False
+        self.retired = why
+        log.critical("this directory replica stops serving: %s; restart it (it will follow the new leader)", why)
+
+    def before_commit(self, session: Session, touched: set[int], topology: bool, namespaces: bool,
+                      committed: list, handoffs: set[str]) -> None:
+        """In each group's transaction: the term is still ours (else roll back and stop), and what
+        the group changed is logged for the followers."""
+        if not self._checks:
+            return
+        if self.retired or session.execute(update(LeaderRow).where(LeaderRow.id == 1, LeaderRow.term == self.term)
+                                           .values(term=LeaderRow.term)).rowcount != 1:
+            if not self.retired:
+                self.retire(f"another replica leads now (this one led in term {self.term})")
+            raise KVStoreError("unavailable", "this directory replica no longer leads; ask another")
+        blocks = touched | {row[0] for row in committed}
+        if blocks or topology or namespaces or handoffs:
+            session.execute(insert(Change).values(at=self._clock(), blocks=",".join(map(str, sorted(blocks))),
+                                                  topology=topology, namespaces=namespaces,
+                                                  handoffs=",".join(sorted(handoffs))))
+            session.execute(text(f"NOTIFY {CHANNEL}"))
+
+
+# ---- the advisory lock, on a psycopg connection of its own ----------------------------------------------
+
+def connect(engine: Engine, listen: bool):
+    import psycopg  # the PostgreSQL driver: present wherever a postgresql+psycopg URL works
+
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    conn = psycopg.connect(url, autocommit=True)
+    if listen:
+        conn.execute(f"LISTEN {CHANNEL}")
+    return conn
+
+
+def try_lock(conn) -> bool:
+    return conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]
+
+
+def unlisten(conn) -> None:
+    conn.execute(f"UNLISTEN {CHANNEL}")
+
+
+# ---- the leader row and the log -----------------------------------------------------------------------
+
+def leader_url(session: Session) -> str:
+    row = session.get(LeaderRow, 1)
+    return row.url if row is not None else ""
+
+
+def live_workers(session: Session, since: float) -> int:
+    return session.scalar(select(func.count()).select_from(Worker).where(
+        Worker.state != "dead", Worker.heartbeat_at >= since))
+
+
+def raise_term(session: Session, url: str, now: float) -> int:
+    return session.execute(update(LeaderRow).where(LeaderRow.id == 1).values(
+        term=LeaderRow.term + 1, url=url, since=now).returning(LeaderRow.term)).scalar_one()
+
+
+def term(session: Session) -> int | None:
+    return session.scalar(select(LeaderRow.term).where(LeaderRow.id == 1))
+
+
+def last_change(session: Session) -> int:
+    return session.scalar(select(func.coalesce(func.max(Change.id), 0)))
+
+
+def pruned_below(session: Session) -> int:
+    return session.scalar(select(LeaderRow.pruned_below).where(LeaderRow.id == 1)) or 0
+
+
+def prune(session: Session, below: int) -> None:
+    session.execute(Change.__table__.delete().where(Change.id < below))
+    session.execute(update(LeaderRow).where(LeaderRow.id == 1).values(pruned_below=below))
+
+
+class Changes(NamedTuple):
+    last: int  # the id of the last change read
+    count: int
+    blocks: set[int]
+    topology: bool
+    namespaces: bool
+    handoffs: list[str]
+
+
+def changes_after(session: Session, last: int, limit: int) -> Changes | None:
+    rows = session.execute(select(Change.id, Change.blocks, Change.topology, Change.namespaces, Change.handoffs)
+                           .where(Change.id > last).order_by(Change.id).limit(limit)).all()
+    if not rows:
+        return None
+    return Changes(last=rows[-1].id, count=len(rows),
+                   blocks={int(b) for row in rows if row.blocks for b in row.blocks.split(",")},
+                   topology=any(row.topology for row in rows), namespaces=any(row.namespaces for row in rows),
+                   handoffs=[k for row in rows if row.handoffs for k in row.handoffs.split(",")])

@@ -1,0 +1,328 @@
+"""The lookup index: committed blocks and their readable replicas, in memory.
+
+    index.rebuild(session)                   # at start, from SQL; `ready` is False until then
+    index.reload(session, block_ids)         # after a commit that touched these blocks
+    index.reload_topology(session)           # after a commit that touched workers or tiers
+    index.lookup(namespace_id, hashes) -> [Hit]   # leading blocks with a readable replica; no lock, no SQL
+    index.count(namespace_id, hashes) -> (hits, {kind: hits}, [(kind, n)])   # the same, without locations
+    index.record(entries)                         # a load read them: for the access statistics
+    index.drain_accesses() -> (counts, entries)   # what loads read since
+
+SQL is the truth; this is a copy the writer brings up to date after each group
+commit and before it answers the callers, so a lookup never sees a block
+before its commit is durable and a caller's own commit is visible to its next
+lookup. Readers run on any thread without a lock: every update replaces whole
+values (an entry, the topology dicts), which other threads see atomically.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections import Counter
+from itertools import groupby
+from operator import itemgetter
+from typing import NamedTuple
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kvstore.core import tiers
+from kvstore.directory.db.models import Block, Replica, Tier, Worker
+from kvstore.directory.db.models.replica import VISIBLE
+
+CHUNK = 500  # ids per IN list
+_BLOCK_ID, _HOME = itemgetter(0), itemgetter(6)  # of an Entry
+REBUILD_BATCH = 20_000  # rows read and applied at a time when the index is built
+
+
+class TierView(NamedTuple):
+    id: int
+    worker_id: int
+    kind: str
+    page_bytes: int
+    base_addr: int
+    capacity_bytes: int | None = None
+
+
+class WorkerView(NamedTuple):
+    id: int
+    name: str
+    agent_name: str
+    epoch: int
+    state: str
+    control_url: str = ""
+
+
+class ReplicaView(NamedTuple):
+    id: int
+    tier_id: int
+    epoch: int
+    pages: tuple  # (first, count, first, count, ...): flat, a tuple less per block
+
+    def runs(self) -> list[tuple[int, int]]:
+        return list(zip(self.pages[::2], self.pages[1::2]))
+
+
+class Entry(NamedTuple):
+    block_id: int
+    namespace_id: str
+    hash: str
+    nbytes: int
+    checksum: str
+    replicas: tuple  # ReplicaViews, best tier first
+    home: tuple  # of replicas[0] (see Index._home)
+
+
+class Hit(NamedTuple):
+    """One leading block of a lookup and the replica a reader gets."""
+    hash: str
+    entry: Entry
+    replica: ReplicaView
+    tier: TierView
+    worker: WorkerView
+
+
+class Index:
+    def __init__(self, on_change=None) -> None:
+        self.on_change = on_change  # (key, parent, added tier ids, removed tier ids), after start-up
+        self.ready = False
+        self._blocks: dict[str, dict[str, Entry]] = {}  # namespace -> hash -> entry
+        self._by_id: dict[int, Entry] = {}
+        self.tiers: dict[int, TierView] = {}
+        self.workers: dict[int, WorkerView] = {}
+        self._counts: Counter = Counter()  # block id -> hits since the last drain, deepest first seen first
+        self._hits: dict[int, Entry] = {}  # block id -> its entry when last hit
+        self._readable: dict[int, tuple] = {}  # tier id -> (tier, worker, the epoch a replica needs or None)
+        self._readable_homes: set[tuple] = set()  # (tier id, that epoch)
+        self._homes: dict[tuple, tuple] = {}  # each home once
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._by_id)
+
+    # ---- reads (any thread) ----------------------------------------------------------------
+
+    def lookup(self, namespace_id: str, hashes: list[str]) -> list[Hit]:
+        entries, homes = self._leading(namespace_id, hashes)
+        hits = []
+        for entry, home in zip(entries, homes):
+            tier, worker, _ = self._readable[home[0]]
+            replica = next(r for r in entry.replicas if self._home(r) == home)
+            hits.append(Hit(entry.hash, entry, replica, tier, worker))
+        return hits
+
+    def count(self, namespace_id: str, hashes: list[str]) -> tuple[int, dict[str, int], list[tuple[str, int]]]:
+        """A lookup that needs no locations: the leading hits, their number per tier kind, and the
+        kinds in prefix order, run-length encoded. The hot path of every engine's scheduler: no Hit
+        is built."""
+        entries, homes = self._leading(namespace_id, hashes)
+        runs = tier_runs(homes, lambda home: self._readable[home[0]][0].kind)
+        by_kind: dict[str, int] = {}
+        for kind, n in runs:
+            by_kind[kind] = by_kind.get(kind, 0) + n
+        return len(entries), by_kind, runs
+
+    def readable(self, namespace_id: str, hashes: list[str]) -> set[str]:
+        """Which of `hashes` (anywhere in the list) have a readable replica."""
+        blocks = self._blocks.get(namespace_id)
+        if not blocks:
+            return set()
+        homes = self._readable_homes
+        return {h for h, entry in zip(hashes, map(blocks.get, hashes))
+                if entry is not None and (entry.home in homes or self.best(entry) is not None)}
+
+    def _leading(self, namespace_id: str, hashes: list[str]) -> tuple[list[Entry], list[tuple]]:
+        """The leading blocks with a readable replica, and the home of the replica each is read from.
+        Mostly passes in C: the entries up to the first miss, and which of them can be read from
+        their best replica; only a block whose best replica cannot be read is looked at in Python."""
+        blocks = self._blocks.get(namespace_id)
+        if not blocks:
+            return [], []
+        entries = list(map(blocks.get, hashes))
+        if None in entries:
+            entries = entries[: entries.index(None)]
+        homes = list(map(_HOME, entries))
+        readable = list(map(self._readable_homes.__contains__, homes))
+        if False not in readable:
+            return entries, homes
+        k = readable.index(False)
+        for entry in entries[k:]:
+            best = self.best(entry)
+            if best is None:
+                break
+            homes[k] = self._home(best[0])
+            k += 1
+        return entries[:k], homes[:k]
+
+    def record(self, entries: list[Entry]) -> None:
+        """Count these blocks as read (a load pinned them) in the access statistics, flushed to SQL
+        in batches off the request path. A lookup is a question, not an access: it counts nothing
+        (a scheduler may ask again for the same waiting request). C-level dict updates."""
+        if entries:
+            deepest_first = entries[::-1]
+            ids = list(map(_BLOCK_ID, deepest_first))
+            self._counts.update(ids)
+            self._hits.update(zip(ids, deepest_first))
+
+    def drain_accesses(self) -> tuple[Counter, dict[int, Entry]]:
+        counts, hits = self._counts, self._hits
+        self._counts, self._hits = Counter(), {}
+        return counts, hits
+
+    # ---- updates (the writer thread, or start-up) -----------------------------------------------
+
+    def rebuild(self, session: Session) -> None:
+        """Everything from SQL, streamed in block order (a million blocks need no million rows in
+        memory at once). The entries are then frozen out of the cyclic garbage collector's sight:
+        they hold no cycles, and a full collection over millions of them would stall every request."""
+        self.reload_topology(session)
+        self._blocks, self._by_id = {}, {}
+        batch: list = []
+        result = session.execute(_rows_query().order_by(Block.id), execution_options={"yield_per": REBUILD_BATCH})
+        for row in result:
+            if len(batch) >= REBUILD_BATCH and row[0] != batch[-1][0]:
+                self._apply(batch, set(), notify=False)
+                batch = []
+            batch.append(row)
+        self._apply(batch, set(), notify=False)
+        gc.collect()
+        gc.freeze()
+        self.ready = True
+
+    def reload(self, session: Session, block_ids: set[int]) -> None:
+        ids = sorted(block_ids)
+        for start in range(0, len(ids), CHUNK):
+            chunk = ids[start : start + CHUNK]
+            self._apply(session.execute(_rows_query().where(Block.id.in_(chunk))), set(chunk),
+                        notify=self.on_change is not None)
+
+    def add(self, rows: list[tuple]) -> None:
+        """Replicas just committed READY, as (block id, namespace, hash, parent, nbytes, checksum,
+        replica id, tier id, epoch, pages): merged into their blocks' entries."""
+        merged = []
+        for row in rows:
+            block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages = row
+            old = self._blocks.get(namespace_id, {}).get(block_hash)
+            if old is None and block_id not in self._by_id:  # a new block (a save): no merge, no sort
+                self._new(row)
+                continue
+            others = [r for r in old.replicas if r.id != replica_id] if old is not None else []
+            merged += [(block_id, namespace_id, block_hash, parent, nbytes, checksum, r.id, r.tier_id, r.epoch,
+                        r.pages) for r in others]
+            merged.append(row)
+        if merged:
+            self._apply(merged, set(), notify=self.on_change is not None)
+
+    def _new(self, row: tuple) -> None:
+        block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages = row
+        namespace_id = sys.intern(namespace_id)
+        replica = ReplicaView(replica_id, tier_id, epoch, _flat(pages))
+        entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, (replica,), self._home(replica))
+        self._blocks.setdefault(namespace_id, {})[block_hash] = entry
+        self._by_id[block_id] = entry
+        if self.on_change is not None:
+            self.on_change(f"{namespace_id}/{block_hash}", f"{namespace_id}/{parent}" if parent else None,
+                           [tier_id], [])
+
+    def reload_topology(self, session: Session) -> None:
+        workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state, w.control_url)
+                   for w in session.execute(select(Worker.id, Worker.name, Worker.agent_name, Worker.epoch,
+                                                   Worker.state, Worker.control_url))}
+        self.set_topology(workers, {t.id: TierView(*t) for t in session.execute(
+            select(Tier.id, Tier.worker_id, Tier.kind, Tier.page_bytes, Tier.base_addr, Tier.capacity_bytes))})
+
+    def set_topology(self, workers: dict[int, WorkerView], tiers_: dict[int, TierView]) -> None:
+        """Workers and tiers, and from them which tiers can be read: objects in S3 whatever their
+        worker's state, NVMe while its worker lives, memory only in the epoch that wrote it."""
+        readable = {}
+        for tier in tiers_.values():
+            worker = workers[tier.worker_id]
+            if tier.kind == "s3" or worker.state != "dead":
+                readable[tier.id] = (tier, worker, worker.epoch if tier.kind in tiers.MEMORY else None)
+        self.workers, self.tiers, self._readable = workers, tiers_, readable
+        self._readable_homes = {(tier_id, epoch) for tier_id, (_, _, epoch) in readable.items()}
+
+    def _home(self, replica: ReplicaView) -> tuple[int, int | None]:
+        """(tier id, the epoch it was written in if its tier is memory, else None), one shared tuple
+        per value: a replica is readable when its home is one of the readable homes."""
+        tier = self.tiers.get(replica.tier_id)
+        home = (replica.tier_id, replica.epoch if tier is not None and tier.kind in tiers.MEMORY else None)
+        return self._homes.setdefault(home, home)
+
+    def best(self, entry: Entry) -> tuple[ReplicaView, TierView, WorkerView] | None:
+        """The first readable replica of `entry` (they are kept best tier first)."""
+        for replica in entry.replicas:
+            where = self._readable.get(replica.tier_id)
+            if where is not None and (where[2] is None or where[2] == replica.epoch):
+                return replica, where[0], where[1]
+        return None
+
+    def _forget(self, block_id: int, notify: bool) -> None:
+        old = self._by_id.pop(block_id, None)
+        if old is None:
+            return
+        by_hash = self._blocks.get(old.namespace_id, {})
+        if by_hash.get(old.hash) is old:
+            del by_hash[old.hash]
+            if not by_hash:
+                self._blocks.pop(old.namespace_id, None)
+        if notify:
+            self.on_change(f"{old.namespace_id}/{old.hash}", None, [], [r.tier_id for r in old.replicas])
+
+    def _apply(self, rows, asked: set[int], notify: bool) -> None:
+        """Replace the entries of the blocks in `rows`; blocks in `asked` with no row are gone."""
+        found: dict[int, tuple] = {}
+        for block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages in rows:
+            if block_id not in found:
+                found[block_id] = (sys.intern(namespace_id), block_hash, parent, nbytes, checksum, [])
+            found[block_id][5].append(ReplicaView(replica_id, tier_id, epoch, _flat(pages)))
+        tiers_ = self.tiers
+        for block_id in asked - set(found):
+            self._forget(block_id, notify)
+        for block_id, (namespace_id, block_hash, parent, nbytes, checksum, replicas) in found.items():
+            replicas.sort(key=lambda r: tiers.PREFERENCE[tiers_[r.tier_id].kind] if r.tier_id in tiers_ else 99)
+            previous = self._by_id.get(block_id)
+            if previous is not None and (previous.namespace_id, previous.hash) != (namespace_id, block_hash):
+                self._forget(block_id, notify)  # SQLite gave a deleted block's id to this new one
+            by_hash = self._blocks.setdefault(namespace_id, {})
+            old = by_hash.get(block_hash)
+            if old is not None and old.block_id != block_id:  # the block was deleted and saved again
+                self._by_id.pop(old.block_id, None)
+            entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, tuple(replicas),
+                          self._home(replicas[0]))
+            by_hash[block_hash] = entry
+            self._by_id[block_id] = entry
+            if notify:
+                before = {r.tier_id for r in old.replicas} if old is not None else set()
+                after = {r.tier_id for r in replicas}
+                if before != after:
+                    self.on_change(f"{namespace_id}/{block_hash}", f"{namespace_id}/{parent}" if parent else None,
+                                   sorted(after - before), sorted(before - after))
+
+
+def _flat(pages) -> tuple:
+    """Page runs as one flat tuple, from [[first, count], ...] (SQL) or already flat (the index)."""
+    if pages and isinstance(pages[0], (list, tuple)):
+        return tuple(x for run in pages for x in run)
+    return tuple(pages)
+
+
+def _rows_query():
+    """Committed blocks with a readable-state replica, one row per replica."""
+    return (select(Block.id, Block.namespace_id, Block.hash, Block.parent, Block.nbytes, Block.checksum, Replica.id,
+                   Replica.tier_id, Replica.epoch, Replica.pages)
+            .join(Replica, Replica.block_id == Block.id)
+            .where(Replica.state.in_(VISIBLE), Block.checksum.is_not(None)))
+
+
+def tier_runs(keys, kind_of=lambda key: key) -> list[tuple[str, int]]:
+    """[(tier kind, blocks), ...] for consecutive blocks of the same kind. `keys` (one per block) are
+    grouped in C; `kind_of` names a key's tier kind once per group."""
+    runs: list[tuple[str, int]] = []
+    for key, group in groupby(keys):
+        kind, n = kind_of(key), len(list(group))
+        if runs and runs[-1][0] == kind:  # two tiers of one kind (on two workers) side by side
+            n += runs.pop()[1]
+        runs.append((kind, n))
+    return runs

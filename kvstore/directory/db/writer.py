@@ -1,0 +1,190 @@
+"""Every change to the directory's tables, on one writer thread, with group commit.
+
+    writer = Writer(sessions, on_commit)
+    writer.run(job) -> what job(tx) returned     # from any thread; raises what the job raised
+    await writer.run_async(job)                  # the same from the event loop, which it does not block
+    writer.close()
+
+A job runs inside a SAVEPOINT of the writer's transaction; jobs that queue up
+while a COMMIT is under way run together and share the next one, so a burst of
+saves pays for one durable commit instead of one each. A job that raises is
+rolled back to its savepoint alone (a job alone in its group needs no
+SAVEPOINT: the transaction is its own). Only after the COMMIT returns does the
+writer call `on_commit` (the lookup index follows the rows the group touched)
+and then the jobs' `after_commit` calls (worker frees, page pools), and only
+then are the callers answered: nothing a caller is told about is lost, and
+nothing a lookup sees is uncommitted. `before_commit`, when set, runs last in every group's
+transaction: the leader of several directory replicas checks its term there and logs what the
+group changed for the others (`changelog.py`); what it raises rolls the group back.
+
+Jobs must not do I/O other than SQL: worker calls happen before or after a
+job, never inside one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session, sessionmaker
+
+from kvstore.core.errors import KVStoreError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_GROUP = 128  # jobs sharing one commit at most
+
+
+class Tx:
+    """What a job gets: the session, and calls to make once the group commits (or if this job fails)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.after_commit: list[Callable[[], None]] = []
+        self.on_rollback: list[Callable[[], None]] = []
+
+    def committed(self, rows: list) -> None:
+        """Replicas this job made READY, for the index to add without reading them back (rows the
+        group also touched otherwise are read back anyway, after these are applied)."""
+        self.session.info["committed"].extend(rows)
+
+
+
+class Write(Protocol):
+    """What the parts of the directory are given to change SQL: `Writer.run`."""
+
+    def __call__(self, job: Callable[[Tx], T]) -> T: ...
+
+
+class Writer:
+    def __init__(self, sessions: sessionmaker[Session],
+                 on_commit: Callable[[set[int], bool, list], None] | None = None,
+                 before_commit: Callable[[Session, set[int], bool, bool, list, set[str]], None] | None = None) -> None:
+        self._sessions = sessions
+        self._on_commit = on_commit or (lambda blocks, topology, committed: None)
+        self._before_commit = before_commit
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.groups = self.jobs = 0  # for the group-commit ratio in /v1/admin/stats
+        event.listen(sessions, "after_flush", _note_flushed)
+        self._thread = threading.Thread(target=self._loop, name="directory-writer", daemon=True)
+        self._thread.start()
+
+    def run(self, job: Callable[[Tx], T]) -> T:
+        assert threading.current_thread() is not self._thread, "a job cannot wait for another job"
+        future: Future = Future()
+        self._queue.put((job, future))
+        return future.result()
+
+    async def run_async(self, job: Callable[[Tx], T]) -> T:
+        """For the event loop: no thread of the pool waits for the writer, the loop is woken once."""
+        future: Future = Future()
+        self._queue.put((job, future))
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            group = [first]
+            while len(group) < MAX_GROUP:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)  # stop after this group
+                    break
+                group.append(item)
+            try:
+                self._run_group(group)
+            except BaseException as exc:  # the loop must survive anything a group does
+                log.exception("writer group failed")
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(exc)
+
+    def _run_group(self, group: list[tuple[Callable[[Tx], Any], Future]]) -> None:
+        outcomes: list[tuple[Tx, Future, Any, BaseException | None]] = []
+        with self._sessions() as session:
+            committed = session.info.setdefault("committed", [])
+            alone = len(group) == 1  # no SAVEPOINT: a failure rolls back the transaction, which is its own
+            for job, future in group:
+                tx = Tx(session)
+                mark = len(committed)
+                try:
+                    if alone:
+                        result = job(tx)
+                        session.flush()
+                    else:
+                        with session.begin_nested():
+                            result = job(tx)
+                    outcomes.append((tx, future, result, None))
+                except BaseException as exc:
+                    if alone:
+                        session.rollback()
+                    del committed[mark:]  # what the failed job committed to the index is void
+                    _run_all(tx.on_rollback)
+                    outcomes.append((tx, future, None, exc))
+            touched = session.info.pop("touched_blocks", set())
+            topology = session.info.pop("topology", False)
+            namespaces = session.info.pop("namespaces", False)
+            handoffs = session.info.pop("handoffs", set())  # hand-offs committed (handoffs.py)
+            session.info.pop("committed")
+            try:
+                if self._before_commit is not None:
+                    self._before_commit(session, touched, topology, namespaces, committed, handoffs)
+                session.commit()
+            except BaseException as exc:
+                session.rollback()
+                log.warning("group commit of %d jobs failed: %s", len(group), exc)
+                for tx, future, _, error in outcomes:
+                    if error is None:
+                        _run_all(tx.on_rollback)
+                    future.set_exception(error or KVStoreError("unavailable", f"database commit failed: {exc}"))
+                return
+        self.groups += 1
+        self.jobs += len(group)
+        if touched or topology or committed:
+            self._on_commit(touched, topology, committed)
+        for tx, future, result, error in outcomes:
+            if error is None:
+                _run_all(tx.after_commit)
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+
+def _note_flushed(session: Session, _flush_context) -> None:
+    """ORM changes of blocks, replicas, workers and tiers mark what the index must reload."""
+    touched = session.info.setdefault("touched_blocks", set())
+    for obj in (*session.new, *session.dirty, *session.deleted):
+        name = type(obj).__name__
+        if name == "Replica":
+            touched.add(obj.block_id)
+        elif name == "Block":
+            touched.add(obj.id)
+        elif name in ("Worker", "Tier"):
+            session.info["topology"] = True
+        elif name == "NamespaceRow":
+            session.info["namespaces"] = True
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        try:
+            call()
+        except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages
+            log.warning("call after a transaction failed: %s", exc)
+        except Exception:
+            log.exception("call after a transaction failed")

@@ -1,0 +1,1 @@
+"""Lookups and loads: what is stored, pinned under a lease, promoted when needed."""

@@ -1,0 +1,1 @@
+"""Moving blocks: one copy, tiers (demotion, promotion, drains), spreading, orphans."""

@@ -1,0 +1,267 @@
+"""Which blocks move between tiers, and when (order hbm -> dram -> nvme -> s3, per worker).
+
+    demote() -> n            # the reaper: tiers above their high watermark send the victims their
+                             # eviction policy names one tier down (if the lower tier's admission
+                             # keeps them) until the low watermark; the bottom tier drops them
+    make_room(tier, nbytes)  # before a save or a promotion: the same, cascading down first
+    drain(worker_ids)        # the reaper, for draining workers: memory tiers down, NVMe to S3
+    evict(...)               # the operator's `kvstore evict`, with a dry run
+    promote(hits)            # blocks a reader can only find on NVMe or S3 are copied into memory
+    write_through() -> n     # the reaper: S3 copies for namespaces that ask for them
+
+How a copy runs is `moves.Moves`; this module decides what to copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvstore.core import tiers
+from kvstore.directory.moves import sql
+from kvstore.directory.db import repository as repo
+from kvstore.directory.db.index import Hit
+from kvstore.directory.db.models import Block, Replica, Tier
+from kvstore.directory.db.models.replica import DELETING
+from kvstore.directory.moves.move import Moves
+from kvstore.directory.tier_policies import TierPolicies, VictimRow, block_key
+from kvstore.directory.workers.credit import PagePools
+from kvstore.directory.workers.reclaim import Reclaim
+from kvstore.directory.db.writer import Tx, Write
+from kvstore.policies import Admit
+
+log = logging.getLogger(__name__)
+MAX_MOVES_PER_ROUND = 256
+EVICT_BATCH = 64  # victims asked of a policy at once
+
+
+class _Plan(NamedTuple):
+    copy: dict[int, str]  # replica id -> policy key, to copy one tier down
+    copy_bytes: int  # what they need below
+    dest_kind: str | None
+    dropped: int  # replicas dropped (nothing below, or a copy below exists)
+    dropped_bytes: int
+
+
+class Movement:
+    def __init__(self, write: Write, moves: Moves, reclaim: Reclaim, pools: PagePools, policies: TierPolicies,
+                 reserved_bytes: Callable[[int], int] = lambda tier_id: 0) -> None:
+        self._write = write
+        self._reserved = reserved_bytes  # tier id -> bytes that saves hold reserved (not in SQL yet)
+        self.moves = moves
+        self._reclaim = reclaim
+        self._pools = pools
+        self._policies = policies
+        self._loading: Counter = Counter()  # block ids being staged for readers: no demotion takes them
+        self._loading_lock = threading.Lock()
+
+    # ---- demotion ----------------------------------------------------------------------
+
+    def demote(self) -> int:
+        def pressured(tx: Tx):
+            return [(t.id, w.id, _above_low(t, self._reserved(t.id))) for kind in ("hbm", "dram", "nvme")
+                    for t, w in repo.active_tiers(tx.session, kind) if _over_high(t, self._reserved(t.id))]
+        return sum(self._demote_tier(t, w, n, set())["demoted"] for t, w, n in self._write(pressured))
+
+    def make_room(self, tier_id: int, worker_id: int, nbytes: int, protected: set[int] = frozenset()) -> None:
+        """Before placing `nbytes` on a tier: demote enough that they fit, down to the low watermark
+        when that asks for more; blocks in `protected` (being loaded) stay."""
+        def shortfall(tx: Tx) -> int:
+            tier, worker = repo.tier(tx.session, tier_id), repo.worker(tx.session, worker_id)
+            if tier is None or worker is None or not tier.capacity_bytes:
+                return 0
+            free = (self._pools.free_bytes(tier.id, worker.epoch) if tier.kind in tiers.MEMORY
+                    else tier.capacity_bytes - tier.used_bytes)
+            if nbytes <= free:
+                return 0
+            return max(nbytes - free, tier.used_bytes + nbytes - int(tier.low_watermark * tier.capacity_bytes))
+        short = self._write(shortfall)
+        if short > 0:
+            self._demote_tier(tier_id, worker_id, short, set(protected), limit=1 << 30)
+
+    def evict(self, tier_id: int, worker_id: int, max_bytes: int | None, namespace_id: str | None,
+              limit: int, dry_run: bool) -> dict:
+        """Operator eviction: up to `limit` blocks (and `max_bytes`) that the tier's eviction policy
+        names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
+        to_free = max_bytes if max_bytes is not None else 1 << 62
+        if dry_run:  # at the bottom every victim would be dropped, above it moved down
+            chosen, lower = self._write(lambda tx: (self._victims(
+                tx, repo.tier(tx.session, tier_id), to_free, set(), namespace_id, limit, dry_run=True),
+                _lower(tx, tier_id, worker_id)))
+            return {"replicas": len(chosen), "bytes": sum(r.reserved_bytes for r, _ in chosen),
+                    "demoted": len(chosen) if lower else 0, "dropped": 0 if lower else len(chosen)}
+        return self._demote_tier(tier_id, worker_id, to_free, set(), namespace_id, limit)
+
+    def _demote_tier(self, tier_id: int, worker_id: int, to_free: int, protected: set[int],
+                     namespace_id: str | None = None, limit: int = MAX_MOVES_PER_ROUND) -> dict:
+        outcome = {"replicas": 0, "bytes": 0, "demoted": 0, "dropped": 0}
+        total = 0
+        while total < to_free and outcome["replicas"] < limit:  # rounds of at most MAX_MOVES_PER_ROUND
+            lower = self._write(lambda tx: _lower(tx, tier_id, worker_id))
+            if lower is not None and self.moves.backing_off(lower[0]):
+                break  # the tier below failed lately: keep the blocks where they are until it is retried
+            round_limit = min(MAX_MOVES_PER_ROUND, limit - outcome["replicas"])
+            plan = self._write(lambda tx: self._plan(tx, tier_id, worker_id, to_free - total, protected,
+                                                     namespace_id, round_limit))
+            if plan.copy and lower[2]:  # cascade: the tier below makes room for this round first
+                self.make_room(lower[0], worker_id, plan.copy_bytes, protected)
+            moved = self.moves.copy(worker_id, tier_id, plan.dest_kind, list(plan.copy), source_stays=False) \
+                if plan.copy else {}
+            for replica_id, key in plan.copy.items():
+                if replica_id not in moved:  # still READY here: the policy must name it again
+                    self._policies.changed(key, None, [tier_id], [])
+            freed = sum(moved.values()) + plan.dropped_bytes
+            outcome = {"replicas": outcome["replicas"] + len(plan.copy) + plan.dropped,
+                       "bytes": outcome["bytes"] + freed, "demoted": outcome["demoted"] + len(moved),
+                       "dropped": outcome["dropped"] + plan.dropped}
+            total += freed
+            if len(moved) + plan.dropped == 0:
+                break  # nothing more can go (pinned, protected, or the tier below is full)
+        return outcome
+
+    def _plan(self, tx: Tx, tier_id: int, worker_id: int, to_free: int, protected: set[int],
+              namespace_id: str | None, limit: int) -> _Plan:
+        with self._loading_lock:
+            protected = protected | set(self._loading)
+        tier, worker = repo.tier(tx.session, tier_id), repo.worker(tx.session, worker_id)
+        own = repo.tiers_of(tx.session, worker_id)
+        lower_kind = tiers.below(own, tier.kind, gds="GDS_MT" in worker.backends)
+        lower = own.get(lower_kind) if lower_kind else None
+        victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
+        kinds = sql.replica_kinds(tx.session, [b.id for _, b in victims])
+        copy = {r.id: block_key(b.namespace_id, b.hash) for r, b in victims
+                if lower is not None and lower.kind not in kinds.get(b.id, set()) and self._keep_below(lower, b)}
+        drop = [r for r, _ in victims if r.id not in copy]
+        for replica in drop:  # the bottom tier, or a lower copy exists already
+            replica.state = DELETING
+        self._reclaim.collect_deleting(tx)
+        return _Plan(copy, sum(b.nbytes for r, b in victims if r.id in copy), lower.kind if lower is not None else None,
+                     len(drop),
+                     sum(r.reserved_bytes for r in drop))
+
+    def _victims(self, tx: Tx, tier: Tier, to_free: int, protected: set[int], namespace_id: str | None,
+                 limit: int, dry_run: bool = False) -> list[tuple[Replica, Block]]:
+        """The tier's eviction policy names the victims; an operator's namespace eviction takes that
+        namespace's blocks least recently used first."""
+        if namespace_id is not None:
+            candidates = sql.demotion_candidates(tx.session, tier.id, limit + len(protected), namespace_id)
+            return _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
+        if dry_run or not self._policies.built(tier):
+            rows = [VictimRow(key=block_key(b.namespace_id, b.hash),
+                              parent=block_key(b.namespace_id, b.parent) if b.parent else None,
+                              last_access=b.last_access, depth=b.depth, hit_count=b.hit_count,
+                              nbytes=r.reserved_bytes, pinned=pinned, row=(r, b))
+                    for r, b, pinned in sql.ready_replicas_of_tier(tx.session, tier.id)]
+            keep = {row.key for row in rows if row.row[1].id in protected}
+            return self._policies.victims(tier, rows, keep, to_free, limit, dry_run)
+        return self._victims_from_policy(tx, tier, to_free, protected, limit)
+
+    def _victims_from_policy(self, tx: Tx, tier: Tier, to_free: int, protected: set[int],
+                             limit: int) -> list[tuple[Replica, Block]]:
+        """Ask the policy in batches and keep the keys the tier still holds READY and unpinned:
+        the cost follows the victims, not the tier. A policy that runs dry is rebuilt once."""
+        keep = sql.pinned_keys(tx.session, tier.id) | sql.keys_of(tx.session, protected)
+        chosen, freed = [], 0
+        while freed < to_free and len(chosen) < limit:
+            keys = self._policies.evict(tier, min(EVICT_BATCH, limit - len(chosen)), keep)
+            if keys is None:
+                if chosen:
+                    break
+                self._policies.unbuild(tier)  # ran dry with the tier over its mark: sync it again
+                return self._victims(tx, tier, to_free, protected, None, limit)
+            for replica, block in sql.ready_replicas_by_key(tx.session, tier.id, keys):
+                if freed >= to_free or len(chosen) >= limit:
+                    keep.add(block_key(block.namespace_id, block.hash))
+                    self._policies.changed(block_key(block.namespace_id, block.hash), None, [tier.id], [])
+                    continue
+                chosen.append((replica, block))
+                freed += replica.reserved_bytes
+        return chosen
+
+    def _keep_below(self, lower: Tier, block: Block) -> bool:
+        """The lower tier's admission: is this victim worth keeping one tier down?"""
+        return isinstance(self._policies.admit(lower, block_key(block.namespace_id, block.hash), block.nbytes), Admit)
+
+    def drain(self, worker_ids: list[int]) -> int:
+        """One round for draining workers: their memory tiers go down (dropped if there is no tier
+        below), and NVMe goes to S3 when the worker has S3, so nothing is left only on its disk."""
+        moved = 0
+        for worker_id in worker_ids:
+            own = self._write(lambda tx: {k: t.id for k, t in repo.tiers_of(tx.session, worker_id).items()})
+            for kind in tiers.MEMORY + (("nvme",) if "s3" in own else ()):
+                if kind in own:
+                    outcome = self._demote_tier(own[kind], worker_id, 1 << 62, set())
+                    moved += outcome["demoted"] + outcome["dropped"]
+        return moved
+
+    # ---- copies that keep the source ----------------------------------------------------------
+
+    def write_through(self, limit: int = MAX_MOVES_PER_ROUND) -> int:
+        """Copy blocks of write-through namespaces to their worker's S3 tier (the source stays)."""
+        def candidates(tx: Tx) -> list[tuple[int, int, int]]:
+            namespaces = sql.write_through_namespaces(tx.session)  # a small table: most ticks stop here
+            return [(w.id, t.id, r.id) for r, _, t, w in
+                    sql.write_through_candidates(tx.session, namespaces, limit)] if namespaces else []
+        rows = self._write(candidates)
+        by_source: dict[tuple[int, int], list[int]] = {}
+        for worker_id, tier_id, replica_id in rows:
+            by_source.setdefault((worker_id, tier_id), []).append(replica_id)
+        copied = sum(len(self.moves.copy(w, t, "s3", ids, source_stays=True)) for (w, t), ids in by_source.items())
+        if copied:
+            log.info("write-through: %d blocks copied to S3", copied)
+        return copied
+
+    def promote(self, hits: list[Hit]) -> None:
+        """Stage NVMe/S3-only hits into their worker's DRAM (NVMe into HBM when the worker has GDS:
+        disk to GPU directly). The blocks being loaded are protected from the room this makes."""
+        by_source: dict[tuple[int, int], list[Hit]] = {}
+        for hit in hits:
+            if hit.tier.kind in tiers.DURABLE and hit.worker.state == "active":  # a draining worker takes nothing in
+                by_source.setdefault((hit.worker.id, hit.tier.id), []).append(hit)
+        protected = {h.entry.block_id for h in hits}
+        with self._loading_lock:
+            self._loading.update(protected)
+        try:
+            self._promote(by_source, protected)
+        finally:
+            with self._loading_lock:
+                self._loading.subtract(protected)
+                self._loading += Counter()  # drops the zero counts
+
+    def _promote(self, by_source: dict, protected: set[int]) -> None:
+        for (worker_id, tier_id), items in by_source.items():
+            own = self._write(lambda tx: {k: t.id for k, t in repo.tiers_of(tx.session, worker_id).items()})
+            gds = "GDS_MT" in self._write(lambda tx: repo.worker(tx.session, worker_id).backends)
+            kind = "hbm" if items[0].tier.kind == "nvme" and "hbm" in own and gds else "dram"
+            if kind in own:
+                self.make_room(own[kind], worker_id, sum(h.entry.nbytes for h in items), protected)
+                self.moves.copy(worker_id, tier_id, kind, [h.replica.id for h in items], source_stays=True)
+
+
+def _lower(tx: Tx, tier_id: int, worker_id: int) -> tuple[int, str, bool] | None:
+    """(id, kind, bounded) of the tier below, or None at the bottom."""
+    tier, worker = repo.tier(tx.session, tier_id), repo.worker(tx.session, worker_id)
+    own = repo.tiers_of(tx.session, worker_id)
+    kind = tiers.below(own, tier.kind, gds="GDS_MT" in worker.backends)
+    return (own[kind].id, kind, own[kind].capacity_bytes is not None) if kind else None
+
+
+def _over_high(tier: Tier, reserved: int) -> bool:
+    return tier.capacity_bytes is not None and tier.used_bytes + reserved > tier.high_watermark * tier.capacity_bytes
+
+
+def _above_low(tier: Tier, reserved: int) -> int:
+    return max(0, tier.used_bytes + reserved - int(tier.low_watermark * (tier.capacity_bytes or 0)))
+
+
+def _enough(candidates: list[tuple[Replica, Block]], to_free: int) -> list[tuple[Replica, Block]]:
+    chosen, freed = [], 0
+    for replica, block in candidates:
+        if freed >= to_free:
+            break
+        chosen.append((replica, block))
+        freed += replica.reserved_bytes
+    return chosen

@@ -1,0 +1,1 @@
+"""Saves: placement, reservations, the commit that makes blocks visible."""

@@ -1,0 +1,328 @@
+"""Saves: prepare_store -> (the engine writes) -> complete_store | abort_store; renew.
+
+    store.prepare(req) -> StorePrepared      # admission, placement, pages from the page pool
+    store.complete_async(req) -> StoreCompleted    # blocks, checksums and READY replicas, in one job
+    store.abort(token) -> n
+    store.renew(token) -> Renewed            # leases and reservations alike
+    store.expire(tx, now) -> n               # the reaper: reservations past their expiry
+
+A save makes no call to a worker: pages come from the page credit the workers
+granted (`workers/credit.py`). Only when that credit cannot hold the request does the save
+first make room (demotion, outside every job) and then place. What prepare
+hands out is a reservation in memory (`reservations`); complete writes the
+blocks to SQL in one job, so a save costs one commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+from kvstore.core import specs, tiers
+from kvstore.core.errors import KVStoreError
+from kvstore.directory.saves import sql
+from kvstore.directory.db import repository as repo
+from kvstore.directory.db.index import Index, WorkerView
+from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.tier_policies import TierPolicies, block_key
+from kvstore.directory.workers.credit import PagePools
+from kvstore.directory.saves.reservations import Reservation, Reservations, Reserved
+from kvstore.directory.settings import DirectorySettings
+from kvstore.directory.db.writer import Tx, Writer
+from kvstore.policies import Admit, Throttled
+from kvstore.policies.hints import NONE as NO_HINTS
+from kvstore.policies.hints import Hints
+
+LOOP_PREPARE_BLOCKS = 1024  # longer saves are prepared on a thread: the event loop answers lookups meanwhile
+
+
+class Store:
+    def __init__(self, writer: Writer, index: Index, pools: PagePools, reservations: Reservations,
+                 policies: TierPolicies, metrics: DirectoryMetrics, settings: DirectorySettings,
+                 make_room: Callable[[int, int, int], None], clock: Callable[[], float]) -> None:
+        self._write, self._write_async = writer.run, writer.run_async
+        self._index = index
+        self._pools = pools
+        self._policies = policies
+        self._metrics = metrics
+        self._settings = settings
+        self._make_room = make_room  # (tier id, worker id, bytes): demote until they fit
+        self._clock = clock
+        self.reservations = reservations
+        self._lock = threading.Lock()
+
+    # ---- prepare ---------------------------------------------------------------------------
+
+    def prepare(self, req) -> dict:
+        """Namespace and sizes are checked by the caller. When the page credit cannot hold the new
+        blocks, room is made first (by demotion, through workers), then the blocks are placed."""
+        prepared = self._prepare(req, room_first=True)
+        return self._after_room(req, prepared) if isinstance(prepared, _NeedRoom) else self._prepared(prepared)
+
+    async def prepare_async(self, req) -> dict:
+        """`prepare` for the event loop: in memory, so answered there; a long request and making
+        room (worker calls) run on a thread."""
+        if len(req.blocks) > LOOP_PREPARE_BLOCKS:
+            return await asyncio.to_thread(self.prepare, req)
+        prepared = self._prepare(req, room_first=True)
+        if isinstance(prepared, _NeedRoom):
+            return await asyncio.to_thread(self._after_room, req, prepared)
+        return self._prepared(prepared)
+
+    def _after_room(self, req, need: _NeedRoom) -> dict:
+        self._make_room(need.tier_id, need.worker_id, need.nbytes)
+        return self._prepared(self._prepare(req, room_first=False))
+
+    def _prepared(self, prepared: dict) -> dict:
+        self._metrics.count_store_decisions(prepared["blocks"])
+        return prepared
+
+    def _prepare(self, req, room_first: bool):
+        """Decide every block and reserve pages for the new ones, with no SQL: which blocks exist comes
+        from the index, which are being written from the reservations. The writer adds a completed
+        save's blocks to the index before it drops their reservation, so asking the reservations
+        first never misses a block in between."""
+        with self._lock:  # one decision at a time: no two saves reserve the same block
+            now = self._clock()
+            hashes = [b.hash for b in req.blocks]
+            writing = {h for h in hashes if self._being_written(req.namespace_id, h, now)}
+            ready = self._index.readable(req.namespace_id, hashes)
+            decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
+            wanted = []
+            for block in req.blocks:
+                if block.hash in ready:
+                    decisions[block.hash] = {"hash": block.hash, "status": "exists"}
+                elif block.hash in writing:
+                    decisions[block.hash] = {"hash": block.hash, "status": "in_progress"}
+                else:
+                    wanted.append(block)
+            token = secrets.token_hex(16)
+            expires_at = now + self._settings.reservation_ttl_s
+            admitted = self._place(req.namespace_id, wanted, token, expires_at, decisions, room_first,
+                                   frozenset(req.hosts), _hints(req.hints), req.blocks[-1].hash)
+        if isinstance(admitted, _NeedRoom):
+            return admitted
+        return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
+                "blocks": [decisions[b.hash] for b in req.blocks]}
+
+    def _being_written(self, namespace_id: str, block_hash: str, now: float) -> bool:
+        """Another save holds a live reservation for the block (in time, in its worker's epoch)."""
+        r = self.reservations.writer_of(namespace_id, block_hash)
+        if r is None:
+            return False
+        if r.taken:  # its completion is committing
+            return True
+        if r.expires_at < now:
+            return False
+        worker = self._index.workers.get(r.worker_id)
+        return worker is not None and worker.epoch == r.epoch
+
+    def _place(self, namespace_id: str, wanted: list, token: str, expires_at: float, decisions: dict,
+               room_first: bool, hosts: frozenset[str] = frozenset(), hints: Hints | None = None,
+               tail: str | None = None) -> int | _NeedRoom:
+        """Pages for `wanted` on the placement tier, from the page pool, as one reservation; fills
+        `decisions`. With `room_first`, a request the pool cannot hold changes nothing and asks for
+        room instead. `hints`: what the save says; `tail`: the hash of its last block (a save's
+        tail until a later save names it as a parent)."""
+        if not wanted:
+            return 0
+        choice = _placement(self._index, self._pools, hosts, sum(b.nbytes for b in wanted))
+        if choice is None:
+            for block in wanted:
+                decisions[block.hash] = _rejected(block.hash, "no_worker")
+            return 0
+        tier, worker = choice
+        need = sum(b.nbytes for b in wanted)
+        if room_first and need > self._pools.free_bytes(tier.id, worker.epoch):
+            return _NeedRoom(tier.id, worker.id, need)
+        block_hints = {b.hash: (hints or NO_HINTS).as_tail(b.hash == tail) for b in wanted}
+        wanted = self._admitted(tier, namespace_id, wanted, decisions, block_hints)
+        placed, rejected = [], set()
+        allocated = self._pools.allocate_many(tier.id, worker.epoch, [b.nbytes for b in wanted])
+        for block, runs in zip(wanted, allocated):
+            if runs is not None and block.parent in rejected:  # a suffix without its prefix is useless
+                self._pools.free(tier.id, worker.epoch, runs)
+                runs = None
+            if runs is None:
+                rejected.add(block.hash)
+                room = self._pools.free_bytes(tier.id, worker.epoch) >= block.nbytes
+                decisions[block.hash] = _rejected(block.hash, "parent_rejected" if room else "no_space")
+            else:
+                placed.append(Reserved(block.hash, block.parent, block.nbytes, runs))
+                decisions[block.hash] = {"hash": block.hash, "status": "admitted",
+                                         "location": location(worker, tier, runs, block.nbytes)}
+        if placed:
+            self.reservations.add(Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
+                                              expires_at, placed))
+            self._policies.expect(tier, [(block_key(namespace_id, b.hash), block_hints[b.hash]) for b in placed])
+        return len(placed)
+
+    def _admitted(self, tier: PlacementTier, namespace_id: str, wanted: list, decisions: dict,
+                  hints: dict) -> list:
+        """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
+        admitted, rejected = [], set()
+        asked = self._policies.admit_many(tier, [(block_key(namespace_id, b.hash), b.nbytes, hints[b.hash])
+                                                 for b in wanted])
+        for block, decision in zip(wanted, asked):
+            if block.parent in rejected or not isinstance(decision, Admit):
+                reason = ("parent_rejected" if block.parent in rejected else
+                          "throttled" if isinstance(decision, Throttled) else "not_admitted")
+                rejected.add(block.hash)
+                decisions[block.hash] = _rejected(block.hash, reason, decision.retry_after_s
+                                                  if isinstance(decision, Throttled) else None)
+            else:
+                admitted.append(block)
+        return admitted
+
+    def _release(self, reservation: Reservation | None, blocks: list[Reserved]) -> None:
+        """Give `blocks`' pages back to the pool (a void epoch's pool takes nothing back)."""
+        if reservation is not None:
+            for block in blocks:
+                self._pools.free(reservation.tier_id, reservation.epoch, block.runs)
+
+    # ---- complete, abort, renew, expire ---------------------------------------------------------
+
+    async def complete_async(self, req) -> specs.StoreCompleted:
+        return self._completed(req, *await self._write_async(lambda tx: self._complete(tx, req, self._clock())))
+
+    def _completed(self, req, committed: int, refused: str | None, total: int) -> specs.StoreCompleted:
+        self._metrics.blocks_committed.inc(committed)
+        if refused:
+            raise KVStoreError("conflict", f"{refused}; nothing was committed", token=req.token)
+        return specs.StoreCompleted(committed=committed, rolled_back=total - committed)
+
+    def _complete(self, tx: Tx, req, now: float) -> tuple[int, str | None, int]:
+        r = self.reservations.take(req.token)
+        if r is None:  # also what a directory restart leaves: it rolled the reservation back
+            raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token (a directory "
+                               "restart rolls back open reservations)", token=req.token)
+        tx.on_rollback.append(lambda: self.reservations.untake(r))
+        worker = self._index.workers.get(r.worker_id)
+        refused = ("the reservation expired before completion" if r.expires_at < now else
+                   "the worker restarted since prepare_store (its memory, and so the written blocks, are gone)"
+                   if worker is None or worker.epoch != r.epoch else None)
+        live = refused is None
+        reports = {b.hash: b for b in req.blocks}
+        good, failed = [], []
+        for block in r.blocks:
+            report = reports.get(block.hash)
+            ok = live and report is not None and report.ok and report.checksum is not None
+            (good if ok else failed).append(block)
+        if good:
+            self._commit(tx, r, good, {b.hash: reports[b.hash].checksum.lower() for b in good}, now)
+        tx.after_commit.append(lambda: self._release(self.reservations.pop(r.token), failed))
+        return len(good), refused, len(r.blocks)
+
+    def _commit(self, tx: Tx, r: Reservation, blocks: list[Reserved], checksums: dict[str, str], now: float) -> None:
+        """The blocks, their checksums and their READY replicas, and the tier's used bytes."""
+        chain = {b.hash: b.parent for b in blocks}
+        outside = sorted({p for p in chain.values() if p is not None and p not in chain})
+        depths = sql.depths(tx.session, r.namespace_id, outside) if outside else {}
+        for block in blocks:  # parents come first in a chain
+            depths[block.hash] = depths[block.parent] + 1 if block.parent in depths else 0
+        block_ids = repo.insert_blocks(tx.session, r.namespace_id, [
+            (b.hash, b.parent, depths[b.hash], b.nbytes, checksums[b.hash]) for b in blocks], now)
+        replica_ids = repo.insert_replicas(tx.session, [
+            (block_ids[b.hash], r.tier_id, r.epoch, r.token, b.runs, r.bytes_of([b]), now) for b in blocks])
+        repo.add_used(tx.session, {r.tier_id: r.bytes_of(blocks)})
+        tx.committed([(block_ids[b.hash], r.namespace_id, b.hash, b.parent, b.nbytes, checksums[b.hash],
+                       replica_ids[block_ids[b.hash]], r.tier_id, r.epoch, b.runs) for b in blocks])
+
+    def abort(self, token: str) -> int:
+        def job(tx: Tx) -> int:
+            r = self.reservations.take(token)
+            if r is None:
+                return 0
+            tx.on_rollback.append(lambda: self.reservations.untake(r))
+            tx.after_commit.append(lambda: self._release(self.reservations.pop(token), r.blocks))
+            return len(r.blocks)
+        return self._write(job)
+
+    def renew(self, token: str) -> specs.Renewed:
+        """Extend a reader's lease or a writer's reservation by its TTL from now (a long transfer)."""
+        def job(tx: Tx) -> specs.Renewed | None:
+            now = self._clock()
+            leases = repo.leases_with_token(tx.session, token)
+            if leases and all(lease.expires_at >= now for lease in leases):
+                expires_at = now + self._settings.lease_ttl_s
+                for lease in leases:
+                    lease.expires_at = expires_at
+                return specs.Renewed(token=token, expires_at=expires_at)
+            r = self.reservations.get(token)
+            if r is not None and r.expires_at >= now:
+                before, r.expires_at = r.expires_at, now + self._settings.reservation_ttl_s
+                tx.on_rollback.append(lambda: setattr(r, "expires_at", before))
+                return specs.Renewed(token=token, expires_at=r.expires_at)
+            return None
+        renewed = self._write(job)
+        if renewed is None:
+            raise KVStoreError("conflict", "unknown, completed or expired token; it cannot be renewed", token=token)
+        return renewed
+
+    def expire(self, tx: Tx, now: float) -> int:
+        """Reservations past their expiry roll back (in the reaper's job); returns how many."""
+        gone = self.reservations.expired(now)
+        for r in gone:
+            tx.on_rollback.append(lambda r=r: self.reservations.add(r))
+            tx.after_commit.append(lambda r=r: self._release(r, r.blocks))
+        return len(gone)
+
+
+class PlacementTier(NamedTuple):
+    """A memory tier new blocks may go to, as placement, admission and locations see it."""
+    id: int
+    worker_id: int
+    kind: str
+    capacity_bytes: int | None
+    used_bytes: int  # its pages not in the page credit: committed replicas and reservations
+    page_bytes: int
+    base_addr: int
+
+
+def _placement(index: Index, pools: PagePools, hosts: frozenset[str] = frozenset(),
+               need: int = 0) -> tuple[PlacementTier, WorkerView] | None:
+    """The memory tier new blocks go to: the fastest kind any active worker has; of those, one on
+    the engine's own host (`hosts`) whose page credit holds `need` bytes, else the one with the
+    most page credit left."""
+    for kind in tiers.MEMORY:
+        candidates = [(t, index.workers[t.worker_id]) for t in index.tiers.values()
+                      if t.kind == kind and index.workers[t.worker_id].state == "active"]
+        if candidates:
+            local = [(t, w) for t, w in candidates if _host(w.control_url) in hosts
+                     and pools.free_bytes(t.id, w.epoch) >= need] if hosts else []
+            tier, worker = max(local or candidates, key=lambda tw: pools.free_bytes(tw[0].id, tw[1].epoch))
+            used = pools.granted_bytes(tier.id, worker.epoch) - pools.free_bytes(tier.id, worker.epoch)
+            return PlacementTier(tier.id, tier.worker_id, kind, tier.capacity_bytes, used, tier.page_bytes,
+                                 tier.base_addr), worker
+    return None
+
+
+def _host(url: str) -> str | None:
+    return urlsplit(url).hostname if url else None
+
+
+class _NeedRoom(NamedTuple):
+    tier_id: int
+    worker_id: int
+    nbytes: int
+
+
+def _rejected(block_hash: str, reason: str, retry_after_s: float | None = None) -> dict:
+    return {"hash": block_hash, "status": "rejected", "reason": reason, "retry_after_s": retry_after_s}
+
+
+def location(worker, tier, runs, nbytes: int) -> dict:
+    """Where a replica's bytes are, for a connector (ReplicaLocation): absolute (address, length)
+    runs in the worker's memory, or offsets in one object."""
+    runs = [(0, nbytes)] if tier.kind == "s3" else specs.page_spans(tier.base_addr, tier.page_bytes, runs, nbytes)
+    return {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name, "tier": tier.kind,
+            "runs": runs}
+
+
+def _hints(said) -> Hints | None:
+    """What a save says about its request (specs or wire RequestHints), as the policies take it."""
+    return Hints(session=said.session_id, retain=said.retain, priority=said.priority) if said is not None else None

@@ -1,0 +1,1 @@
+"""Storage workers: membership, control calls, page credit and reclaiming pages."""

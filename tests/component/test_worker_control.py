@@ -1,0 +1,187 @@
+"""The worker's control endpoint under bad input: every request answered with an error body, bounded."""
+
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvstore.core import moving, specs
+from kvstore.core.pages import PageAllocator
+from kvstore.worker.control import MAX_BODY, ControlServer
+from tests.helpers import raw_request
+
+
+@pytest.fixture
+def control():
+    def broken_mover(_req):
+        raise RuntimeError("a bug")
+    server = ControlServer({"dram": PageAllocator(8, 128)}, mover=broken_mover, max_connections=4)
+    server.start()
+    yield server
+    server.stop()
+
+
+def post(path: str, length: str) -> str:
+    return f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n"
+
+
+def test_bad_lengths_and_bodies_get_error_bodies(control):
+    assert raw_request(control, post("/v1/alloc", "abc"))[1]["error"] == "invalid"
+    assert raw_request(control, post("/v1/alloc", "-5"))[1]["error"] == "invalid"
+    status, body = raw_request(control, post("/v1/alloc", str(MAX_BODY + 1)))
+    assert (status, body["error"]) == (413, "too_large")
+    status, body = raw_request(control, post("/v1/alloc", "7"), b"{nope}}")
+    assert (status, body["error"]) == (400, "invalid")
+    status, body = raw_request(control, post("/v1/nowhere", "2"), b"{}")
+    assert (status, body["error"]) == (404, "not_found")
+
+
+def test_a_bug_is_answered_not_a_dropped_connection(control):
+    body = moving.MoveRequest(items=[moving.MoveItem(
+        src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="nvme", dst_runs=[], dst_token="t",
+        nbytes=128, checksum="0123456789abcdef", namespace_id="0" * 16, hash="ab")]).model_dump_json().encode()
+    status, answer = raw_request(control, post("/v1/move", str(len(body))), body)
+    assert (status, answer["error"], answer["detail"]) == (500, "internal", "RuntimeError")
+    status, answer = raw_request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n")
+    assert (status, answer) == (200, {"status": "ok"})  # still serving
+
+
+def test_connections_beyond_the_limit_wait_for_a_slot(control):
+    idle = [socket.create_connection((control.host, control.port)) for _ in range(4)]
+    time.sleep(0.2)  # all four accepted: every slot taken by an idle connection
+    with pytest.raises(TimeoutError):
+        raw_request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n", timeout_s=1)
+    idle.pop().close()
+    assert raw_request(control, "GET /healthz HTTP/1.1\r\nhost: x\r\n")[0] == 200
+    for sock in idle:
+        sock.close()
+
+
+def test_only_the_holder_of_the_workers_secret_is_served():
+    from kvstore.client.worker import WorkerControlClient
+    from kvstore.core.errors import KVStoreError
+
+    secret = "s" * 43
+    server = ControlServer({"dram": PageAllocator(8, 128)}, secret=secret)
+    server.start()
+    try:
+        body = specs.AllocRequest(token="t", kind="dram", sizes=[128])
+        for forged in (None, "s" * 42, secret + "x", "Basic " + secret):
+            client = WorkerControlClient(server.url, timeout_s=5, token=forged)
+            with pytest.raises(KVStoreError) as refused:
+                client.allocate(body)
+            assert refused.value.kind == "unauthorized"
+            client.close()
+        assert server.allocators["dram"].free_pages == 8  # nothing was allocated by a forged call
+        status, answer = raw_request(server, "POST /v1/free HTTP/1.1\r\nauthorization: Bearer nope\r\n"
+                                 "content-length: 2\r\n", b"{}")
+        assert status == 401 and answer["error"] == "unauthorized"
+        real = WorkerControlClient(server.url, timeout_s=5, token=secret)
+        assert len(real.allocate(body).runs) == 1
+        real.close()
+        status, _ = raw_request(server, "GET /healthz HTTP/1.1\r\n")
+        assert status == 200
+    finally:
+        server.stop()
+
+
+def test_metrics_are_served_only_when_open_or_to_the_metrics_token():
+    import httpx
+
+    secret, scrape = "s" * 43, "m" * 32
+    closed = ControlServer({"dram": PageAllocator(8, 128)}, secret=secret, metrics_token=scrape)
+    opened = ControlServer({"dram": PageAllocator(8, 128)}, secret=secret, open_metrics=True)
+    for server in (closed, opened):
+        server.start()
+    try:
+        for header in ({}, {"authorization": "Bearer " + "m" * 31}, {"authorization": scrape}):
+            answer = httpx.get(closed.url + "/metrics", headers=header)
+            assert answer.status_code == 401 and answer.json()["error"] == "unauthorized", header
+        closed.allocators["dram"].allocate("t", 3 * 128)
+        for header in ({"authorization": f"Bearer {scrape}"}, {"authorization": f"Bearer {secret}"}):
+            answer = httpx.get(closed.url + "/metrics", headers=header)
+            assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+            assert 'kvstore_worker_tier_held_bytes{tier="dram"} 384.0' in answer.text
+            assert 'kvstore_worker_tier_capacity_bytes{tier="dram"} 1024.0' in answer.text
+        text = httpx.get(closed.url + "/metrics", headers={"authorization": f"Bearer {scrape}"}).text
+        assert 'kvstore_worker_control_requests_total{path="/metrics",status="401"} 3.0' in text
+        assert httpx.get(opened.url + "/metrics").status_code == 200  # no credential needed
+    finally:
+        for server in (closed, opened):
+            server.stop()
+
+
+def test_a_worker_bound_to_every_address_advertises_the_one_it_is_told():
+    import httpx
+    from pydantic import ValidationError
+
+    from kvstore.worker.settings import WorkerSettings
+
+    server = ControlServer({"dram": PageAllocator(8, 128)}, host="0.0.0.0", advertise="127.0.0.1")
+    server.start()
+    try:
+        assert server.url == f"http://127.0.0.1:{server.port}"
+        assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
+    finally:
+        server.stop()
+    assert ControlServer({}, host="::1", port=0, advertise=None).url.startswith("http://[::1]:")
+    with pytest.raises(ValidationError, match="advertise_host"):
+        WorkerSettings(host="0.0.0.0")
+    assert WorkerSettings(host="0.0.0.0", advertise_host="10.0.0.7").advertise_host == "10.0.0.7"
+
+
+def _move(token: str) -> moving.MoveRequest:
+    return moving.MoveRequest(items=[moving.MoveItem(
+        src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="nvme", dst_runs=[], dst_token=token,
+        nbytes=128, checksum="0123456789abcdef", namespace_id="0" * 16, hash="ab")])
+
+
+def test_a_fence_settles_a_move_only_once_nothing_writes_under_it_and_then_refuses_it():
+    import threading
+
+    from kvstore.client.worker import WorkerControlClient
+    from kvstore.core.errors import KVStoreError
+
+    release, started, calls = threading.Event(), threading.Event(), []
+
+    def mover(req: moving.MoveRequest) -> moving.MoveResult:
+        calls.append(req.items[0].dst_token)
+        started.set()
+        release.wait(10)
+        if req.items[0].dst_token == "stuck":  # a NIXL request that timed out while posted
+            server.fence.stuck({"stuck"}, SimpleNamespace(settled=lambda: False))
+        return moving.MoveResult(ok=[True], errors=[None], codes=["ok"])
+
+    secret = "s" * 43
+    server = ControlServer({"dram": PageAllocator(8, 128)}, mover=mover, secret=secret)
+    server.start()
+    client = WorkerControlClient(server.url, timeout_s=10, token=secret)
+    fence = lambda *tokens: client.fence(moving.FenceRequest(tokens=list(tokens))).settled  # noqa: E731
+    try:
+        running = threading.Thread(target=lambda: client.move(_move("busy")))
+        running.start()
+        started.wait(10)
+        other = WorkerControlClient(server.url, timeout_s=10, token=secret)
+        assert other.fence(moving.FenceRequest(tokens=["busy", "never-sent"])).settled == [False, True]
+        release.set()
+        running.join(10)
+        assert fence("busy") == [True]  # it answered: nothing writes under it any more
+        late = client.move(_move("never-sent"))  # a move the dead leader sent, arriving after the fence
+        assert late.codes == ["expired"] and "never-sent" not in calls
+        assert client.move(_move("stuck")).ok == [True]
+        assert fence("stuck") == [False]  # its NIXL request may still write: only the deadline settles it
+        with pytest.raises(KVStoreError) as refused:
+            WorkerControlClient(server.url, timeout_s=5, token="s" * 42).fence(moving.FenceRequest(tokens=["a"]))
+        assert refused.value.kind == "unauthorized"
+        for bad in (b'{"tokens": []}', b'{"tokens": ["' + b"x" * 65 + b'"]}', b'{"tokens": [""]}', b"{}"):
+            status, answer = raw_request(server, post("/v1/fence", str(len(bad))) + f"authorization: Bearer {secret}\r\n",
+                                     bad)
+            assert (status, answer["error"]) == (400, "invalid"), bad
+        other.close()
+    finally:
+        release.set()
+        client.close()
+        server.stop()

@@ -1,0 +1,69 @@
+"""The code's map stays true: docs/architecture.md names every module, and the directory's SQL
+stays in its SQL modules."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "kvstore"
+DIRECTORY = PACKAGE / "directory"
+SESSION_CALLS = re.compile(r"\bsession\.(query|execute|scalar|scalars|get)\(")
+
+
+def modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts)
+
+
+def test_the_architecture_names_every_module():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`([a-z0-9_/]+(?:\.py|/))`", doc))
+    missing = []
+    for path in modules():
+        relative = path.relative_to(PACKAGE).as_posix()
+        folders = {relative.rsplit("/", i)[0] + "/" for i in range(1, relative.count("/") + 1)}
+        if relative not in named and not folders & named - {"directory/", "core/"}:
+            missing.append(relative)
+    assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def _sql_home(path: Path) -> bool:
+    relative = path.relative_to(DIRECTORY).as_posix()
+    return relative.startswith("db/") or path.name == "sql.py"
+
+
+def _runtime_imports(tree: ast.Module) -> list[str]:
+    """Modules imported outside `if TYPE_CHECKING:` blocks."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            node.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_sql_only_in_the_directory_s_sql_modules():
+    outside = [p for p in DIRECTORY.rglob("*.py") if not _sql_home(p) and "__pycache__" not in p.parts]
+    assert len(outside) > 20  # the walk found the directory's modules
+    offenders = []
+    for path in outside:
+        source = path.read_text()
+        sql_imports = [m for m in _runtime_imports(ast.parse(source)) if m.split(".")[0] == "sqlalchemy"]
+        queries = SESSION_CALLS.findall(source)
+        if sql_imports or queries:
+            offenders.append((path.relative_to(DIRECTORY).as_posix(), sql_imports, queries))
+    assert not offenders, offenders
+
+
+def test_the_sql_check_would_catch_a_query_or_an_import():
+    tree = ast.parse("import sqlalchemy\nif TYPE_CHECKING:\n    from sqlalchemy.orm import Session\n")
+    assert _runtime_imports(tree) == ["sqlalchemy"]
+    assert SESSION_CALLS.search("rows = tx.session.query(Block).all()")
+    assert SESSION_CALLS.search("tx.session.get(Worker, 1)")
+    assert not SESSION_CALLS.search("repo.worker(tx.session, 1)")
