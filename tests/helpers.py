@@ -118,7 +118,13 @@ class PostgresCluster:
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
         options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
         self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start")
+        self._options = options
         return self
+
+    def restart(self) -> None:
+        """Stop (fast: every session ends) and start again on the same port."""
+        self._run("pg_ctl", "-D", str(self.data), "-o", self._options, "-l", str(self.root / "log"), "-w",
+                  "-m", "fast", "restart")
 
     def create_database(self) -> str:
         import psycopg
@@ -200,7 +206,11 @@ class Proxy:
                 client, _ = listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:  # the other side is down: so is this connection
+                client.close()
+                continue
             self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()

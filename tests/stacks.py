@@ -177,6 +177,18 @@ def s3_bucket(tmp_path: Path, monkeypatch, bucket: str) -> Iterator[MotoServer]:
         moto.stop()
 
 
+@contextmanager
+def two_tier_stack(database_url, mover, dram_pages: int = 32, endpoint: dict | None = None, **settings):
+    """The directory (`settings` over make_settings') and a worker endpoint with DRAM (`dram_pages`)
+    and NVMe (64 pages) whose mover the test scripts (`endpoint`: its other options); yields (stack,
+    the endpoint)."""
+    with worker_endpoint(dram_pages, nvme_pages=64, mover=mover, **(endpoint or {})) as control:
+        with directory_stack(make_settings(database_url, **settings), control, register=False) as s:
+            s.client.register_worker(registration("w0", control.url, backends=["UCX", "POSIX"], tiers=[
+                dram_tier(dram_pages), specs.TierSpec(kind="nvme", capacity_bytes=64 * PAGE, page_bytes=PAGE)]))
+            yield s, control
+
+
 # ---- real processes ------------------------------------------------------------------------------
 
 
@@ -352,13 +364,14 @@ class ReplicaCluster:
     def urls(self) -> str:
         return ",".join(self.url(i) for i in range(3))
 
-    def start_replica(self, i: int) -> None:
+    def start_replica(self, i: int, wait: bool = True) -> None:
         self.replicas[i] = spawn(kvstore_cmd(
             "directory", "serve", "--insecure-no-auth", "--port", str(self.ports[i]), "--database-url",
             self.database_url, "--lease-ttl", str(self.ttl_s), "--heartbeat-timeout", str(self.ttl_s),
             "--move-timeout", str(self.move_timeout_s)),
             self.tmp / f"directory-{i}.log", env=self.env)
-        wait_http(self.url(i) + "/readyz?workers=0", proc=self.replicas[i])
+        if wait:
+            wait_http(self.url(i) + "/readyz?workers=0", proc=self.replicas[i])
 
     def start_worker(self, i: int) -> None:
         name = f"w{i}"

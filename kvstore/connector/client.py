@@ -315,13 +315,17 @@ def _request_hints(hints: specs.RequestHints | dict | None) -> specs.RequestHint
 
 
 def _accepted(complete, body) -> bool:
-    """Run a complete_* call; False when the directory refused it as stale (409), e.g. an expired token."""
+    """Run a complete_* call; False when the directory refused it as stale (409), e.g. an expired token.
+    A completion the directory says it already committed (a retry, on another directory URL, of a call
+    whose answer was lost) is accepted."""
     try:
         complete(body)
         return True
     except KVStoreError as exc:
         if exc.kind != "conflict":
             raise
+        if exc.context.get("completed"):
+            return True
         log.warning("%s refused: %s", type(body).__name__, exc)
         return False
 

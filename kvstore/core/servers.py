@@ -15,6 +15,7 @@ class BoundedServer(ThreadingHTTPServer):
     """A thread per connection, at most `max_connections` of them: the accept loop waits for a slot."""
 
     daemon_threads = True
+    request_queue_size = 128  # connections waiting to be accepted (socketserver's 5 resets a burst of calls)
 
     def __init__(self, address, handler, max_connections: int) -> None:
         super().__init__(address, handler)

@@ -299,6 +299,7 @@ class Stats(_Spec):
     commit_groups: int = 0  # group commits since start
     committed_jobs: int = 0  # jobs those commits carried (jobs / groups: how much grouping helps)
     leader: bool = True  # this directory replica writes (the others forward to it)
+    follower_lag_s: float = 0.0  # a follower: seconds since it last read the leader's change log
 
 
 class Renewed(_Spec):

@@ -65,6 +65,7 @@ def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
         reaper.join(timeout=5)
         service.flush()
         leader.close()
+        _app.state.hot.close()
         service.close()
         engine.dispose()
 
@@ -87,7 +88,7 @@ def _background(service: DirectoryService, leader: Leader, tokens: Tokens, stop:
 
     def reap() -> None:
         try:
-            service.reaper.reap()
+            service.reap()
         except Exception:  # the loop must survive a bad tick (e.g. database briefly away)
             log.exception("reaper tick failed")
 

@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 CAMPAIGN_S = 0.5  # a follower asks for the lock this often, and reads the change log at least this often
 RETENTION_S = 120.0  # changes are kept this long; a follower further behind rebuilds its index
 BATCH = 1000  # changes read at once
+LAG_S = 10.0  # a follower that has not read the change log for this long is not ready (/readyz)
 COALESCE_S = 0.002  # after a notification, wait this long for more before reading the log
+BACKOFF_S = (0.5, 10.0)  # after a failed round, the first and the longest wait before the next
 
 
 class Directory(Protocol):
@@ -84,6 +86,8 @@ class Leader:
         self.leader_url = self.url if self.leading else ""
         self.live_workers = 0  # a follower's count, from SQL (the leader counts heartbeats itself)
         self._last = 0  # the last change this replica's index has applied
+        self._started = False  # start() has run: this replica leads and has recovered
+        self._followed = False  # the index was built from SQL to follow the leader
         self._conn = None  # psycopg connection: holds the lock (leader), listens (follower)
         self._checkpoints: deque[tuple[float, int]] = deque()  # (when, highest change id then): pruning
         self._leader: JsonHttp | None = None
@@ -101,34 +105,70 @@ class Leader:
     def term(self) -> int:
         return self._log.term
 
+    @property
+    def lag_s(self) -> float:
+        return self._log.lag_s
+
     # ---- the background thread ------------------------------------------------------------------
 
     def run(self, stop: threading.Event, reap: Callable[[], None], refresh: Callable[[], None]) -> None:
         """Follow and campaign until this replica leads (at once without PostgreSQL), then reap
-        every tick. `refresh` runs every tick in both roles (credentials read again)."""
-        if not self.enabled:
-            self._directory.start()
-        else:
+        every tick. `refresh` runs every tick in both roles (credentials read again). A database
+        error ends no role: the round is tried again after a back-off (a follower reconnects and
+        reads the change log from where it stopped), until `stop` or this replica retires."""
+        wait = BACKOFF_S[0]
+        while not stop.is_set() and not self.retired:
+            try:
+                if self.leading and self._started:
+                    self._lead(reap, refresh)
+                    stop.wait(self._settings.reaper_interval_s)
+                elif not self.enabled:
+                    self._directory.start()
+                    self._started = True
+                else:
+                    self._follow_round(stop, refresh)
+                wait = BACKOFF_S[0]
+            except Exception as exc:  # noqa: BLE001 (the database is away, or a round failed: try again)
+                log.warning("the directory's background round failed, again in %.1f s: %s", wait, exc)
+                if not self.leading:
+                    self._disconnect()  # a follower reconnects and listens again
+                stop.wait(wait)
+                wait = min(wait * 2, BACKOFF_S[1])
+
+    def _lead(self, reap: Callable[[], None], refresh: Callable[[], None]) -> None:
+        if self.enabled and not self._holds_lock():
+            regained = self._regain()
+            if regained is False:
+                self._retire("it lost the leader's lock (its database connection dropped) and another "
+                             "replica has led since")
+                return
+            if regained is None:
+                return  # the database does not answer: nothing to reap, nobody else can lead either
+        reap()
+        self._prune()
+        refresh()
+
+    def _follow_round(self, stop: threading.Event, refresh: Callable[[], None]) -> None:
+        """Connect (the first time: the index from SQL), campaign, and promote or follow for a while."""
+        if self._conn is None:
             self._connect()
-            self._follow_start()
-            while not self._campaign():
-                self._follow(stop, CAMPAIGN_S)
-                refresh()
-                if stop.is_set():
-                    return
+            if not self._followed:
+                self._follow_start()
+                self._followed = True
+        if self._campaign():
             self._promote()
-        while not stop.wait(self._settings.reaper_interval_s) and not self.retired:
-            if self.enabled and not self._holds_lock():
-                regained = self._regain()
-                if regained is False:
-                    self._retire("it lost the leader's lock (its database connection dropped) and another "
-                                 "replica has led since")
-                    return
-                if regained is None:
-                    continue  # the database does not answer: nothing to reap, nobody else can lead either
-            reap()
-            self._prune()
-            refresh()
+            return
+        self._follow(stop, CAMPAIGN_S)
+        refresh()
+
+    def _disconnect(self) -> None:
+        """Drop the lock's and notifications' connection (a lock held on it is let go)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 (already broken)
+                pass
 
     def _connect(self, listen: bool = True) -> None:
         self._conn = sql.connect(self._engine, listen)
@@ -145,13 +185,20 @@ class Leader:
 
     def _promote(self) -> None:
         """Raise the term (the old leader's writer can commit no more), apply what it committed
-        last, then start as the one directory does: recover, page credit, reaper."""
-        with self._sessions.begin() as session:
-            term = sql.raise_term(session, self.url, self._clock())
-        self._apply_changes()
-        self._log.lead(term)
-        self._directory.start(rebuild_index=False)
-        sql.unlisten(self._conn)
+        last, then start as the one directory does: recover, page credit, reaper. All or nothing:
+        if any step fails, the lock is let go and this replica follows again (another may lead)."""
+        try:
+            with self._sessions.begin() as session:
+                term = sql.raise_term(session, self.url, self._clock())
+            self._apply_changes()
+            self._log.lead(term)
+            self._directory.start(rebuild_index=False)
+            sql.unlisten(self._conn)
+        except BaseException:
+            self._log.leading = False
+            self._disconnect()
+            raise
+        self._started = True
         self._log.leading = True
         self._set_leader(self.url)
         log.info("this directory replica leads now (term %d)", self.term)
@@ -167,10 +214,7 @@ class Leader:
         """After the lock's connection dropped: reconnect and take the lock again. True if this
         replica still leads (nobody raised the term meanwhile: a new leader's first write does),
         False if another replica leads or has led, None while the database cannot be reached."""
-        try:
-            self._conn.close()
-        except Exception:  # noqa: BLE001 (already broken)
-            pass
+        self._disconnect()
         try:
             self._connect(listen=False)
             if not sql.try_lock(self._conn):
@@ -234,6 +278,7 @@ class Leader:
                     self._follow_start()
                     continue
                 changes = sql.changes_after(session, self._last, BATCH)
+                self._log.followed()
                 if changes is None:
                     return
                 self._directory.apply(session, changes)

@@ -39,6 +39,9 @@ class DirectoryMetrics:
             ("reservations", "Replicas being written (WRITING)"),
             ("leases_active", "Distinct reader leases"), ("pins", "Replicas pinned by leases"),
             ("workers_active", "Workers in state active"), ("inflight_moves", "Replicas being copied to another tier"))}
+        self.follower_lag = Gauge("kvstore_follower_lag_seconds", "Seconds since this directory replica last "
+                                  "read the leader's change log (0 on the leader; above 10 it is not ready)",
+                                  registry=r)
         self.replicas_by_tier = Gauge("kvstore_tier_replicas", "Visible replicas per tier kind, all workers", ["tier"], registry=r)
         self.move_failures = Counter("kvstore_move_failures", "Blocks whose move between tiers failed",
                                      ["route"], registry=r)
@@ -98,6 +101,7 @@ class DirectoryMetrics:
         with self._render:  # two scrapes at once must not see each other's half-set series
             for name, gauge in self.gauges.items():
                 gauge.set(getattr(stats, name))
+            self.follower_lag.set(stats.follower_lag_s)
             self.replicas_by_tier.clear()  # a tier whose last replica went shows no stale count
             for kind, count in stats.replicas_by_tier.items():
                 self.replicas_by_tier.labels(kind).set(count)

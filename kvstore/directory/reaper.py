@@ -2,7 +2,8 @@
 
     reaper.reap() -> counts   # one round at a time, whoever calls (the background thread, tests)
 
-In order: expired leases and reservations, workers silent past their heartbeat
+In order: expired leases and reservations, sources left MOVING by a move whose
+last step failed (READY again once its destination expired), workers silent past their heartbeat
 timeout (declared dead), drains that finished, hand-offs past their keep time,
 deleted replicas freed; then moves whose answer was lost, access statistics
 flushed to SQL, page credit asked of workers that gave none, drains (onto other
@@ -18,11 +19,12 @@ import time
 from collections.abc import Callable
 
 from kvstore.directory.db import repository as repo
-from kvstore.directory.db.models.replica import WRITING
-from kvstore.directory.db.writer import Tx, Writer
+from kvstore.directory.db.models.replica import READY, WRITING
+from kvstore.directory.db.writer import Tx, Writer, forget_marks
 from kvstore.directory.handoffs import Handoffs
 from kvstore.directory.loads.loads import Loads
 from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.moves import sql as moves_sql
 from kvstore.directory.moves.orphans import Orphans
 from kvstore.directory.moves.spread import Spread
 from kvstore.directory.moves.tiers import Movement
@@ -31,6 +33,7 @@ from kvstore.directory.workers.membership import Membership
 from kvstore.directory.workers.reclaim import Reclaim
 
 log = logging.getLogger(__name__)
+MARKS_KEPT_S = 3600.0  # commit marks are asked about within seconds of their commit
 
 
 class Reaper:
@@ -65,10 +68,13 @@ class Reaper:
         def job(tx: Tx) -> tuple[int, int, int, list[int]]:
             now = self._clock()
             leases = repo.delete_expired_leases(tx.session, now)
+            forget_marks(tx.session, now - MARKS_KEPT_S)
             tokens = repo.expired_reservations(tx.session, now)  # moves' destinations
             for token in tokens:
                 rows = repo.replicas_with_token(tx.session, token, WRITING)
                 self._reclaim.drop(tx, [(r, t, w) for r, _, t, w in rows])
+            for replica in moves_sql.stranded_moving(tx.session):
+                replica.state = READY  # readable and evictable again
             dead = self._membership.declare_dead(tx, now)
             draining = self._membership.finish_drains(tx)
             self._handoffs.expire(tx, now)

@@ -73,7 +73,8 @@ class DirectoryService:
         self.policies = TierPolicies(settings.tier_eviction(), settings.tier_admission())
         self.index = Index(on_change=self.policies.changed)
         self.pools = PagePools()
-        self.writer = Writer(sessions, self._follow_commit, self.changelog.before_commit)
+        self.writer = Writer(sessions, lambda *commit: self.index.follow_commit(sessions, *commit),
+                             self.changelog.before_commit)
         write = self.writer.run
         self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s, ca_file=settings.ca_file)
         reclaim = Reclaim(self.calls, self.pools)
@@ -98,17 +99,12 @@ class DirectoryService:
         """Among several directory replicas, whether this one writes."""
         return self.changelog.leading
 
-    def _follow_commit(self, touched: set[int], topology: bool, committed: list) -> None:
-        """After each group commit (writer thread): the index adds the replicas the group committed,
-        then reads back every other block the group touched (that read is the final word)."""
-        if committed:
-            self.index.add(committed)
-        if touched or topology:
-            with self.sessions() as session:
-                if topology:
-                    self.index.reload_topology(session)
-                if touched:
-                    self.index.reload(session, touched)
+    def reap(self) -> dict[str, int]:
+        """The reaper's round (`reaper.py`), after the index reads back what it still owes (on the
+        writer's thread, which alone updates the index)."""
+        if self.index.owes:
+            self.writer.run(lambda tx: self.index.follow_commit(self.sessions, set(), False, []))
+        return self.reaper.reap()
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -378,6 +374,7 @@ class DirectoryService:
             counts["reservations"] += self.reservations.blocks
             return specs.Stats(**counts, replicas_by_tier=repo.replicas_by_tier(session),
                                indexed_blocks=self.index.num_blocks, leader=self.leading,
+                               follower_lag_s=round(self.changelog.lag_s, 3),
                                commit_groups=self.writer.groups, committed_jobs=self.writer.jobs)
 
     def flush(self) -> None:

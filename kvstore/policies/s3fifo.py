@@ -40,10 +40,11 @@ class S3FIFO:
 
     def _evict_one(self, protected: set):
         small_target = max(1, int(self.capacity * SMALL_FRACTION))
-        stuck_small = 0  # consecutive protected keys seen at the head of small
+        stuck_small = stuck_main = 0  # consecutive protected keys seen at the head of each queue
         for _ in range(5 * (len(self._small) + len(self._main)) + 5):
+            main_stuck = stuck_main >= len(self._main)  # main holds only protected keys: small must give
             use_small = self._small and stuck_small < len(self._small) and \
-                (len(self._small) >= small_target or not self._main)
+                (len(self._small) >= small_target or main_stuck)
             if use_small:
                 key, freq = self._small.popitem(last=False)
                 if key in protected:
@@ -51,19 +52,22 @@ class S3FIFO:
                     stuck_small += 1
                 elif freq > 0:
                     self._main[key] = 0  # seen again while small: promote
+                    stuck_main = 0
                 else:
                     self._remember(key)
                     return key
-            elif self._main:
+            elif not main_stuck:
                 key, freq = self._main.popitem(last=False)
                 if key in protected:
                     self._main[key] = freq
+                    stuck_main += 1
                 elif freq > 0:
                     self._main[key] = freq - 1
+                    stuck_main = 0
                 else:
                     return key
             else:
-                stuck_small = 0
+                stuck_small = stuck_main = 0
         raise AssertionError("no evictable key although enough were unprotected")
 
     def _remember(self, key) -> None:

@@ -75,8 +75,6 @@ class SessionLRU:
 
     def touch(self, key: Hashable) -> None:
         state = self._state[key]
-        if state & SHADOWED:
-            self._observe(key)
         if state & SAMPLED:
             self.classes.hit(key)
             state &= ~SAMPLED
@@ -100,6 +98,8 @@ class SessionLRU:
         self._state[key] = state
         if state & SEGMENT == HOT and index != HOT:
             self._fit_hot()
+        if state & SHADOWED:  # last: the shadows may resize the hot segment, this key's included
+            self._observe(key)
 
     def evict(self, n: int, protected=()) -> list | None:
         protected = protected if isinstance(protected, (set, frozenset, dict)) else set(protected)

@@ -36,6 +36,7 @@ from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.pages import PageAllocator
 from kvstore.core.servers import BoundedServer, BoundedServer6
 from kvstore.core.sizes import body_length
+from kvstore.core.tiers import MEMORY
 from kvstore.worker.fencing import MoveFence
 from kvstore.worker.metrics import WorkerMetrics
 
@@ -119,6 +120,13 @@ class ControlServer:
                 raise KVStoreError("invalid", "sizes must be positive", size=nbytes)
             runs.append(allocator.allocate(req.token, nbytes))
         return specs.AllocResult(runs=runs)
+
+    def new_epoch(self) -> None:
+        """The worker joins under a new epoch: its memory tiers (DRAM and HBM) start empty, every page
+        granted or allocated under the old one free again (the directory forgets those replicas)."""
+        for kind, allocator in self.allocators.items():
+            if kind in MEMORY:
+                allocator.reset()
 
     def grant(self, req: specs.GrantRequest) -> specs.GrantResult:
         if req.kind not in ("hbm", "dram"):

@@ -129,8 +129,8 @@ class StorageWorker:
                      self.s3.endpoint or "AWS")
 
     def register(self) -> None:
-        """Join (again) under a new epoch. The directory forgets our old DRAM replicas, so do we."""
-        self.allocator.reset()
+        """Join (again) under a new epoch. The directory forgets our old DRAM and HBM replicas, so do we."""
+        self.control.new_epoch()
         answer = self.directory.register_worker(specs.WorkerRegistration(
             name=self.settings.name, agent_name=self.agent.name,
             agent_metadata=base64.b64encode(self.agent.metadata()).decode(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +14,7 @@ from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.db.index import Index
 from kvstore.directory.db.models import Replica
-from tests.stacks import PAGE, directory_stack, dram_tier, make_settings, registration, worker_endpoint
+from tests.stacks import directory_stack, make_settings, two_tier_stack, worker_endpoint
 from tests.calls import BLOCK, chain, complete, hits, prepare
 from tests.helpers import wait_until
 
@@ -235,17 +234,6 @@ def _try(call, *args):
         return call(*args)
     except KVStoreError as exc:
         return exc
-
-
-@contextmanager
-def two_tier_stack(database_url, mover, **settings):
-    """The directory and a worker endpoint with DRAM (32 pages) and NVMe (64) whose mover the test
-    scripts; yields (stack, the endpoint)."""
-    with worker_endpoint(32, nvme_pages=64, mover=mover) as control:
-        with directory_stack(make_settings(database_url, **settings), control, register=False) as s:
-            s.client.register_worker(registration("w0", control.url, backends=["UCX", "POSIX"], tiers=[
-                dram_tier(32), specs.TierSpec(kind="nvme", capacity_bytes=64 * PAGE, page_bytes=PAGE)]))
-            yield s, control
 
 
 def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(database_url):

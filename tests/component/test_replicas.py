@@ -130,3 +130,63 @@ def test_a_follower_hears_of_a_handoff_from_the_change_log_after_its_blocks(post
             consumer.join(10)
             assert seen["state"].state == "committed" and seen["state"].waited_s < 3.0
             assert seen["hits"] == 3  # the blocks were in the follower's index when it heard
+
+
+@pytest.mark.postgres
+def test_a_follower_cut_off_from_the_database_says_so_and_follows_again_when_it_is_back(postgres):
+    """A follower that cannot read the change log (its table locked) says so on /readyz (503) after
+    10 s; then every connection of both replicas is cut and the database refuses new ones for a
+    while: once it is back the follower follows again by itself (blocks the leader saved after the
+    cut are hits there, /readyz is 200). Before, its background thread ended at the first error."""
+    import time
+
+    database_url = postgres.create_database()
+    name = database_url.rsplit("/", 1)[1]
+    admin = create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{postgres.port}/postgres",
+                          isolation_level="AUTOCOMMIT")
+
+    def cut(allow: bool) -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f"ALTER DATABASE {name} ALLOW_CONNECTIONS {str(allow).lower()}"))
+            if not allow:
+                conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+                             {"d": name})
+
+    def saved(client, hashes) -> bool:
+        try:
+            return save(client, namespace_id, hashes) == len(hashes)
+        except KVStoreError:
+            return False  # the leader's own connections are being re-made
+
+    with worker_endpoint(verifier=Verdicts()) as control:
+        with directory_replica(database_url) as (_, leader_url), directory_replica(database_url) as (_, url):
+            leader, follower = DirectoryClient(leader_url), DirectoryClient(url)
+            leader.register_worker(registration(control_url=control.url))
+            namespace_id = leader.register_namespace(NS)
+            before, after = [f"{i:032x}" for i in range(1, 4)], [f"{i:032x}" for i in range(11, 14)]
+            wait_until(lambda: saved(leader, before), 10, "a first save")
+            wait_until(lambda: follower.lookup(namespace_id, before).num_hit_blocks == 3, 5, "hits on the follower")
+            locker = create_engine(database_url)  # the change log cannot be read for a while
+            with locker.connect() as lock:
+                lock.execute(text("LOCK TABLE changes IN ACCESS EXCLUSIVE MODE"))
+                time.sleep(12)  # past the follower's lag bound
+                ready = httpx.get(url + "/readyz?workers=0")
+                assert ready.status_code == 503 and "has not read the leader's changes" in ready.text, ready.text
+                lock.rollback()
+            locker.dispose()
+            wait_until(lambda: httpx.get(url + "/readyz?workers=0").status_code == 200, 15, "ready again")
+            try:
+                cut(allow=False)  # every connection of both replicas, and no new one for a while
+                with pytest.raises(KVStoreError) as outage:  # a database outage is a 503, never a 500
+                    save(leader, namespace_id, [f"{i:032x}" for i in range(21, 23)])
+                assert outage.value.kind == "unavailable", outage.value
+                time.sleep(3)
+                assert httpx.get(url + "/readyz?workers=0").status_code == 503
+            finally:
+                cut(allow=True)
+            wait_until(lambda: saved(leader, after), 30, "a save once the database is back")
+            wait_until(lambda: follower.lookup(namespace_id, after).num_hit_blocks == 3, 30,
+                       "the follower follows again")
+            wait_until(lambda: httpx.get(url + "/readyz?workers=0").status_code == 200, 30, "the follower ready")
+            assert follower.stats().follower_lag_s < 5
+    admin.dispose()

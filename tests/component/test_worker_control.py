@@ -185,3 +185,17 @@ def test_a_fence_settles_a_move_only_once_nothing_writes_under_it_and_then_refus
         release.set()
         client.close()
         server.stop()
+
+
+def test_a_new_epoch_frees_every_memory_tier_and_keeps_nvme():
+    """A worker that joins again in the same process: DRAM and HBM pages granted or allocated under
+    the old epoch are free for the directory's new grant (before, HBM kept its old grant and every
+    save to a single-HBM-worker host was refused no_space); NVMe keeps what survives restarts."""
+    server = ControlServer({"dram": PageAllocator(8, 128), "hbm": PageAllocator(8, 128), "nvme": PageAllocator(8, 128)})
+    for kind in ("dram", "hbm"):
+        assert server.grant(specs.GrantRequest(token="g", kind=kind, max_pages=8)).runs
+    server.allocate(specs.AllocRequest(token="t", kind="nvme", sizes=[256]))
+    server.new_epoch()
+    assert [server.allocators[k].free_pages for k in ("dram", "hbm", "nvme")] == [8, 8, 6]
+    assert server.grant(specs.GrantRequest(token="g2", kind="hbm", max_pages=8)).runs == [
+        specs.PageRun(first=0, count=8)]

@@ -34,7 +34,7 @@ from tests.helpers import wait_until
 from tests.stacks import ReplicaCluster, engines, s3_bucket
 
 pytestmark = pytest.mark.postgres
-PER_PROCESS = ("leader", "commit_groups", "committed_jobs")  # what differs between replicas by design
+PER_PROCESS = ("leader", "commit_groups", "committed_jobs", "follower_lag_s")  # what differs between replicas by design
 # a dead worker's copies into another worker's DRAM are held until their deadline (the move timeout
 # plus up to 30 s): it may only be cut off, and still writing
 MOVE_TIMEOUT_S = 15.0

@@ -2,6 +2,7 @@
 
     log = ChangeLog(enabled)            # enabled: PostgreSQL (replicas may run side by side)
     log.leading / log.term / log.retired  # this replica's role, set by `leader.Leader`
+    log.lag_s                           # a follower: seconds since it last read the change log
     Writer(..., before_commit=log.before_commit)   # every group commit checks the term and logs
 
 Each group commit of the leader logs the blocks it touched (and whether workers, tiers or
@@ -35,10 +36,20 @@ class ChangeLog:
         self.retired = ""  # why this replica stopped serving (it lost the lead); "" while it serves
         self._checks = False  # from its promotion on, a leader checks its term in every commit
         self._clock = clock
+        self._followed_at = time.monotonic()  # a follower last read the change log then
 
     def lead(self, term: int) -> None:
         self.term = term
         self._checks = True
+
+    def followed(self) -> None:
+        """A follower read the change log (whatever it found)."""
+        self._followed_at = time.monotonic()
+
+    @property
+    def lag_s(self) -> float:
+        """Seconds since this follower last read the change log; 0 on the leader."""
+        return 0.0 if self.leading else time.monotonic() - self._followed_at
 
     def retire(self, why: str) -> None:
         self.leading = False

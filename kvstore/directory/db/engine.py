@@ -7,7 +7,10 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+from kvstore.core.errors import KVStoreError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"  # shipped inside the package (wheel included)
 
@@ -50,3 +53,19 @@ def upgrade(url: str, revision: str = "head") -> None:
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     command.upgrade(config, revision)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says the database cannot be reached now (a connection refused, dropped, or the
+    server restarting): an outage to answer with 503, not a bug."""
+    return isinstance(exc, (OperationalError, InterfaceError, DisconnectionError)) or \
+        (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def outage(exc: BaseException) -> KVStoreError | None:
+    """The answer to an error a call raised: the directory's own error for a database outage, else
+    None (a bug, answered with 500)."""
+    if unreachable(exc):
+        return KVStoreError("unavailable", "the database does not answer; try again shortly",
+                            cause=type(exc).__name__)
+    return None

@@ -3,6 +3,7 @@
     index.rebuild(session)                   # at start, from SQL; `ready` is False until then
     index.reload(session, block_ids)         # after a commit that touched these blocks
     index.reload_topology(session)           # after a commit that touched workers or tiers
+    index.follow_commit(sessions, touched, topology, committed)   # the writer's after-commit: all three
     index.lookup(namespace_id, hashes) -> [Hit]   # leading blocks with a readable replica; no lock, no SQL
     index.count(namespace_id, hashes) -> (hits, {kind: hits}, [(kind, n)])   # the same, without locations
     index.record(entries)                         # a load read them: for the access statistics
@@ -18,7 +19,9 @@ values (an entry, the topology dicts), which other threads see atomically.
 from __future__ import annotations
 
 import gc
+import logging
 import sys
+import threading
 from collections import Counter
 from itertools import groupby
 from operator import itemgetter
@@ -30,6 +33,8 @@ from sqlalchemy.orm import Session
 from kvstore.core import tiers
 from kvstore.directory.db.models import Block, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import VISIBLE
+
+log = logging.getLogger(__name__)
 
 CHUNK = 500  # ids per IN list
 _BLOCK_ID, _HOME = itemgetter(0), itemgetter(6)  # of an Entry
@@ -96,6 +101,8 @@ class Index:
         self._readable: dict[int, tuple] = {}  # tier id -> (tier, worker, the epoch a replica needs or None)
         self._readable_homes: set[tuple] = set()  # (tier id, that epoch)
         self._homes: dict[tuple, tuple] = {}  # each home once
+        self._owed_lock = threading.Lock()
+        self._owed: tuple[set[int], bool] = (set(), False)  # committed, not yet read back: blocks, topology
 
     @property
     def num_blocks(self) -> int:
@@ -189,6 +196,35 @@ class Index:
         gc.collect()
         gc.freeze()
         self.ready = True
+
+    @property
+    def owes(self) -> bool:
+        """Whether committed blocks wait to be read back (a read after a commit failed)."""
+        return bool(self._owed[0] or self._owed[1])
+
+    def follow_commit(self, sessions, touched: set[int], topology: bool, committed: list) -> None:
+        """After a group commit (the writer's thread): add the replicas it committed, then read back
+        every other block it touched (that read is the final word). A read that fails (the database
+        went away after the COMMIT) is owed: the next commit's read, or the next call with nothing
+        new (the reaper's round, as a job: only the writer's thread updates the index), reads those
+        blocks again."""
+        if committed:
+            self.add(committed)
+        with self._owed_lock:
+            owed, self._owed = self._owed, (set(), False)
+        touched, topology = touched | owed[0], topology or owed[1]
+        if not (touched or topology):
+            return
+        try:
+            with sessions() as session:
+                if topology:
+                    self.reload_topology(session)
+                if touched:
+                    self.reload(session, touched)
+        except Exception as exc:  # noqa: BLE001 (owed, read again later; the commit itself stands)
+            log.warning("the index could not read back %d committed blocks (again later): %s", len(touched), exc)
+            with self._owed_lock:
+                self._owed = (self._owed[0] | touched, self._owed[1] or topology)
 
     def reload(self, session: Session, block_ids: set[int]) -> None:
         ids = sorted(block_ids)

@@ -26,18 +26,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import secrets
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from sqlalchemy import event
+from sqlalchemy import delete, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvstore.core.errors import KVStoreError
+from kvstore.directory.db.models import CommitMark
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RESOLVE_S = 30.0  # how long a lost COMMIT answer is asked about before it is called unknown
 MAX_GROUP = 128  # jobs sharing one commit at most
 
 
@@ -141,28 +145,74 @@ class Writer:
             namespaces = session.info.pop("namespaces", False)
             handoffs = session.info.pop("handoffs", set())  # hand-offs committed (handoffs.py)
             session.info.pop("committed")
+            mark = secrets.token_hex(16)
             try:
+                session.add(CommitMark(id=mark, at=time.time()))
                 if self._before_commit is not None:
                     self._before_commit(session, touched, topology, namespaces, committed, handoffs)
-                session.commit()
             except BaseException as exc:
                 session.rollback()
-                log.warning("group commit of %d jobs failed: %s", len(group), exc)
-                for tx, future, _, error in outcomes:
-                    if error is None:
-                        _run_all(tx.on_rollback)
-                    future.set_exception(error or KVStoreError("unavailable", f"database commit failed: {exc}"))
-                return
+                return _rolled_back(outcomes, exc)
+            try:
+                session.commit()
+            except BaseException as exc:  # the COMMIT's answer was lost: did it happen?
+                happened = self._committed(mark)
+                if happened is None:
+                    return _unknown(outcomes, exc)
+                if not happened:
+                    return _rolled_back(outcomes, exc)
+                log.warning("the answer to a COMMIT of %d jobs was lost (%s), but it happened", len(group), exc)
         self.groups += 1
         self.jobs += len(group)
         if touched or topology or committed:
-            self._on_commit(touched, topology, committed)
+            try:
+                self._on_commit(touched, topology, committed)
+            except Exception:  # committed is committed: the callers are answered and after-commit work runs
+                log.exception("following a commit of %d jobs failed", len(group))
         for tx, future, result, error in outcomes:
             if error is None:
                 _run_all(tx.after_commit)
                 future.set_result(result)
             else:
                 future.set_exception(error)
+
+
+    def _committed(self, mark: str) -> bool | None:
+        """Whether the group that wrote `mark` committed; None if the database does not answer within
+        RESOLVE_S."""
+        deadline, wait = time.monotonic() + RESOLVE_S, 0.05
+        while True:
+            try:
+                with self._sessions() as session:
+                    return session.get(CommitMark, mark) is not None
+            except Exception as exc:  # noqa: BLE001 (the database is away: ask again)
+                if time.monotonic() + wait > deadline:
+                    log.error("whether a group commit happened is unknown: %s", exc)
+                    return None
+                time.sleep(wait)
+                wait = min(2 * wait, 2.0)
+
+
+def forget_marks(session: Session, before: float) -> int:
+    """Commit marks older than `before` (a lost COMMIT answer is resolved within RESOLVE_S)."""
+    return session.execute(delete(CommitMark).where(CommitMark.at < before)).rowcount
+
+
+def _rolled_back(outcomes: list, exc: BaseException) -> None:
+    log.warning("group commit of %d jobs failed: %s", len(outcomes), exc)
+    for tx, future, _, error in outcomes:
+        if error is None:
+            _run_all(tx.on_rollback)
+        future.set_exception(error or KVStoreError("unavailable", f"database commit failed: {exc}"))
+
+
+def _unknown(outcomes: list, exc: BaseException) -> None:
+    """Neither committed nor rolled back as far as anyone can tell: the callers are told so, and
+    neither the jobs' rollback nor their after-commit work runs (either could be wrong)."""
+    for _, future, _, error in outcomes:
+        future.set_exception(error or KVStoreError(
+            "unavailable", f"the database did not say whether this commit happened ({exc}); look before "
+            "retrying"))
 
 
 def _note_flushed(session: Session, _flush_context) -> None:

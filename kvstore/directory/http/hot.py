@@ -13,9 +13,12 @@ The OpenAPI document describes these routes with the pydantic specs of
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -27,11 +30,13 @@ from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import body_length, too_large
 from kvstore.directory import wire
+from kvstore.directory.db.engine import outage
 from kvstore.directory.http.auth import PRINCIPAL, Guard, Principal
 from kvstore.directory.metrics import UNMATCHED, DirectoryMetrics
 from kvstore.directory.service import DirectoryService
 
 log = logging.getLogger(__name__)
+DATA_THREADS = 32  # loads at once (each may wait on a worker); the framework keeps its own 40 threads
 _BODIES: dict[str, type[BaseModel]] = {}  # operation path -> the spec its body follows
 HEALTH = {("GET", "/healthz"), ("GET", "/readyz")}
 LOCAL = HEALTH | {("GET", "/metrics"), ("GET", "/v1/admin/stats"), ("POST", "/v1/lookup"),  # a follower's own
@@ -58,6 +63,10 @@ class HotCalls:
 
     def __init__(self, service: DirectoryService) -> None:
         self.service = service
+        # Loads may wait on workers (a promotion, up to the move timeout): they run on threads of
+        # their own, so that a hung worker never holds up the framework's threads, which answer
+        # heartbeats, lease renewals and health checks.
+        self._data = ThreadPoolExecutor(DATA_THREADS, thread_name_prefix="kvstore-load")
         self.by_path = {"/v1/lookup": self.lookup, "/v1/store/prepare": self.prepare_store,
                         "/v1/store/complete": self.complete_store, "/v1/load/prepare": self.prepare_load,
                         "/v1/load/prepare-batch": self.prepare_loads, "/v1/load/complete": self.complete_load}
@@ -80,18 +89,24 @@ class HotCalls:
 
     async def prepare_load(self, body: bytes, who: Principal):
         req = self._decode(body, wire.PrepareLoad)
-        batch = await run_in_threadpool(self.service.prepare_loads, req.namespace_id, [req.hashes], req.reader,
-                                        who.tenants)
+        batch = await self._on_data_thread(self.service.prepare_loads, req.namespace_id, [req.hashes], req.reader,
+                                           who.tenants)
         return {"token": batch["token"], "expires_at": batch["expires_at"], "blocks": batch["chains"][0]}
 
     async def prepare_loads(self, body: bytes, who: Principal):
         req = self._decode(body, wire.PrepareLoads)
-        return await run_in_threadpool(self.service.prepare_loads, req.namespace_id, req.chains, req.reader,
-                                       who.tenants)
+        return await self._on_data_thread(self.service.prepare_loads, req.namespace_id, req.chains, req.reader,
+                                          who.tenants)
 
     async def complete_load(self, body: bytes, _who: Principal):
-        done = await run_in_threadpool(self.service.complete_loads, self._decode(body, wire.CompleteLoad))
+        done = await self._on_data_thread(self.service.complete_loads, self._decode(body, wire.CompleteLoad))
         return {"released": done.released, "invalidated": done.invalidated}
+
+    async def _on_data_thread(self, call, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._data, functools.partial(call, *args))
+
+    def close(self) -> None:
+        self._data.shutdown(wait=False, cancel_futures=True)
 
 
 def hot_routes(calls: HotCalls) -> APIRouter:
@@ -181,9 +196,12 @@ class HotPath:
             payload = wire.encode(await handler(await _read_body(receive, limit), who))
         except KVStoreError as exc:
             status, payload = exc.http_status, wire.encode(exc.to_body())
-        except Exception as exc:  # a bug: the same answer as every other route's
-            log.exception("unhandled error in %s", path)
-            status, payload = 500, wire.encode(KVStoreError("internal", type(exc).__name__).to_body())
+        except Exception as exc:  # a database outage (503) or a bug (500): the same answer as every other route's
+            error = outage(exc)
+            if error is None:
+                log.exception("unhandled error in %s", path)
+                error = KVStoreError("internal", type(exc).__name__)
+            status, payload = error.http_status, wire.encode(error.to_body())
         await _answer(send, status, payload)
 
 

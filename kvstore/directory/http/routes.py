@@ -22,8 +22,9 @@ from kvstore.core.handoffs import HandoffCommit, HandoffState, HandoffWait
 from kvstore.core.inspection import InspectRequest, InspectResult
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.directory import wire
+from kvstore.directory.db.engine import outage
 from kvstore.directory.http.auth import NOBODY, PRINCIPAL, Principal, Tokens
-from kvstore.directory.leader import Leader
+from kvstore.directory.leader import LAG_S, Leader
 from kvstore.directory.service import DirectoryService
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(_request: Request, exc: Exception):
-        log.exception("unhandled error")
-        return JSONResponse(KVStoreError("internal", type(exc).__name__).to_body(), status_code=500)
+        error = outage(exc)  # the database away: 503, which clients treat as a miss or try again
+        if error is None:
+            log.exception("unhandled error")
+            error = KVStoreError("internal", type(exc).__name__)
+        return JSONResponse(error.to_body(), status_code=error.http_status)
 
 
 def routes(service: DirectoryService, leader: Leader) -> APIRouter:
@@ -135,6 +139,9 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
             return _unready(f"the database does not answer ({failure})")
         if not leader.leading and not leader.leader_url:
             return _unready("no directory replica leads yet")
+        if not leader.leading and leader.lag_s > LAG_S:
+            return _unready(f"this follower has not read the leader's changes for {leader.lag_s:.0f} s "
+                            "(the database does not answer it)", lag_s=round(leader.lag_s, 1))
         live = service.live_workers() if leader.leading else leader.live_workers
         if live < workers:
             return _unready(f"{live} live workers, {workers} needed", live_workers=live)

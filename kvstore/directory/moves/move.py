@@ -177,7 +177,10 @@ class Moves:
             if code == "ok" and dest is not None and dest.state == WRITING:
                 dest.state, dest.expires_at = READY, None
                 if source is not None:
-                    source.state = READY if source_stays else DELETING
+                    if not source_stays:
+                        source.state = DELETING
+                    elif source.state == MOVING:  # an evict or a failed checksum meanwhile: it stays DELETING
+                        source.state = READY
                     done[source.id] = source.reserved_bytes
                 continue
             if code != "unreachable" and dest is not None:

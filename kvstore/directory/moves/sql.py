@@ -6,7 +6,7 @@ from sqlalchemy import case, distinct, func, select
 from sqlalchemy.orm import Session, aliased
 
 from kvstore.directory.db.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
-from kvstore.directory.db.models.replica import READY, VISIBLE, WRITING
+from kvstore.directory.db.models.replica import MOVING, READY, VISIBLE, WRITING
 from kvstore.directory.db.repository import chunks, replicas_of
 
 
@@ -131,3 +131,12 @@ def under_replicated(session: Session, namespace_id: str, wanted: int, limit: in
                     Tier.kind.in_(("hbm", "dram", "nvme")), Worker.state != "dead")
              .group_by(Replica.block_id).having(active < wanted).order_by(Replica.block_id).limit(limit))
     return list(session.scalars(query))
+
+
+def stranded_moving(session: Session) -> list[Replica]:
+    """MOVING replicas that no move copies any more: their block has no WRITING move destination
+    (a move whose last step failed; its destination was rolled back when it expired)."""
+    dest = aliased(Replica)
+    copying = select(dest.id).where(dest.block_id == Replica.block_id, dest.state == WRITING,
+                                    dest.token.like("move-%")).exists()
+    return list(session.scalars(select(Replica).where(Replica.state == MOVING, ~copying)))

@@ -236,7 +236,7 @@ class Movement:
             own = self._write(lambda tx: {k: t.id for k, t in repo.tiers_of(tx.session, worker_id).items()})
             gds = "GDS_MT" in self._write(lambda tx: repo.worker(tx.session, worker_id).backends)
             kind = "hbm" if items[0].tier.kind == "nvme" and "hbm" in own and gds else "dram"
-            if kind in own:
+            if kind in own and not self.moves.backing_off(own[kind]):  # a route failing: not waited on
                 self.make_room(own[kind], worker_id, sum(h.entry.nbytes for h in items), protected)
                 self.moves.copy(worker_id, tier_id, kind, [h.replica.id for h in items], source_stays=True)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -38,6 +39,7 @@ from kvstore.policies.hints import NONE as NO_HINTS
 from kvstore.policies.hints import Hints
 
 LOOP_PREPARE_BLOCKS = 1024  # longer saves are prepared on a thread: the event loop answers lookups meanwhile
+COMPLETED_KEPT = 16_384  # completions remembered: a retry whose first answer was lost learns what it did
 
 
 class Store:
@@ -54,6 +56,7 @@ class Store:
         self._clock = clock
         self.reservations = reservations
         self._lock = threading.Lock()
+        self._completed_tokens: OrderedDict[str, tuple] = OrderedDict()  # token -> what its completion said
 
     # ---- prepare ---------------------------------------------------------------------------
 
@@ -64,14 +67,16 @@ class Store:
         return self._after_room(req, prepared) if isinstance(prepared, _NeedRoom) else self._prepared(prepared)
 
     async def prepare_async(self, req) -> dict:
-        """`prepare` for the event loop: in memory, so answered there; a long request and making
-        room (worker calls) run on a thread."""
-        if len(req.blocks) > LOOP_PREPARE_BLOCKS:
-            return await asyncio.to_thread(self.prepare, req)
-        prepared = self._prepare(req, room_first=True)
-        if isinstance(prepared, _NeedRoom):
-            return await asyncio.to_thread(self._after_room, req, prepared)
-        return self._prepared(prepared)
+        """`prepare` for the event loop: in memory, so answered there; a long request, making room
+        (worker calls), and a decision whose locks another thread holds (a policy syncing a whole
+        tier from SQL, a large save's prepare) run on a thread: the loop never waits on a lock."""
+        if len(req.blocks) <= LOOP_PREPARE_BLOCKS:
+            prepared = self._prepare(req, room_first=True, wait=False)
+            if isinstance(prepared, _NeedRoom):
+                return await asyncio.to_thread(self._after_room, req, prepared)
+            if prepared is not _BUSY:
+                return self._prepared(prepared)
+        return await asyncio.to_thread(self.prepare, req)
 
     def _after_room(self, req, need: _NeedRoom) -> dict:
         self._make_room(need.tier_id, need.worker_id, need.nbytes)
@@ -81,29 +86,42 @@ class Store:
         self._metrics.count_store_decisions(prepared["blocks"])
         return prepared
 
-    def _prepare(self, req, room_first: bool):
+    def _prepare(self, req, room_first: bool, wait: bool = True):
         """Decide every block and reserve pages for the new ones, with no SQL: which blocks exist comes
         from the index, which are being written from the reservations. The writer adds a completed
         save's blocks to the index before it drops their reservation, so asking the reservations
-        first never misses a block in between."""
-        with self._lock:  # one decision at a time: no two saves reserve the same block
-            now = self._clock()
-            hashes = [b.hash for b in req.blocks]
-            writing = {h for h in hashes if self._being_written(req.namespace_id, h, now)}
-            ready = self._index.readable(req.namespace_id, hashes)
-            decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
-            wanted = []
-            for block in req.blocks:
-                if block.hash in ready:
-                    decisions[block.hash] = {"hash": block.hash, "status": "exists"}
-                elif block.hash in writing:
-                    decisions[block.hash] = {"hash": block.hash, "status": "in_progress"}
-                else:
-                    wanted.append(block)
-            token = secrets.token_hex(16)
-            expires_at = now + self._settings.reservation_ttl_s
-            admitted = self._place(req.namespace_id, wanted, token, expires_at, decisions, room_first,
-                                   frozenset(req.hosts), _hints(req.hints), req.blocks[-1].hash)
+        first never misses a block in between. One decision at a time (no two saves reserve the same
+        block), holding the policies' lock throughout; `wait` False: _BUSY if either lock is taken."""
+        if not self._lock.acquire(blocking=wait):
+            return _BUSY
+        try:
+            if not self._policies.lock.acquire(blocking=wait):
+                return _BUSY
+            try:
+                return self._decide(req, room_first)
+            finally:
+                self._policies.lock.release()
+        finally:
+            self._lock.release()
+
+    def _decide(self, req, room_first: bool):
+        now = self._clock()
+        hashes = [b.hash for b in req.blocks]
+        writing = {h for h in hashes if self._being_written(req.namespace_id, h, now)}
+        ready = self._index.readable(req.namespace_id, hashes)
+        decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
+        wanted = []
+        for block in req.blocks:
+            if block.hash in ready:
+                decisions[block.hash] = {"hash": block.hash, "status": "exists"}
+            elif block.hash in writing:
+                decisions[block.hash] = {"hash": block.hash, "status": "in_progress"}
+            else:
+                wanted.append(block)
+        token = secrets.token_hex(16)
+        expires_at = now + self._settings.reservation_ttl_s
+        admitted = self._place(req.namespace_id, wanted, token, expires_at, decisions, room_first,
+                               frozenset(req.hosts), _hints(req.hints), req.blocks[-1].hash)
         if isinstance(admitted, _NeedRoom):
             return admitted
         return {"token": token if admitted else None, "expires_at": expires_at if admitted else None,
@@ -197,6 +215,11 @@ class Store:
 
     def _complete(self, tx: Tx, req, now: float) -> tuple[int, str | None, int]:
         r = self.reservations.take(req.token)
+        if r is None and req.token in self._completed_tokens:  # a duplicate, or a retry whose answer was lost
+            committed, refused, total = self._completed_tokens[req.token]
+            raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token: this one "
+                               "completed already, nothing changes", token=req.token, completed=refused is None,
+                               committed=committed, rolled_back=total - committed)
         if r is None:  # also what a directory restart leaves: it rolled the reservation back
             raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token (a directory "
                                "restart rolls back open reservations)", token=req.token)
@@ -214,8 +237,15 @@ class Store:
             (good if ok else failed).append(block)
         if good:
             self._commit(tx, r, good, {b.hash: reports[b.hash].checksum.lower() for b in good}, now)
+        outcome = len(good), refused, len(r.blocks)
         tx.after_commit.append(lambda: self._release(self.reservations.pop(r.token), failed))
-        return len(good), refused, len(r.blocks)
+        tx.after_commit.append(lambda: self._remember(req.token, outcome))
+        return outcome
+
+    def _remember(self, token: str, outcome: tuple) -> None:
+        self._completed_tokens[token] = outcome
+        if len(self._completed_tokens) > COMPLETED_KEPT:
+            self._completed_tokens.popitem(last=False)
 
     def _commit(self, tx: Tx, r: Reservation, blocks: list[Reserved], checksums: dict[str, str], now: float) -> None:
         """The blocks, their checksums and their READY replicas, and the tier's used bytes."""
@@ -303,6 +333,9 @@ def _placement(index: Index, pools: PagePools, hosts: frozenset[str] = frozenset
 
 def _host(url: str) -> str | None:
     return urlsplit(url).hostname if url else None
+
+
+_BUSY = object()  # a decision's locks were taken and the caller would not wait
 
 
 class _NeedRoom(NamedTuple):

@@ -158,10 +158,11 @@ class Membership:
         for replica, tier, block in repo.durable_replicas_of_worker(tx.session, worker.id):
             key = _survivor_key(tier.kind, replica.token, replica.pages, block.namespace_id, block.hash)
             if found.pop(key, None) is None or replica.state == WRITING:
-                lost.append(replica.id)
+                lost.append((replica.id, block.id))
             else:
                 replica.epoch = worker.epoch
-        repo.drop_replicas(tx.session, lost)
+        repo.drop_replicas(tx.session, [replica_id for replica_id, _ in lost])
+        repo.delete_orphan_blocks(tx.session, [block_id for _, block_id in lost])  # their last replica
         adopted = [s for s in found.values() if s.kind in own and s.checksum and _covers(s, own[s.kind])
                    and repo.namespace(tx.session, s.namespace_id)]
         for survivor in adopted:

@@ -1,0 +1,147 @@
+"""The one writer (group commit) on a SQLite file: what follows a COMMIT failing does not turn the
+commit into a failure, and the index reads back later what it could not read at once."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
+
+from kvstore.core.errors import KVStoreError
+from kvstore.directory.db import engine as db
+from kvstore.directory.db import writer as writer_module
+from kvstore.directory.db.index import Index, TierView, WorkerView
+from kvstore.directory.db.models import NamespaceRow
+from kvstore.directory.db.writer import Writer
+
+
+def index_of_three() -> Index:
+    """An index holding blocks 0, 1 and 2 (hashes h0, h1, h2) on one DRAM tier."""
+    index = Index()
+    index.set_topology({1: WorkerView(1, "w", "w-agent", 1, "active")}, {10: TierView(10, 1, "dram", 128, 1 << 20)})
+    index.add([(i, "ns", f"h{i}", None, 256, "0123456789abcdef", 100 + i, 10, 1, [[2 * i, 2]]) for i in range(3)])
+    return index
+
+
+def sessions_at(tmp_path):
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    db.upgrade(url)
+    return db.make_sessions(db.make_engine(url))
+
+
+def test_a_failure_after_the_commit_still_answers_the_caller_and_runs_after_commit_work(tmp_path):
+    sessions = sessions_at(tmp_path)
+    followed = []
+
+    def on_commit(touched, topology, committed):
+        followed.append(committed)
+        raise RuntimeError("the database went away right after the COMMIT")
+
+    writer = Writer(sessions, on_commit)
+    after = []
+
+    def job(tx):
+        tx.session.add(NamespaceRow(id="ns1", spec={}, created_at=1.0))
+        tx.committed([("a replica for the index",)])  # what the writer hands on_commit
+        tx.after_commit.append(lambda: after.append("freed"))
+        return "done"
+    try:
+        assert writer.run(job) == "done"  # before: the caller was told it failed
+        assert after == ["freed"] and followed  # and the after-commit work had not run
+        with sessions() as session:
+            assert session.get(NamespaceRow, "ns1") is not None
+    finally:
+        writer.close()
+
+
+class FlakySessions:
+    """sessions() that fail the first `failures` times they are opened."""
+
+    def __init__(self, sessions, failures: int) -> None:
+        self.sessions, self.failures = sessions, failures
+
+    def __call__(self):
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("database away")
+        return self.sessions()
+
+
+def test_blocks_the_index_could_not_read_back_are_read_at_the_next_chance(tmp_path):
+    index = index_of_three()
+    flaky = FlakySessions(sessions_at(tmp_path), failures=1)
+    index.follow_commit(flaky, {0, 1}, False, [])  # the read fails: owed
+    assert index.lookup("ns", ["h0"])  # still the stale entry (no row for block 0 in this database)
+    index.follow_commit(flaky, set(), False, [])  # the reaper's round: nothing new, the debt is read
+    assert index.lookup("ns", ["h0"]) == [] and index.lookup("ns", ["h1"]) == []  # SQL has neither
+    assert index.lookup("ns", ["h2"])  # not touched, kept
+
+
+def test_an_index_with_nothing_owed_reads_nothing(tmp_path):
+    flaky = FlakySessions(None, failures=5)
+    Index().follow_commit(flaky, set(), False, [])
+    assert flaky.failures == 5  # no session was asked for
+
+
+def lose_commit_answers(sessions, when: str, times: int = 1) -> None:
+    """The database connection drops around the next `times` COMMITs: `when` "after" (the COMMIT
+    happened, its answer is lost) or "before" (it did not happen)."""
+    left = [times]
+
+    @event.listens_for(sessions, f"{when}_commit")
+    def drop(_session) -> None:
+        if left[0]:
+            left[0] -= 1
+            raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection unexpectedly"))
+
+
+def namespace_job(log: list):
+    def job(tx):
+        tx.session.add(NamespaceRow(id="ns1", spec={}, created_at=1.0))
+        tx.on_rollback.append(lambda: log.append("rolled back"))
+        tx.after_commit.append(lambda: log.append("after commit"))
+        return "done"
+    return job
+
+
+def test_a_commit_whose_answer_was_lost_but_that_happened_is_answered_as_committed(tmp_path):
+    sessions = sessions_at(tmp_path)
+    lose_commit_answers(sessions, "after")
+    writer, log = Writer(sessions), []
+    try:
+        assert writer.run(namespace_job(log)) == "done"  # before: failed, its reservation given back
+        assert log == ["after commit"]  # and a client's retry could commit the save a second time
+    finally:
+        writer.close()
+
+
+def test_a_commit_whose_answer_was_lost_and_that_did_not_happen_is_rolled_back(tmp_path):
+    sessions = sessions_at(tmp_path)
+    lose_commit_answers(sessions, "before")
+    writer, log = Writer(sessions), []
+    try:
+        with pytest.raises(KVStoreError) as failed:
+            writer.run(namespace_job(log))
+        assert failed.value.kind == "unavailable" and log == ["rolled back"]
+        with sessions() as session:
+            assert session.get(NamespaceRow, "ns1") is None
+    finally:
+        writer.close()
+
+
+def test_a_commit_nobody_can_tell_about_is_neither_rolled_back_nor_followed(tmp_path, monkeypatch):
+    sessions = sessions_at(tmp_path)
+    monkeypatch.setattr(writer_module, "RESOLVE_S", 0.3)
+    writer, log = Writer(sessions), []
+
+    @event.listens_for(sessions, "after_commit")
+    def database_gone(_session) -> None:
+        writer._sessions = FlakySessions(sessions, failures=1000)  # every later question goes unanswered
+        raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection unexpectedly"))
+    try:
+        with pytest.raises(KVStoreError) as unknown:
+            writer.run(namespace_job(log))
+        assert unknown.value.kind == "unavailable" and "did not say whether" in unknown.value.message
+        assert log == []
+    finally:
+        writer.close()
