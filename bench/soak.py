@@ -32,16 +32,15 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import print_table, write_json  # noqa: E402
 from kvstore.core.errors import KVStoreError  # noqa: E402
-from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, prompt  # noqa: E402
+from tests.fault.loop_engine import NAMESPACE, chains  # noqa: E402
 from tests.helpers import MotoServer, PostgresCluster, Proxy, wait_until  # noqa: E402
-from tests.stacks import ReplicaCluster, engines, stop_engines  # noqa: E402
+from tests.stacks import ReplicaCluster, stop_engines  # noqa: E402
 
 TTL_S, MOVE_TIMEOUT_S = 3.0, 15.0
 PAUSE_S = (2.0, 6.0)  # between a recovery and the next fault
@@ -68,21 +67,8 @@ class Soak:
         self.restarts = 0  # replicas restarted because they stopped serving
 
     def start(self) -> None:
-        c = self.cluster
-        for i in range(3):
-            c.start_replica(i)
-        for i in range(3):
-            c.start_worker(i)
-        wait_until(lambda: sorted(w.name for w in c.client(0).workers() if w.state == "active")
-                   == ["w0", "w1", "w2"], 60, "three active workers")
-        for seed in (1, 2):
-            markers = self.tmp / f"markers-{seed}"
-            markers.mkdir()
-            proc = engines().spawn("tests.fault.loop_engine", ["--url", c.urls, "--seed", str(seed), "--out",
-                                                               str(self.tmp / f"engine-{seed}.json"), "--markers",
-                                                               str(markers)], self.tmp / f"engine-{seed}.log")
-            c.engines.append(proc)
-            self.engines.append((proc, markers))
+        self.cluster.start()
+        self.engines = [self.cluster.engine(self.cluster.urls, seed) for seed in (1, 2)]
         wait_until(lambda: all((m / "ready").exists() for _, m in self.engines), 120, "a first round by each engine")
 
     # ---- faults ---------------------------------------------------------------------------------
@@ -183,13 +169,12 @@ class Soak:
 
     def _replicas_agree(self) -> bool:
         """Every live replica answers every prompt's lookup as the leader does (their indexes agree)."""
-        scratch = np.zeros(BLOCKS * NAMESPACE.block_nbytes, np.uint8)
-        chains = [[h.hex() for h in prompt(seed, k, scratch)[0]] for seed in (1, 2) for k in range(PROMPTS)]
+        prompts = chains(1) + chains(2)
 
         def answers(i: int) -> list[int] | None:
             client = self.cluster.client(i)
             try:
-                return [client.lookup(NAMESPACE.namespace_id, chain).num_hit_blocks for chain in chains]
+                return [client.lookup(NAMESPACE.namespace_id, chain).num_hit_blocks for chain in prompts]
             except KVStoreError:
                 return None
         try:

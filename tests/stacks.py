@@ -381,6 +381,25 @@ class ReplicaCluster:
             "--nvme-dir", str(self.tmp / f"nvme-{i}"), "--s3-bucket", self.bucket, "--s3-endpoint", self.s3_url,
             "--s3-prefix", name, "--bounce-bytes", "1MiB"), self.tmp / f"worker-{i}.log", env=self.env)
 
+    def start(self) -> None:
+        """The three replicas (the first leads), then the three workers, until all are active."""
+        for i in range(3):
+            self.start_replica(i)
+        for i in range(3):
+            self.start_worker(i)
+        wait_until(lambda: sorted(w.name for w in self.client(1).workers() if w.state == "active")
+                   == ["w0", "w1", "w2"], 60, "three active workers")
+
+    def engine(self, urls: str, seed: int, run: str = "", *args: str) -> tuple[subprocess.Popen, Path]:
+        """A loop engine (tests/fault/loop_engine.py) on `urls`; (its process, its markers folder)."""
+        markers = self.tmp / f"markers-{seed}{run}"
+        markers.mkdir()
+        proc = engines().spawn("tests.fault.loop_engine", ["--url", urls, "--seed", str(seed), "--out",
+                                                           str(self.tmp / f"engine-{seed}{run}.json"), "--markers",
+                                                           str(markers), *args], self.tmp / f"engine-{seed}{run}.log")
+        self.engines.append(proc)
+        return proc, markers
+
     def live(self) -> list[int]:
         return [i for i, p in enumerate(self.replicas) if p is not None and p.poll() is None]
 

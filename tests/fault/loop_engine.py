@@ -37,6 +37,12 @@ def prompt(seed: int, k: int, memory: np.ndarray) -> tuple[list[bytes], list[np.
     return block_hashes(NAMESPACE, tokens), np.split(memory, BLOCKS)
 
 
+
+def chains(seed: int) -> list[list[str]]:
+    """The hashes of the engine's prompts for `seed`, hex, as lookups take them."""
+    scratch = np.zeros(BLOCKS * NAMESPACE.block_nbytes, np.uint8)
+    return [[h.hex() for h in prompt(seed, k, scratch)[0]] for k in range(PROMPTS)]
+
 def run(args) -> dict:
     markers = Path(args.markers)
     memory = np.zeros((PROMPTS + 1) * BLOCKS * NAMESPACE.block_nbytes, dtype=np.uint8)  # the last: loads

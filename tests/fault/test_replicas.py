@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvstore.client import DirectoryClient
 from kvstore.core.inspection import InspectRequest
 from kvstore.core.specs import NamespacePolicy
 from tests.fault.conftest import SETTLE_S, TTL_S
-from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, prompt
+from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, chains
 from tests.helpers import wait_until
-from tests.stacks import ReplicaCluster, engines, s3_bucket
+from tests.stacks import ReplicaCluster, s3_bucket
 
 pytestmark = pytest.mark.postgres
 PER_PROCESS = ("leader", "commit_groups", "committed_jobs", "follower_lag_s")  # what differs between replicas by design
@@ -46,30 +44,10 @@ def cluster(tmp_path, postgres, monkeypatch):
     with s3_bucket(tmp_path, monkeypatch, "kv-replicas") as moto:
         c = ReplicaCluster(tmp_path, postgres.create_database(), moto.url, "kv-replicas", TTL_S, MOVE_TIMEOUT_S)
         try:
-            for i in range(3):
-                c.start_replica(i)
-            for i in range(3):
-                c.start_worker(i)
-            wait_until(lambda: sorted(w.name for w in c.client(1).workers() if w.state == "active")
-                       == ["w0", "w1", "w2"], 60, "three active workers")
+            c.start()
             yield c
         finally:
             c.close()
-
-
-def engine(c: ReplicaCluster, urls: str, seed: int, run: str = "", *args: str) -> tuple[subprocess.Popen, Path]:
-    markers = c.tmp / f"markers-{seed}{run}"
-    markers.mkdir()
-    proc = engines().spawn("tests.fault.loop_engine", ["--url", urls, "--seed", str(seed), "--out",
-                                                       str(c.tmp / f"engine-{seed}{run}.json"), "--markers",
-                                                       str(markers), *args], c.tmp / f"engine-{seed}{run}.log")
-    c.engines.append(proc)
-    return proc, markers
-
-
-def chains(seed: int) -> list[list[str]]:
-    scratch = np.zeros(BLOCKS * NAMESPACE.block_nbytes, np.uint8)
-    return [[h.hex() for h in prompt(seed, k, scratch)[0]] for k in range(PROMPTS)]
 
 
 def workers_per_block(client: DirectoryClient, seeds=(1, 2)) -> list[set[str]]:
@@ -106,7 +84,7 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
     any_replica.register_namespace(NAMESPACE)
     assert any_replica.set_policy(NAMESPACE.namespace_id, NamespacePolicy(replicas=2)).replicas == 2
     # engines list the replicas in different orders: one talks to the leader, one to a follower
-    engines = [engine(c, c.urls, seed=1), engine(c, ",".join(c.url(i) for i in (1, 2, 0)), seed=2)]
+    engines = [c.engine(c.urls, seed=1), c.engine(",".join(c.url(i) for i in (1, 2, 0)), seed=2)]
     markers = [m for _, m in engines]
     wait_until(lambda: all((m / "ready").exists() for m in markers), 120, "a first round by every engine")
     timings = {}
@@ -152,7 +130,7 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
         assert proc.wait(timeout=120) == 0, (c.tmp / f"engine-{seed}.log").read_text()[-3000:]
         results.append(json.loads((c.tmp / f"engine-{seed}.json").read_text()))
     for seed in (1, 2):
-        proc, _ = engine(c, c.urls, seed, "-after", "--rounds", "1")
+        proc, _ = c.engine(c.urls, seed, "-after", "--rounds", "1")
         assert proc.wait(timeout=120) == 0, (c.tmp / f"engine-{seed}-after.log").read_text()[-3000:]
         after = json.loads((c.tmp / f"engine-{seed}-after.json").read_text())
         assert after["errors"] == [] and [e[2] for e in after["events"]] == ["exact"] * PROMPTS, after["events"]
