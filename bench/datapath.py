@@ -1,6 +1,11 @@
-"""Store save/load throughput over UCX vs raw NIXL UCX and memcpy, side by side in one run.
+"""Store save/load throughput vs raw NIXL UCX and memcpy, side by side in one run.
 
-    python bench/datapath.py [--sizes 64KiB,1MiB,32MiB] [--batch-bytes 64MiB] [--repeats 5] [--json OUT]
+    python bench/datapath.py [--sizes 64KiB,1MiB,32MiB] [--batch-bytes 64MiB] [--repeats 5]
+                             [--same-host auto|off] [--json OUT]
+
+With `--same-host auto` (the default, as engines run) the connector copies blocks straight into
+and out of the worker's DRAM arena, which the worker shares with this process; `off` takes NIXL
+UCX, the path between hosts.
 
 The engine side (this process) keeps blocks in the store's layout in memory it
 registered once, as a paged engine does, and saves/loads a batch of blocks per
@@ -53,7 +58,7 @@ def raw_nixl(client: KVStoreClient, op: str, views, locations) -> float:
     return raw_xfer(agent, op, np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64), peer)
 
 
-def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> dict:
+def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int, same_host: str) -> dict:
     ns = namespace_for(block_bytes)
     n = max(1, batch_bytes // block_bytes)
     nbytes = n * block_bytes
@@ -63,7 +68,7 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
         "store_save", "store_load", "raw_write", "raw_read", "raw_write_xxh3", "raw_read_xxh3", "memcpy",
         "save_control", "load_control")}
     phases: dict[str, list[dict]] = {"save": [], "load": []}
-    with KVStoreClient(url, ns, staging_bytes=block_bytes) as client:
+    with KVStoreClient(url, ns, staging_bytes=block_bytes, same_host=same_host) as client:
         client.register_buffer(src.array)
         client.register_buffer(dst.array)
         src_views = [src.view(i * block_bytes, block_bytes) for i in range(n)]
@@ -109,14 +114,14 @@ def bench_size(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> di
             "samples_gbps": samples}
 
 
-def bench_verified_save(url: str, block_bytes: int, batch_bytes: int, repeats: int) -> float:
+def bench_verified_save(url: str, block_bytes: int, batch_bytes: int, repeats: int, same_host: str) -> float:
     """Median GB/s of saves into a directory that has the worker checksum every block before commit."""
     ns = namespace_for(block_bytes)
     n = max(1, batch_bytes // block_bytes)
     src = HostBuffer(n * block_bytes)
     src.array[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
     samples = []
-    with KVStoreClient(url, ns, staging_bytes=block_bytes) as client:
+    with KVStoreClient(url, ns, staging_bytes=block_bytes, same_host=same_host) as client:
         client.register_buffer(src.array)
         views = [src.view(i * block_bytes, block_bytes) for i in range(n)]
         for rep in range(repeats + 1):
@@ -147,6 +152,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="64KiB,256KiB,1MiB,4MiB,16MiB,32MiB")
     parser.add_argument("--batch-bytes", default="256MiB", help="bytes per save/load call (a long prompt of a large model)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--same-host", choices=("auto", "off"), default="auto",
+                        help="auto: copies into the worker's shared arena; off: NIXL UCX (the cross-host path)")
     parser.add_argument("--json", default="bench/out/datapath.json")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -156,11 +163,12 @@ def main() -> None:
     with local_stack(dram_bytes=dram) as url:
         for size in sizes:
             print(f"block {format_size(size)} ...", flush=True)
-            results.append(bench_size(url, size, batch, args.repeats))
+            results.append(bench_size(url, size, batch, args.repeats, args.same_host))
     with local_stack(dram_bytes=dram, directory_args=("--verify-writes",)) as url:
         for r in results:
             print(f"block {format_size(r['block_bytes'])}, writes verified ...", flush=True)
-            r["gbps"]["store_save_verified"] = bench_verified_save(url, r["block_bytes"], batch, args.repeats)
+            r["gbps"]["store_save_verified"] = bench_verified_save(url, r["block_bytes"], batch, args.repeats,
+                                                                   args.same_host)
             r["ratios"]["verified_save_vs_save"] = r["gbps"]["store_save_verified"] / r["gbps"]["store_save"]
     rows = [[format_size(r["block_bytes"]), r["blocks_per_call"], r["gbps"]["store_save"], r["gbps"]["raw_write"],
              r["gbps"]["store_load"], r["gbps"]["raw_read"], r["gbps"]["memcpy"], r["ratios"]["save_vs_raw"],
@@ -172,7 +180,7 @@ def main() -> None:
     print_table(["block", "blocks/call", "save GB/s", "raw W GB/s", "load GB/s", "raw R GB/s", "memcpy GB/s",
                  "save/raw", "load/raw", "save/load vs raw+xxh3", "save/memcpy", "load/memcpy",
                  "directory share save/load", "verified save GB/s", "verified/save"], rows)
-    write_json(args.json, {"benchmark": "datapath", "machine": machine(), "batch_bytes": batch,
+    write_json(args.json, {"benchmark": "datapath", "machine": machine(), "batch_bytes": batch, "same_host": args.same_host,
                            "repeats": args.repeats, "results": results})
     os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it
 

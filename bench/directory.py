@@ -11,8 +11,12 @@ moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
 2. lookups of 128-hash prefixes of stored chains, over HTTP from other
    processes (keep-alive connections): one client, without and with
    locations; four clients at once; four clients while a fifth saves;
-3. prepare+complete of 64 and of 1,024 new blocks (ms, and µs per block);
-4. the directory's resident memory, and its start-up time to ready when it is
+3. stalls: one lookup client while work proportional to the tier runs on other
+   threads (the first dry-run eviction of the tier, which builds its policy from
+   SQL; a second one, which copies the policy; a prepare of 100,000 blocks),
+   its p50/p99 during each against the same client's quiet figures just before;
+4. prepare+complete of 64 and of 1,024 new blocks (ms, and µs per block);
+5. the directory's resident memory, and its start-up time to ready when it is
    restarted on the full database.
 
 `--directory-src DIR` runs the directory from another checkout (a before/after
@@ -104,17 +108,19 @@ def store_chain(http: Http, namespace_id: str, hashes: list[str], parent: str | 
 
 
 def lookup_client(port: int, namespace_id: str, chains: int, seconds: float, locations: bool, seed: int,
-                  out: mp.Queue) -> None:
-    http, rng, latencies, hits = Http(port), random.Random(seed), [], 0
+                  out: mp.Queue, stop=None) -> None:
+    """Lookups for `seconds` (or until `stop` is set); puts (latencies, full hits, start times)."""
+    http, rng, latencies, hits, starts = Http(port), random.Random(seed), [], 0, []
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and not (stop is not None and stop.is_set()):
         body = {"namespace_id": namespace_id, "hashes": chain_hashes(rng.randrange(chains))}
         if locations is True:
             body["locations"] = True
+        starts.append(time.time())
         answer, elapsed = http.post("/v1/lookup", body)
         latencies.append(elapsed)
         hits += answer["num_hit_blocks"] == CHAIN
-    out.put((latencies, hits))
+    out.put((latencies, hits, starts))
 
 
 def saver_client(port: int, namespace_id: str, first_chain: int, seconds: float, out: mp.Queue) -> None:
@@ -142,12 +148,56 @@ def lookups(port: int, pid: int, namespace_id: str, chains: int, clients: int, s
     cpu = cpu_s(pid) - cpu0  # the clients start and stop within a few ms of each other
     for p in procs:
         p.join()
-    latencies = sorted(x for lat, _ in results for x in lat)
+    latencies = sorted(x for lat, _, _ in results for x in lat)
     return {"clients": clients, "locations": locations, "lookups": len(latencies),
             "per_s": len(latencies) / seconds, "p50_ms": 1e3 * latencies[len(latencies) // 2],
             "p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)],
-            "full_hits": sum(h for _, h in results) / max(1, len(latencies)), "saved_meanwhile": stored,
+            "full_hits": sum(h for _, h, _ in results) / max(1, len(latencies)), "saved_meanwhile": stored,
             "directory_cpu_us_per_lookup": 1e6 * cpu / max(1, len(latencies))}
+
+
+def percentiles(latencies: list[float]) -> tuple[float, float]:
+    xs = sorted(latencies)
+    return 1e3 * xs[len(xs) // 2], 1e3 * xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+
+
+def lookups_during(port: int, namespace_id: str, chains: int, operation, quiet_s: float = 5.0) -> dict:
+    """One lookup client: `quiet_s` alone, then while `operation()` runs in this process (its own
+    HTTP connection). p50/p99 of the lookups started in each window."""
+    ctx = mp.get_context("spawn")
+    out, stop_event = ctx.Queue(), ctx.Event()
+    client = ctx.Process(target=lookup_client, args=(port, namespace_id, chains, 3600.0, False, 7, out, stop_event))
+    client.start()
+    time.sleep(1.0 + quiet_s)  # the client's start-up, then its quiet window
+    began = time.time()
+    operation()
+    ended = time.time()
+    stop_event.set()
+    latencies, _, starts = out.get()
+    client.join()
+    quiet = [x for x, t in zip(latencies, starts) if began - quiet_s <= t < began]
+    busy = [x for x, t in zip(latencies, starts) if began <= t < ended]
+    (q50, q99), (b50, b99) = percentiles(quiet), percentiles(busy or [float("nan")])
+    return {"operation_s": ended - began, "quiet_p50_ms": q50, "quiet_p99_ms": q99, "lookups_during": len(busy),
+            "p50_ms": b50, "p99_ms": b99, "p99_vs_quiet": b99 / q99}
+
+
+def stalls(port: int, namespace_id: str, chains: int, first_chain: int) -> dict:
+    """Lookups while work proportional to the tier runs: dry-run evictions and a 100,000-block prepare."""
+    http = Http(port)
+    evict = {"tier": "dram", "limit": 100_000, "dry_run": True}
+    out = {"first dry-run evict (policy built from SQL)": lookups_during(
+               port, namespace_id, chains, lambda: http.post("/v1/admin/evict", evict)),
+           "dry-run evict again (policy copied)": lookups_during(
+               port, namespace_id, chains, lambda: http.post("/v1/admin/evict", evict))}
+
+    def prepare() -> None:
+        hashes = [f"{first_chain:016x}{k:016x}" for k in range(100_000)]
+        blocks = [{"hash": h, "parent": q, "nbytes": PAGE} for h, q in zip(hashes, [None] + hashes[:-1])]
+        prepared, _ = http.post("/v1/store/prepare", {"namespace_id": namespace_id, "blocks": blocks})
+        http.post("/v1/store/abort", {"token": prepared["token"]})
+    out["prepare of 100,000 blocks"] = lookups_during(port, namespace_id, chains, prepare)
+    return out
 
 
 def rss_mib(pid: int) -> float:
@@ -222,6 +272,7 @@ def main() -> None:
                               locations="always" if args.always_locations else True),
                       lookups(port, pid, namespace_id, chains, 4, args.seconds),
                       lookups(port, pid, namespace_id, chains, 4, args.seconds, saver_from=chains + 10)]
+            stalled = stalls(port, namespace_id, chains, chains + 50_000)
             stores = {}
             next_chain = chains + 100_000
             for size in (64, 1024):
@@ -252,6 +303,11 @@ def main() -> None:
                 [[n, round(p["per_s"]), p["p50_ms"], p["p99_ms"], p["full_hits"], p["saved_meanwhile"],
                   round(p["directory_cpu_us_per_lookup"])] for n, p in zip(names, phases)])
     print()
+    print_table(["1 client's lookups while", "took s", "quiet p50 ms", "quiet p99 ms", "p50 ms", "p99 ms",
+                 "p99 ÷ quiet"],
+                [[n, round(v["operation_s"], 2), v["quiet_p50_ms"], v["quiet_p99_ms"], v["p50_ms"], v["p99_ms"],
+                  round(v["p99_vs_quiet"], 2)] for n, v in stalled.items()])
+    print()
     print_table(["prepare+complete", "ms", "µs per block"], [[f"{k} blocks", v["ms"], v["us_per_block"]]
                                                             for k, v in stores.items()])
     print(f"\nindexed {chains * CHAIN:,} blocks; fill {chains * CHAIN / fill_s:,.0f} blocks/s; directory RSS "
@@ -259,7 +315,7 @@ def main() -> None:
           f"restart; restart to ready {start_s:.1f} s")
     write_json(args.json, {"machine": machine(), "blocks": chains * CHAIN, "fill_s": fill_s,
                            "fill_blocks_per_s": chains * CHAIN / fill_s, "lookups": dict(zip(names, phases)),
-                           "store": stores, "rss_mib": {"filled": rss, "end": rss_after, "restarted": rss_restart},
+                           "stalls": stalled, "store": stores, "rss_mib": {"filled": rss, "end": rss_after, "restarted": rss_restart},
                            "start_to_ready_s": start_s, "directory_src": str(args.directory_src)})
 
 

@@ -7,15 +7,18 @@ three workers with DRAM, NVMe and S3 (moto), two engines saving and loading thei
 loop (tests/fault/loop_engine.py: every load checked byte for byte). Faults are injected one at a
 time, every kind once per cycle in a random order: SIGKILL and SIGSTOP/SIGCONT of a worker, of the leading replica and of a
 follower; PostgreSQL restarted; every database connection cut; S3 down (moto restarted: its
-objects are gone). After each fault the soak waits for recovery: every live replica's /readyz is
+objects are gone) or slow (the workers reach it through a proxy that delays every chunk); a
+worker's NVMe disk full (its slabs live on a tmpfs of their own, filled up: only as root, where
+mounting works; otherwise the kind is left out and the report says so). After each fault the soak waits for recovery: every live replica's /readyz is
 200 and each engine has loaded a whole prompt since the fault ended.
 
 The checker reads the engines' histories at the end: every load is exact, partial (a verified
 prefix) or a miss, never `wrong`; no call raised; then pins, leases, reservations and moves go
-back to 0 and every replica answers every prompt's lookup as the leader does. The report:
-operations, misses per fault window, faults by kind (injected, recovered, time to recover p50 and
-p99), and what was lost (`wrong` loads and engine exceptions; target 0). Not injected yet: a full
-NVMe disk.
+back to 0, every replica answers every prompt's lookup as the leader does, and each worker's
+page accounting equals the directory's (NVMe pages the worker holds = the directory's used bytes;
+DRAM pages granted = the directory's used bytes plus its free credit). The report: operations,
+misses per fault window, faults by kind (injected, recovered, time to recover p50 and p99), and
+what was lost (`wrong` loads and engine exceptions; target 0).
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ import argparse
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,8 +53,10 @@ PAUSE_S = (2.0, 6.0)  # between a recovery and the next fault
 STOPPED_S = 5.0  # a SIGSTOPped process, or an outage, lasts this long
 RECOVER_S = 90.0  # a fault not recovered from within this long counts as not recovered
 BUCKET = "kv-soak"
+S3_DELAY_S = 0.2  # per chunk forwarded while S3 is slow
+NVME_FS_BYTES = 16 << 20  # a worker's NVMe tmpfs: its 8 MiB slab, the manifest, room to fill
 FAULTS = ("worker_kill", "worker_stop", "leader_kill", "leader_stop", "follower_kill", "postgres_restart",
-          "db_cut", "s3_outage")
+          "db_cut", "s3_outage", "s3_slow", "nvme_full")
 
 
 class Soak:
@@ -61,7 +69,11 @@ class Soak:
         os.environ.update(MotoServer.CREDENTIALS)  # the workers find them like any AWS credentials
         self.moto = MotoServer(tmp / "moto.log").start()
         self.moto.client().create_bucket(Bucket=BUCKET)
-        self.cluster = ReplicaCluster(tmp, proxied, self.moto.url, BUCKET, TTL_S, MOVE_TIMEOUT_S)
+        self.s3_proxy = Proxy(self.moto.port)  # the workers' way to S3
+        self.cluster = ReplicaCluster(tmp, proxied, f"http://127.0.0.1:{self.s3_proxy.port}", BUCKET, TTL_S,
+                                      MOVE_TIMEOUT_S)
+        self.mounted = [tmp / f"nvme-{i}" for i in range(3) if _tmpfs(tmp / f"nvme-{i}")]
+        self.kinds = FAULTS if len(self.mounted) == 3 else tuple(k for k in FAULTS if k != "nvme_full")
         self.engines: list[tuple[object, Path]] = []
         self.faults: list[dict] = []
         self.restarts = 0  # replicas restarted because they stopped serving
@@ -104,6 +116,15 @@ class Soak:
             time.sleep(STOPPED_S)
             self.moto.start()  # same port, empty again: the operator recreates the bucket
             self.moto.client().create_bucket(Bucket=BUCKET)
+        elif kind == "s3_slow":
+            self.s3_proxy.delay_s = S3_DELAY_S
+            time.sleep(STOPPED_S)
+            self.s3_proxy.delay_s = 0.0
+        elif kind == "nvme_full":
+            filler = self.rng.choice(self.mounted) / "filler"
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True)  # until ENOSPC
+            time.sleep(STOPPED_S)
+            filler.unlink()
         return began, time.time()
 
     def _stopped(self, proc) -> None:
@@ -156,7 +177,8 @@ class Soak:
             assert proc.wait(timeout=300) == 0, (self.tmp / f"engine-{seed}.log").read_text()[-3000:]
             histories.append(json.loads((self.tmp / f"engine-{seed}.json").read_text()))
         settled = self._settled()
-        return {"histories": histories, "settled": settled, "replicas_agree": self._replicas_agree()}
+        return {"histories": histories, "settled": settled, "replicas_agree": self._replicas_agree(),
+                "pages_agree": self._pages_agree()}
 
     def _settled(self) -> bool:
         client = self.cluster.client(self._leader())
@@ -184,12 +206,54 @@ class Soak:
         except TimeoutError:
             return False
 
+    def _pages_agree(self) -> bool:
+        """Each worker's page accounting equals the directory's: NVMe pages the worker holds are the
+        directory's used bytes; the DRAM pages it granted are the directory's used bytes plus its
+        free credit. A mismatch is a leak on one side."""
+        def agree() -> bool:
+            client = self.cluster.client(self._leader())
+            tiers = {(t.worker, t.kind): t for t in client.tiers()}
+            for worker in client.workers():
+                held = _held_bytes(worker.control_url)
+                for kind in ("dram", "nvme"):
+                    t = tiers.get((worker.name, kind))
+                    directory = t.used_bytes + (t.credit_free_bytes or 0) if t else 0
+                    if held.get(kind, 0) != directory:
+                        self.mismatch = f"{worker.name} {kind}: worker holds {held.get(kind)}, directory {directory}"
+                        return False
+            return True
+        self.mismatch = ""
+        try:
+            wait_until(agree, 30, "page accounting agrees")
+            return True
+        except TimeoutError:
+            print("page accounting differs:", self.mismatch, flush=True)
+            return False
+
     def close(self) -> None:
         self.cluster.close()
         stop_engines()
         self.moto.stop()
         self.proxy.cut()
+        self.s3_proxy.cut()
         self.postgres.stop()
+        for path in self.mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _tmpfs(path: Path) -> bool:
+    """A small tmpfs of its own at `path` (a disk that can be filled); False where mounting fails."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={NVME_FS_BYTES}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _held_bytes(control_url: str) -> dict[str, int]:
+    """tier -> bytes the worker's pages hold, from its /metrics."""
+    text = httpx.get(control_url.rstrip("/") + "/metrics", timeout=5).text
+    return {m[1]: int(float(m[2])) for m in re.finditer(r'kvstore_worker_tier_held_bytes\{tier="(\w+)"\} (\S+)', text)}
 
 
 def _last_exact(markers: Path) -> float:
@@ -220,7 +284,7 @@ def report(faults: list[dict], outcome: dict, minutes: float) -> dict:
         k["recover_p99_s"] = round(times[min(len(times) - 1, int(0.99 * len(times)))], 2) if times else None
     return {"minutes": minutes, "operations": len(events), "loads": by_outcome, "engine_errors": errors,
             "lost": by_outcome["wrong"] + errors, "settled": outcome["settled"],
-            "replicas_agree": outcome["replicas_agree"], "faults": kinds,
+            "replicas_agree": outcome["replicas_agree"], "pages_agree": outcome["pages_agree"], "faults": kinds,
             "all_recovered": all(f["recover_s"] is not None for f in faults)}
 
 
@@ -238,7 +302,7 @@ def main() -> None:
         while time.time() < deadline:
             time.sleep(soak.rng.uniform(*PAUSE_S))
             if not order:  # every kind once per cycle, in a random order
-                order = soak.rng.sample(FAULTS, len(FAULTS))
+                order = soak.rng.sample(soak.kinds, len(soak.kinds))
             kind = order.pop()
             began, ended = soak.inject(kind)
             recover_s = soak.recovered(ended)
@@ -247,6 +311,7 @@ def main() -> None:
                   flush=True)
         result = report(soak.faults, soak.finish(), args.minutes)
         result["supervisor_restarts"] = soak.restarts
+        result["not_injected"] = sorted(set(FAULTS) - set(soak.kinds))
     finally:
         soak.close()
     result["logs"] = str(tmp)
@@ -256,9 +321,10 @@ def main() -> None:
                  for kind, k in sorted(result["faults"].items())])
     print(f"operations {result['operations']}, loads {result['loads']}, engine errors {result['engine_errors']}, "
           f"lost {result['lost']}, settled {result['settled']}, replicas agree {result['replicas_agree']}, "
-          f"replicas restarted by the supervisor {result['supervisor_restarts']}")
+          f"pages agree {result['pages_agree']}, replicas restarted by the supervisor {result['supervisor_restarts']}"
+          + (f", not injected here: {', '.join(result['not_injected'])}" if result["not_injected"] else ""))
     sys.exit(0 if result["lost"] == 0 and result["all_recovered"] and result["settled"]
-             and result["replicas_agree"] else 1)
+             and result["replicas_agree"] and result["pages_agree"] else 1)
 
 
 if __name__ == "__main__":

@@ -173,10 +173,12 @@ class MotoServer:
 
 class Proxy:
     """A TCP forwarder on loopback: what a network between two services does, cut and restored on
-    demand (`cut()` closes the listener and every open connection; `restore()` listens again)."""
+    demand (`cut()` closes the listener and every open connection; `restore()` listens again), or
+    slowed (`delay_s`: each chunk forwarded waits this long)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
+        self.delay_s = 0.0
         self.port = free_port()
         self._conns: list[socket.socket] = []
         self._listener: socket.socket | None = None
@@ -215,10 +217,11 @@ class Proxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                if self.delay_s:
+                    time.sleep(self.delay_s)
                 dst.sendall(data)
         except OSError:
             pass

@@ -379,7 +379,8 @@ class ReplicaCluster:
             "worker", "serve", "--directory-url", self.urls, "--name", name, "--host", f"127.0.0.{2 + i}",
             "--dram-bytes", "2MiB", "--page-bytes", "16KiB", "--nvme-bytes", "8MiB",
             "--nvme-dir", str(self.tmp / f"nvme-{i}"), "--s3-bucket", self.bucket, "--s3-endpoint", self.s3_url,
-            "--s3-prefix", name, "--bounce-bytes", "1MiB"), self.tmp / f"worker-{i}.log", env=self.env)
+            "--s3-prefix", name, "--bounce-bytes", "1MiB", "--open-metrics"), self.tmp / f"worker-{i}.log",
+            env=self.env)
 
     def start(self) -> None:
         """The three replicas (the first leads), then the three workers, until all are active."""

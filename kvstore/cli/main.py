@@ -63,10 +63,11 @@ def tiers(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, o
     if output == "json":
         print(json.dumps([r.model_dump() for r in rows], indent=2))
         return
-    table = Table("worker", "kind", "capacity", "used", "blocks", "page", "watermarks")
-    for r in rows:
+    table = Table("worker", "kind", "capacity", "used", "blocks", "KV/used", "page", "watermarks")
+    for r in rows:  # KV/used: KV bytes held ÷ bytes of the pages holding them
         table.add_row(r.worker, r.kind, format_size(r.capacity_bytes), format_size(r.used_bytes),
-                      str(r.num_blocks), format_size(r.page_bytes), f"{r.low_watermark:.2f}/{r.high_watermark:.2f}")
+                      str(r.num_blocks), "-" if r.efficiency is None else f"{r.efficiency:.2f}",
+                      format_size(r.page_bytes), f"{r.low_watermark:.2f}/{r.high_watermark:.2f}")
     console.print(table)
 
 

@@ -26,7 +26,7 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
        data_dir: Annotated[Path, typer.Option(help="state lives here")] = Path("var"),
        config: Config = None,
        dram_bytes: Annotated[str | None, typer.Option(help="the worker's DRAM arena [512MiB]")] = None,
-       page_bytes: Annotated[str | None, typer.Option(help="page size of every tier [64KiB]")] = None,
+       page_bytes: Annotated[str | None, typer.Option(help="page size of every tier [4KiB]")] = None,
        nvme_bytes: Annotated[str | None, typer.Option(help="NVMe tier size; 0 disables [1GiB]")] = None,
        nvme_dir: Annotated[Path | None, typer.Option(help="[DATA_DIR/nvme]")] = None,
        s3_bucket: Annotated[str | None, typer.Option(help="S3 tier bucket; none = no S3 tier")] = None,

@@ -47,7 +47,8 @@ DIRECTORY_FLAGS = {
 WORKER_FLAGS = {name: name for name in (
     "directory_url", "name", "host", "port", "dram_bytes", "page_bytes", "hbm_bytes", "hbm_device", "nvme_bytes",
     "nvme_dir", "posix_queue", "gds", "s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "s3_virtual_addressing",
-    "bounce_bytes", "token", "ca_file", "tls_cert", "tls_key", "open_metrics", "metrics_token", "advertise_host")}
+    "bounce_bytes", "token", "ca_file", "tls_cert", "tls_key", "open_metrics", "metrics_token", "advertise_host",
+    "arena_dir")}
 
 
 def settings_from(cls, flags: dict, names: dict):
@@ -239,7 +240,7 @@ def worker_serve(
                                                            "if not --host (needed with --host 0.0.0.0)")] = None,
         port: Annotated[int | None, typer.Option(help="control port; 0 = any [0]")] = None,
         dram_bytes: Annotated[str | None, typer.Option(help="DRAM arena [512MiB]")] = None,
-        page_bytes: Annotated[str | None, typer.Option(help="page size of every tier [64KiB]")] = None,
+        page_bytes: Annotated[str | None, typer.Option(help="page size of every tier [4KiB]")] = None,
         hbm_bytes: Annotated[str | None, typer.Option(help="HBM tier size (needs CUDA); 0 = none [0]")] = None,
         hbm_device: Annotated[int | None, typer.Option(help="CUDA device of the HBM tier [0]")] = None,
         nvme_bytes: Annotated[str | None, typer.Option(help="NVMe tier size; 0 = none [0]")] = None,
@@ -253,6 +254,8 @@ def worker_serve(
         s3_virtual_addressing: Annotated[bool | None, typer.Option(
             "--s3-virtual-addressing/--s3-path-addressing", help="bucket in the host name [path]")] = None,
         bounce_bytes: Annotated[str | None, typer.Option(help="DRAM buffer for copies to S3 [64MiB]")] = None,
+        arena_dir: Annotated[str | None, typer.Option(help="folder of the socket that hands the DRAM arena to "
+                                                      "engines on this host; '' = NIXL only [/tmp/kvstore]")] = None,
         token: Annotated[str | None, typer.Option(envvar="KVSTORE_TOKEN", help="worker token for the "
                                                   "directory")] = None,
         ca_file: Annotated[str | None, typer.Option(envvar="KVSTORE_CA_FILE", help="CA bundle the directory's "

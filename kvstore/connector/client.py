@@ -24,6 +24,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +32,7 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
+from kvstore.connector.copies import BlockCopier, LocalArenas
 from kvstore.connector.handoff import HandoffResult, wait_for_handoff
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
@@ -41,7 +43,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.handoffs import HandoffCommit
 from kvstore.core.keys import LAYOUTS, Namespace, block_hashes, checksum
 from kvstore.core.memory import HostBuffer
-from kvstore.transfer import Agent, Transfer
+from kvstore.transfer import Agent
 
 log = logging.getLogger(__name__)
 DEFAULT_STAGING_BYTES = 128 << 20
@@ -51,11 +53,14 @@ READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this siz
 class KVStoreClient:
     def __init__(self, url: str | Sequence[str], namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True,
-                 token: str | None = None, ca_file: str | None = None, hosts: list[str] | None = None) -> None:
+                 token: str | None = None, ca_file: str | None = None, hosts: list[str] | None = None,
+                 same_host: str | None = None) -> None:
         """`url`: the directory, or its replicas (comma-separated, or a list): calls move to the next
         on a connection error or a 5xx. `token`: an engine token of the namespace's tenant (default: $KVSTORE_TOKEN); `ca_file`:
         the CA bundle of an https directory (default: $KVSTORE_CA_FILE); `hosts`: addresses of this
-        host a worker may have registered, beyond its names and addresses (saves prefer such workers)."""
+        host a worker may have registered, beyond its names and addresses (saves prefer such workers).
+        `same_host`: "auto" copies blocks straight into and out of the DRAM arena of a worker on this
+        host that shares it, "off" always uses NIXL (default: $KVSTORE_SAME_HOST, else auto)."""
         if namespace.layout != LAYOUTS[0]:
             raise KVStoreError("invalid", f"KVStoreClient packs blocks as {LAYOUTS[0]}; namespace layout "
                                f"{namespace.layout!r} is written by another connector (kvstore.connector.vllm)")
@@ -68,11 +73,13 @@ class KVStoreClient:
         assert self.namespace_id == namespace.namespace_id, "directory computed another namespace id"
         self.agent = Agent(name or f"kvstore-client-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
         self.peers = Peers(self.agent, self.directory)
+        self.copier = BlockCopier(self.agent, self.peers, LocalArenas(mode=same_host), timeout_s)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
         self.slots = max(1, staging_bytes // namespace.block_nbytes)
         self.staging = HostBuffer(self.slots * namespace.block_nbytes)
         self.register_buffer(self.staging.array)
         self.last_timings: dict[str, float] = {}  # seconds per phase of the last *_blocks call
+        self.last_refused: dict[str, int] = {}  # blocks the last save did not store, by reason
         self.last_handoff: HandoffResult | None = None  # how the last load's wait for a hand-off ended
 
     # ---- tensors ----------------------------------------------------------------------
@@ -174,16 +181,25 @@ class KVStoreClient:
     def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None,
                     hints: specs.RequestHints | dict | None = None) -> int:
         """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held.
+        A chain larger than the memory tier is saved in rounds: what a round commits may move down
+        while the next is placed. Why blocks were not stored: `last_refused` (reason -> blocks).
         A directory that cannot be reached stores nothing (0), it does not raise."""
         assert len(hashes) == len(blocks), "one buffer per hash"
-        if not hashes:
-            return 0
+        self.last_refused, held = {}, 0
         with _miss_if_unreachable("save"):
-            return self._save_blocks(hashes, blocks, parent, _request_hints(hints))
-        return 0
+            while held < len(hashes):  # each round stores at least one block more, or ends the save
+                stored, refused = self._save_blocks(hashes[held:], blocks[held:], hashes[held - 1] if held else parent,
+                                                    _request_hints(hints))
+                held += stored
+                if not stored or refused != "no_space":
+                    break
+        if held < len(hashes) and self.last_refused:
+            log.info("saved %d of %d blocks; not stored: %s", held, len(hashes), self.last_refused)
+        return held
 
     def _save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None,
-                     hints: specs.RequestHints | None) -> int:
+                     hints: specs.RequestHints | None) -> tuple[int, str | None]:
+        """One prepare + write + complete; (leading blocks now held, why the next one is not)."""
         clock = _PhaseClock()
         parents = [parent] + hashes[:-1]
         prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore(
@@ -209,24 +225,38 @@ class KVStoreClient:
             if not (decision.status == "exists" or ok.get(i)):
                 break
             held += 1
-        return held
+        if held == len(hashes):
+            self.last_refused = {}
+            return held, None
+        reasons = [d.reason if d.status == "rejected" else "write_failed" for d in prepared.blocks[held:]
+                   if d.status != "exists"]
+        self.last_refused = dict(Counter(reasons))
+        return held, reasons[0] if reasons else None
 
     def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
         """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified.
-        A directory that cannot be reached is a miss (0), it does not raise."""
+        A prefix larger than the memory tier is read in rounds, each staged from the tiers below
+        once the last was read. A directory that cannot be reached is a miss (0), it does not raise."""
         assert len(hashes) == len(blocks), "one buffer per hash"
+        verified = 0
         with _miss_if_unreachable("load"):
-            return self._load_blocks(hashes, blocks)
-        return 0
+            while verified < len(hashes):
+                read, more = self._load_blocks(hashes[verified:], blocks[verified:])
+                verified += read
+                if not read or not more:
+                    break
+        return verified
 
-    def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
+    def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> tuple[int, int]:
+        """One prepare + read + complete; (leading blocks verified, blocks stored after those that
+        the memory tier could not take now: 0 unless every block read was verified)."""
         clock = _PhaseClock()
         prepared = clock.timed("prepare", self.directory.prepare_load, specs.PrepareLoad(
             namespace_id=self.namespace_id, hashes=[h.hex() for h in hashes], reader=self.agent.name))
         hits = prepared.blocks
         if not hits:
             self.last_timings = clock.finish()
-            return 0
+            return 0, 0
         with self._renewal(prepared.token, prepared.expires_at):
             done, digests = self._read_and_hash(hits, blocks, clock)
         verified, reports = 0, []
@@ -241,7 +271,7 @@ class KVStoreClient:
         if not clock.timed("complete", self.complete_load, body):
             verified = 0  # the lease expired under us: the pages may have been reused, so a miss
         self.last_timings = clock.finish()
-        return verified
+        return verified, prepared.more if verified == len(hits) else 0
 
     def _renewal(self, token: str | None, expires_at: float | None) -> Renewal:
         ttl_s = (expires_at - time.time()) if expires_at is not None else 0.0
@@ -259,29 +289,12 @@ class KVStoreClient:
         return done, digests
 
     def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
-        """One NIXL request per worker and tier; returns per item whether its request completed."""
-        by_worker: dict[tuple[str, int, str], list[int]] = {}
-        for k, (_, location) in enumerate(items):
-            by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
-        transfers: list[tuple[Transfer | None, list[int]]] = []
-        for (worker, epoch, tier), ks in by_worker.items():
-            peer = self.peers.agent_for(worker, epoch)
-            local, remote = _rows([items[k] for k in ks])
-            remote_mem = "VRAM" if tier == "hbm" else "DRAM"  # hbm: a GPU path (UCX on VRAM)
-            transfers.append((self.agent.submit(op, local, remote, peer, "DRAM", remote_mem) if peer else None, ks))
-        done = [False] * len(items)
-        for transfer, ks in transfers:
-            state = transfer.wait(self.timeout_s) if transfer else "failed"
-            if state != "done":
-                log.warning("NIXL %s of %d blocks failed: %s", op, len(ks), transfer.error if transfer else
-                            "worker unreachable")
-            for k in ks:
-                done[k] = state == "done"
-        return done
+        return self.copier.move(op, items)
 
     def close(self) -> None:
         self._hasher.shutdown(wait=True)
         self.peers.close()
+        self.copier.arenas.close()
         self.agent.close()
         self.directory.close()
 
@@ -359,15 +372,3 @@ class _PhaseClock:
 
     def finish(self) -> dict[str, float]:
         return {**self.laps, "wall": time.perf_counter() - self._start}
-
-
-def _rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndarray, np.ndarray]:
-    local, remote = [], []
-    for buffer, location in items:
-        addr = int(buffer.ctypes.data)
-        for run_addr, run_len in location.runs:
-            local.append((addr, run_len))
-            remote.append((run_addr, run_len))
-            addr += run_len
-        assert addr == int(buffer.ctypes.data) + buffer.nbytes, "replica runs do not match the block size"
-    return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)

@@ -1,21 +1,30 @@
-"""Page-aligned host buffers (anonymous mmap), usable by numpy, torch and NIXL."""
+"""Page-aligned host buffers (mmap), usable by numpy, torch and NIXL: anonymous, or backed by a
+memfd that other processes of this host can map (the worker's DRAM arena)."""
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 
 
 class HostBuffer:
     """`nbytes` of zero-filled, page-aligned host memory at a stable address. With `populate`, every
-    page is faulted in now (about 0.25 s per GiB) instead of on its first write."""
+    page is faulted in now (about 0.25 s per GiB) instead of on its first write. With `shared`, the
+    memory is a memfd (`fd`) mapped MAP_SHARED, which can be handed to another process."""
 
-    def __init__(self, nbytes: int, populate: bool = False) -> None:
+    def __init__(self, nbytes: int, populate: bool = False, shared: bool = False) -> None:
         assert nbytes > 0, "a buffer needs a positive size"
         self.nbytes = nbytes
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
-        self._map = mmap.mmap(-1, nbytes, flags=flags)
+        self.fd: int | None = None
+        populate_flag = mmap.MAP_POPULATE if populate else 0
+        if shared:
+            self.fd = os.memfd_create("kvstore-arena", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, nbytes)
+            self._map = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | populate_flag)
+        else:
+            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate_flag)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.addr = int(self.array.ctypes.data)
 

@@ -239,6 +239,8 @@ class LoadPrepared(_Spec):
     token: str | None
     expires_at: float | None
     blocks: list[BlockHit]
+    more: int = Field(0, description="blocks after these that are stored in a tier below but could not be "
+                      "staged into memory now (the memory tier is full): load these, complete, then ask again")
 
 
 class PrepareLoads(_Spec):
@@ -254,6 +256,7 @@ class LoadsPrepared(_Spec):
     token: str | None  # null when no chain had a hit
     expires_at: float | None
     chains: list[list[BlockHit]]  # the leading hits of each chain, in the request's order
+    more: list[int] = []  # per chain: as LoadPrepared.more
 
 
 class BlockRead(_Spec):
@@ -279,11 +282,18 @@ class TierUsage(_Spec):
     capacity_bytes: int | None
     used_bytes: int
     num_blocks: int
+    kv_bytes: int = Field(0, description="KV bytes of the blocks held (visible replicas)")
+    block_bytes: int = Field(0, description="bytes of the pages those blocks take")
     page_bytes: int
     high_watermark: float
     low_watermark: float
     credit_free_bytes: int | None = Field(None, description="memory tiers: free bytes of the page credit this "
                                           "directory holds (pages the worker granted it)")
+
+    @property
+    def efficiency(self) -> float | None:
+        """KV bytes held ÷ bytes of the pages they take (1.0: no page is partly empty)."""
+        return self.kv_bytes / self.block_bytes if self.block_bytes else None
 
 
 class Stats(_Spec):

@@ -49,6 +49,11 @@ class DirectoryMetrics:
         self.tier_used = Gauge("kvstore_tier_used_bytes", "Tier bytes reserved or used",
                                ["worker", "kind"], registry=r)
         self.tier_blocks = Gauge("kvstore_tier_blocks", "Visible replicas per tier", ["worker", "kind"], registry=r)
+        self.tier_kv = Gauge("kvstore_tier_kv_bytes", "KV bytes of a tier's visible replicas (their pages: "
+                             "kvstore_tier_block_bytes; the ratio is how much of the pages holds KV)",
+                             ["worker", "kind"], registry=r)
+        self.tier_block_bytes = Gauge("kvstore_tier_block_bytes", "Bytes of the pages a tier's visible replicas "
+                                      "take", ["worker", "kind"], registry=r)
         self.tier_high = Gauge("kvstore_tier_high_watermark_ratio", "Fill ratio above which the reaper moves a "
                                "tier's blocks down", ["worker", "kind"], registry=r)
         self.tier_low = Gauge("kvstore_tier_low_watermark_ratio", "Fill ratio the reaper moves a tier down to",
@@ -70,8 +75,8 @@ class DirectoryMetrics:
                              registry=r)
         self.declared_dead = Counter("kvstore_workers_declared_dead", "Workers declared dead because their "
                                      "heartbeats stopped", registry=r)
-        self._by_worker = (self.tier_capacity, self.tier_used, self.tier_blocks, self.tier_high, self.tier_low,
-                           self.heartbeat_age, self.workers)
+        self._by_worker = (self.tier_capacity, self.tier_used, self.tier_blocks, self.tier_kv, self.tier_block_bytes,
+                           self.tier_high, self.tier_low, self.heartbeat_age, self.workers)
         self._observers: dict[tuple[str, str, int], object] = {}
         self._render = threading.Lock()
 
@@ -121,6 +126,8 @@ class DirectoryMetrics:
                 labels = (tier.worker, tier.kind)
                 self.tier_used.labels(*labels).set(tier.used_bytes)
                 self.tier_blocks.labels(*labels).set(tier.num_blocks)
+                self.tier_kv.labels(*labels).set(tier.kv_bytes)
+                self.tier_block_bytes.labels(*labels).set(tier.block_bytes)
                 if tier.capacity_bytes is not None:  # S3 has no capacity and no watermarks
                     self.tier_capacity.labels(*labels).set(tier.capacity_bytes)
                     self.tier_high.labels(*labels).set(tier.high_watermark)

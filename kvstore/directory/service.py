@@ -81,7 +81,8 @@ class DirectoryService:
         self.reservations = Reservations()
         moves = Moves(write, self.calls, reclaim, self.pools, metrics, clock)
         orphans = Orphans(write, moves, self.calls, reclaim)
-        self.movement = Movement(write, moves, reclaim, self.pools, self.policies, self.reservations.reserved_bytes)
+        self.movement = Movement(write, moves, reclaim, self.pools, self.policies, self.reservations.reserved_bytes,
+                                 promote_timeout_s=min(settings.move_timeout_s, settings.lease_ttl_s))
         spread = Spread(write, moves, reclaim, self.pools)
         self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock)
         self.store = Store(self.writer, self.index, self.pools, self.reservations, self.policies, metrics, settings,
@@ -353,11 +354,11 @@ class DirectoryService:
         with self.sessions() as session:
             return [specs.TierUsage(worker=w.name, kind=t.kind, capacity_bytes=t.capacity_bytes,
                                     used_bytes=t.used_bytes + self.reservations.reserved_bytes(t.id), num_blocks=n,
-                                    page_bytes=t.page_bytes,
+                                    kv_bytes=kv, block_bytes=held, page_bytes=t.page_bytes,
                                     high_watermark=t.high_watermark, low_watermark=t.low_watermark,
                                     credit_free_bytes=self.pools.free_bytes(t.id, w.epoch)
                                     if t.kind in MEMORY and self.leading else None)
-                    for t, w, n in repo.tier_usage(session)]
+                    for t, w, n, kv, held in repo.tier_usage(session)]
 
     def metrics_text(self) -> bytes:
         """Prometheus' text: the counters, the stats, and (on the leader) tiers and workers."""

@@ -161,8 +161,10 @@ class Mover:
             if error and error != s3_down:
                 item = req.items[i]
                 log.warning("move of block %s %s->%s failed: %s", item.hash, item.src_kind, item.dst_kind, error)
-        if self.nvme is not None:
-            self.nvme.sync()
+        failed = self.nvme.sync_moves(req.items) if self.nvme is not None else None  # a full disk: the reason
+        for i, item in enumerate(req.items):
+            if failed and item.dst_kind == "nvme" and errors.get(i) is None:
+                errors[i] = failed
         ordered = [errors[i] for i in range(len(req.items))]
         codes = ["ok" if e is None else "source_corrupt" if isinstance(e, SourceCorrupt) else "failed"
                  for e in ordered]

@@ -12,6 +12,11 @@ after a block's bytes are written, a "free" line when its pages are given
 back. Replaying it after a crash yields the blocks whose bytes were written;
 the directory keeps those it still knows and the connector verifies every
 byte by checksum anyway.
+
+Its first line records the page size the slabs were split with; pages are
+numbered in it, so a directory keeps that page size whatever the setting says
+later (a manifest without that line predates it: its page size is
+`legacy_page_bytes`).
 """
 
 from __future__ import annotations
@@ -30,12 +35,18 @@ from kvstore.core.pages import PageAllocator
 
 log = logging.getLogger(__name__)
 SLAB_BYTES = 1 << 30
+LEGACY_PAGE_BYTES = 64 << 10  # the page size of every tier before manifests recorded theirs
 MANIFEST = "manifest.jsonl"
 
 
 class NvmeTier:
-    def __init__(self, directory: Path, total_bytes: int, page_bytes: int) -> None:
+    def __init__(self, directory: Path, total_bytes: int, page_bytes: int, legacy_page_bytes: int | None = None) -> None:
         self.directory = Path(directory)
+        recorded = _recorded_page_bytes(self.directory / MANIFEST, legacy_page_bytes or page_bytes)
+        if recorded is not None and recorded != page_bytes:
+            log.warning("NVMe directory %s keeps the page size it was created with, %d bytes (the setting says %d)",
+                        self.directory, recorded, page_bytes)
+            page_bytes = recorded
         self.page_bytes = page_bytes
         slab_pages = max(1, SLAB_BYTES // page_bytes)
         num_pages = total_bytes // page_bytes
@@ -47,8 +58,12 @@ class NvmeTier:
         self.fds = [self._open_slab(i, min(self.slab_pages, num_pages - i * self.slab_pages))
                     for i in range(-(-num_pages // self.slab_pages))]
         self._manifest = self._open_manifest()
+        if os.fstat(self._manifest).st_size == 0:
+            os.write(self._manifest, (json.dumps({"op": "meta", "page_bytes": page_bytes}) + "\n").encode())
+            os.fsync(self._manifest)
         self._live = self._replay()
         self._pending: dict[str, dict] = {}  # "put" lines waiting for their data to be durable
+        self._frees: list[dict] = []  # "free" lines waiting for the next sync
         self._lock = threading.Lock()
 
     @property
@@ -66,9 +81,9 @@ class NvmeTier:
                                path=str(path)) from None
         return fd
 
-    def _open_manifest(self):
+    def _open_manifest(self) -> int:
         try:
-            return open(self.directory / MANIFEST, "a+")
+            return os.open(self.directory / MANIFEST, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as exc:
             raise KVStoreError("unavailable", f"cannot open the NVMe manifest: {exc.strerror}",
                                path=str(self.directory / MANIFEST)) from None
@@ -106,39 +121,78 @@ class NvmeTier:
             self._live[key] = entry
 
     def forget(self, token: str, runs: list[specs.PageRun]) -> None:
+        """These pages were given back: a "put" not yet written is dropped, a written one gets a
+        "free" line (written by the next `sync`, before any "put" that reuses the pages)."""
         key = _key(token, [[r.first, r.count] for r in runs])
         with self._lock:
             if self._live.pop(key, None) is not None and self._pending.pop(key, None) is None:
-                self._manifest.write(json.dumps({"op": "free", "token": token,
-                                                 "runs": [[r.first, r.count] for r in runs]}) + "\n")
+                self._frees.append({"op": "free", "token": token, "runs": [[r.first, r.count] for r in runs]})
 
     def sync(self) -> None:
-        """Make what was written durable: the slab data first, then the manifest lines naming it.
-        Called once per move request before it is answered (so a block the directory commits is
-        in the manifest) and after each free (a lost "free" line could resurrect reused pages)."""
+        """Make what was written durable: the slab data first, then the manifest lines naming it,
+        frees before puts, in one append. Called once per move request before it is answered (so a
+        block the directory commits is in the manifest) and after each free. If the append fails
+        (a full disk) the manifest is cut back to where it was, nothing is lost from memory, and
+        `KVStoreError("unavailable")` says why: the caller fails the moves it made; the frees are
+        written by the next sync that succeeds."""
         with self._lock:
+            if not self._pending and not self._frees:
+                return
             if self._pending:
                 for fd in self.fds:
                     os.fsync(fd)
-                for entry in self._pending.values():
-                    self._manifest.write(json.dumps(entry) + "\n")
-                self._pending.clear()
-            self._manifest.flush()
-            os.fsync(self._manifest.fileno())
+            text = "".join(json.dumps(e) + "\n" for e in [*self._frees, *self._pending.values()]).encode()
+            end = os.lseek(self._manifest, 0, os.SEEK_END)
+            try:
+                view = memoryview(text)
+                while view:
+                    view = view[os.write(self._manifest, view):]
+                os.fsync(self._manifest)
+            except OSError as exc:
+                os.ftruncate(self._manifest, end)  # never a torn line that would swallow the next one
+                raise KVStoreError("unavailable", f"cannot write the NVMe manifest: {exc.strerror}",
+                                   path=str(self.directory / MANIFEST)) from None
+            self._frees.clear()
+            self._pending.clear()
+
+    def sync_moves(self, items: list[moving.MoveItem]) -> str | None:
+        """`sync` before a move request is answered: None once durable; otherwise (a full disk) why,
+        with the "put" lines of this request's moves to NVMe dropped (they are reported failed)."""
+        try:
+            self.sync()
+            return None
+        except KVStoreError as exc:
+            self.drop_pending([item for item in items if item.dst_kind == "nvme"])
+            log.warning("%s: this request's moves to NVMe are reported failed", exc.message)
+            return exc.message
+
+    def drop_pending(self, items: list[moving.MoveItem]) -> None:
+        """Forget the "put" lines of these moves, which a failed `sync` could not write (the moves
+        are reported failed, and the directory gives their pages back)."""
+        with self._lock:
+            for item in items:
+                key = _key(item.dst_token, [[r.first, r.count] for r in item.dst_runs])
+                if self._pending.pop(key, None) is not None:
+                    self._live.pop(key, None)
 
     def _replay(self) -> dict[str, dict]:
         live: dict[str, dict] = {}
-        self._manifest.seek(0)
-        for number, line in enumerate(self._manifest, 1):
+        with open(self._manifest, closefd=False) as lines:
+            text = lines.read()
+        if text and not text.endswith("\n"):  # a line torn by a crash ends here, not in the next one
+            os.write(self._manifest, b"\n")
+        for number, line in enumerate(text.splitlines(), 1):
             try:
                 entry = json.loads(line)
+                if entry.get("op") == "meta":
+                    continue
                 key = _key(entry["token"], entry["runs"])
             except (ValueError, KeyError, TypeError):
                 log.warning("NVMe manifest line %d is damaged; ignored", number)
                 continue
             if entry.get("op") == "put":
                 live[key] = entry
-            else:
+            elif entry.get("op") == "free":
                 live.pop(key, None)
         for entry in live.values():  # the pages of surviving blocks stay taken
             runs = [specs.PageRun(first=f, count=c) for f, c in entry["runs"]]
@@ -153,9 +207,28 @@ class NvmeTier:
                                checksum=e["checksum"]) for e in self._live.values()]
 
     def close(self) -> None:
-        self._manifest.close()
+        os.close(self._manifest)
         for fd in self.fds:
             os.close(fd)
+
+
+def _recorded_page_bytes(path: Path, legacy_page_bytes: int) -> int | None:
+    """The page size a manifest's pages are numbered in: its first line's, `legacy_page_bytes` for
+    a manifest from before that line, None for no manifest (or an empty one)."""
+    try:
+        with open(path) as f:
+            first = f.readline()
+    except OSError:  # none yet, or no folder: opening the slabs says what is wrong
+        return None
+    if not first.strip():
+        return None
+    try:
+        meta = json.loads(first)
+        if meta.get("op") == "meta" and isinstance(meta.get("page_bytes"), int) and meta["page_bytes"] >= 4096:
+            return meta["page_bytes"]
+    except (ValueError, AttributeError):
+        pass
+    return legacy_page_bytes
 
 
 def _key(token: str, runs: list) -> str:

@@ -27,7 +27,8 @@ from kvstore.worker.metrics import WorkerMetrics
 from kvstore.worker.hbm import HbmArena
 from kvstore.worker.fencing import MoveFence
 from kvstore.worker.mover import Mover
-from kvstore.worker.nvme import NvmeTier
+from kvstore.worker.nvme import LEGACY_PAGE_BYTES, NvmeTier
+from kvstore.worker.sharing import ArenaShare
 from kvstore.worker.s3 import S3Tier
 from kvstore.worker.settings import WorkerSettings
 
@@ -44,11 +45,14 @@ class StorageWorker:
                                dram_bytes=settings.dram_bytes, page_bytes=settings.page_bytes)
         self.hbm = HbmArena(settings.hbm_bytes, settings.page_bytes, settings.hbm_device) \
             if settings.hbm_bytes else None
-        self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes) \
+        # a manifest from before pages sizes were recorded was written with the page size set, or the old default
+        legacy = settings.page_bytes if "page_bytes" in settings.model_fields_set else LEGACY_PAGE_BYTES
+        self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes, legacy) \
             if settings.nvme_bytes else None
         self.s3 = S3Tier(settings.s3_endpoint, settings.s3_bucket, settings.s3_prefix, settings.s3_region,
                          settings.s3_virtual_addressing) if settings.s3_bucket else None
-        self.arena = HostBuffer(num_pages * settings.page_bytes, populate=True)  # no page faults on saves
+        # no page faults on saves; a memfd when engines of this host may map it
+        self.arena = HostBuffer(num_pages * settings.page_bytes, populate=True, shared=settings.arena_dir is not None)
         self.allocator = PageAllocator(num_pages, settings.page_bytes)
         backends = {"UCX": {}}
         if self.nvme:
@@ -83,11 +87,17 @@ class StorageWorker:
                                          ca_file=settings.ca_file)
         self.epoch = 0
         self.heartbeat_interval_s = 1.0
+        self.share = ArenaShare(settings.arena_dir / f"{settings.name}.sock", self.arena,
+                                lambda: {"agent_name": self.agent.name, "epoch": self.epoch}) \
+            if settings.arena_dir is not None else None
 
     def _freed(self, kind: str, token: str, runs: list[specs.PageRun]) -> None:
         if kind == "nvme" and self.nvme:
             self.nvme.forget(token, runs)
-            self.nvme.sync()  # a lost "free" line could resurrect pages that were reused
+            try:
+                self.nvme.sync()  # a lost "free" line could resurrect pages that were reused
+            except KVStoreError as exc:  # written before any line that reuses the pages, by a later sync
+                log.warning("%s; the free of %s is written later", exc.message, token)
 
     def tier_specs(self) -> list[specs.TierSpec]:
         tiers = [specs.TierSpec(kind="dram", capacity_bytes=self.arena.nbytes,
@@ -97,7 +107,7 @@ class StorageWorker:
                                         page_bytes=self.settings.page_bytes, base_addr=self.hbm.addr))
         if self.nvme:
             tiers.append(specs.TierSpec(kind="nvme", capacity_bytes=self.nvme.capacity_bytes,
-                                        page_bytes=self.settings.page_bytes))
+                                        page_bytes=self.nvme.page_bytes))
         if self.s3:
             tiers.append(specs.TierSpec(kind="s3", capacity_bytes=None, page_bytes=1))
         return tiers
@@ -107,6 +117,12 @@ class StorageWorker:
 
     def start(self, wait_for_directory_s: float = 30.0) -> None:
         self.control.start()
+        if self.share is not None:
+            try:
+                self.share.start()
+            except OSError as exc:  # engines load over NIXL instead
+                log.warning("cannot share the DRAM arena at %s: %s", self.share.path, exc)
+                self.share = None
         deadline = time.monotonic() + wait_for_directory_s
         while True:
             try:
@@ -175,6 +191,8 @@ class StorageWorker:
             self.directory.deregister(self.settings.name, self.epoch)
         except KVStoreError as exc:
             log.warning("could not deregister: %s", exc)
+        if self.share is not None:
+            self.share.stop()
         self.control.stop()
         self.directory.close()
         self.agent.close()

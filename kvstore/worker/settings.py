@@ -28,7 +28,8 @@ class WorkerSettings(BaseSettings):
                                        "calls this worker at, when it differs from host (host 0.0.0.0, NAT)")
     port: int = Field(0, ge=0, le=65535, description="control endpoint port; 0 = any free port")
     dram_bytes: int = Field(512 << 20, ge=1 << 20, description="DRAM arena size, allocated and registered once")
-    page_bytes: int = Field(64 << 10, ge=4096, le=1 << 30, description="page size of every tier")
+    page_bytes: int = Field(4 << 10, ge=4096, le=1 << 30, description="page size of every tier (a block takes "
+                            "whole pages; an NVMe directory keeps the page size it was created with)")
     hbm_bytes: int = Field(0, ge=0, description="HBM tier size; needs CUDA; 0 = no HBM tier")
     hbm_device: int = Field(0, ge=0, description="CUDA device of the HBM tier")
     nvme_bytes: int = Field(0, ge=0, description="NVMe tier size in slab files; 0 = no NVMe tier")
@@ -46,6 +47,9 @@ class WorkerSettings(BaseSettings):
     tls_cert: Path | None = Field(None, description="certificate of the control endpoint (HTTPS); needs tls_key")
     tls_key: Path | None = Field(None, description="private key of the control endpoint's certificate")
     bounce_bytes: int = Field(64 << 20, ge=1 << 20, description="DRAM buffer for copies to S3 (>= one block)")
+    arena_dir: Path | None = Field(Path("/tmp/kvstore"), description="folder of the Unix socket <name>.sock that "
+                                   "hands the DRAM arena to engines of this host and user (one copy per byte "
+                                   "instead of NIXL); empty = engines use NIXL only")
     open_metrics: bool = Field(False, description="serve GET /metrics on the control port without a credential")
     metrics_token: str | None = Field(None, min_length=16, max_length=256,
                                       description="bearer token that GET /metrics accepts (for Prometheus)")
@@ -61,6 +65,11 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"host {self.host!r} binds every address, but the directory needs one to call: "
                              "add advertise_host (--advertise-host)")
         return self
+
+    @field_validator("arena_dir", mode="before")
+    @classmethod
+    def _optional_dir(cls, value):
+        return None if value in ("", None) else value
 
     @field_validator("dram_bytes", "page_bytes", "hbm_bytes", "nvme_bytes", "bounce_bytes", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.db.index import Index
-from kvstore.directory.db.models import Replica
+from kvstore.directory.db.models import Replica, Tier
 from tests.stacks import directory_stack, make_settings, two_tier_stack, worker_endpoint
 from tests.calls import BLOCK, chain, complete, hits, prepare
 from tests.helpers import wait_until
@@ -248,6 +248,36 @@ def test_a_source_that_fails_its_checksum_before_demotion_is_invalidated(databas
         assert hits(s, chain(3)) == 0  # before: the corrupt source went back to READY for good
         s.service.calls.settle()
         assert worker.allocators['nvme'].free_pages == 64  # the destination went back too
+        index_matches_sql(s.service)
+
+
+def test_a_source_dropped_while_it_is_copied_up_stays_deleting(database_url):
+    """A promotion keeps its source; if the source was dropped meanwhile (an eviction, a failed
+    checksum: DELETING), it stays DELETING when the copy finishes and is collected (before: set
+    READY again)."""
+    drop_during_copy = threading.Event()
+
+    def drop(tx) -> None:
+        for replica in tx.session.scalars(select(Replica).where(Replica.state == "moving")):
+            replica.state = "deleting"
+
+    def mover(req: moving.MoveRequest) -> moving.MoveResult:
+        if drop_during_copy.is_set() and req.items[0].dst_kind == "dram":
+            s.service.writer.run(drop)  # the NVMe source, MOVING while it is copied
+        n = len(req.items)
+        return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
+
+    with two_tier_stack(database_url, mover) as (s, worker):
+        hashes = chain(1)
+        complete(s, prepare(s, hashes))
+        s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10))
+        assert s.client.lookup(s.namespace_id, hashes, locations=True).tiers() == ["nvme"]
+        drop_during_copy.set()
+        s.client.prepare_load(specs.PrepareLoad(namespace_id=s.namespace_id, hashes=hashes))  # copied up
+        with s.service.sessions() as session:
+            nvme = list(session.scalars(select(Tier.id).where(Tier.kind == "nvme")))
+            states = list(session.scalars(select(Replica.state).where(Replica.tier_id.in_(nvme))))
+        assert states in ([], ["deleting"]), states  # gone once nothing pins it; never READY again
         index_matches_sql(s.service)
 
 

@@ -43,7 +43,8 @@ SAMPLES = {
         "token": ("t1", "t2", "t3"), "ca_file": ("/a.pem", "/b.pem", "/c.pem"),
         "tls_cert": (Path("/c1"), Path("/c2"), Path("/c3")), "tls_key": (Path("/k1"), Path("/k2"), Path("/k3")),
         "open_metrics": (True, False, True), "metrics_token": ("m" * 16, "n" * 16, "o" * 16),
-        "advertise_host": ("w1.example", "w2.example", "w3.example")},
+        "advertise_host": ("w1.example", "w2.example", "w3.example"),
+        "arena_dir": (Path("/a1"), Path("/a2"), Path("/a3"))},
 }
 CASES = [(DirectorySettings, "directory", "KVSTORE_", DIRECTORY_FLAGS, directory_app),
          (WorkerSettings, "worker", "KVSTORE_WORKER_", WORKER_FLAGS, worker_app)]

@@ -250,13 +250,16 @@ def volatile_replicas_of_worker(session: Session, worker_id: int) -> list[tuple[
     return list(session.execute(query).tuples())
 
 
-def tier_usage(session: Session) -> list[tuple[Tier, Worker, int]]:
-    counts = (select(Replica.tier_id, func.count(Replica.id).label("n"))
+def tier_usage(session: Session) -> list[tuple[Tier, Worker, int, int, int]]:
+    """Every tier with its worker, visible replicas, their KV bytes and the bytes of their pages."""
+    counts = (select(Replica.tier_id, func.count(Replica.id).label("n"), func.sum(Block.nbytes).label("kv"),
+                     func.sum(Replica.reserved_bytes).label("held"))
+              .join(Block, Block.id == Replica.block_id)
               .where(Replica.state.in_(VISIBLE)).group_by(Replica.tier_id).subquery())
-    query = (select(Tier, Worker, func.coalesce(counts.c.n, 0))
-             .join(Worker, Tier.worker_id == Worker.id)
-             .outerjoin(counts, counts.c.tier_id == Tier.id).order_by(Worker.name, Tier.kind))
-    return [(t, w, int(n)) for t, w, n in session.execute(query)]
+    query = (select(Tier, Worker, *(func.coalesce(c, 0) for c in (counts.c.n, counts.c.kv, counts.c.held)))
+             .join(Worker, Tier.worker_id == Worker.id).outerjoin(counts, counts.c.tier_id == Tier.id)
+             .order_by(Worker.name, Tier.kind))
+    return [(t, w, int(n), int(kv), int(held)) for t, w, n, kv, held in session.execute(query)]
 
 
 def counts(session: Session) -> dict[str, int]:

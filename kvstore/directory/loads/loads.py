@@ -80,10 +80,12 @@ class Loads:
                     self._warned = time.monotonic()
                     log.warning("%d blocks of a load found no room in a memory tier; read as a miss", len(before))
                 break  # nothing of it was staged: the memory tier cannot take it now
-        found = [_readable_prefix(hits) for hits in found]
+        readable = [_readable_prefix(hits) for hits in found]
+        more = [len(hits) - len(r) for hits, r in zip(found, readable)]  # stored below, not staged now
+        found = readable
         wanted = list({h.replica.id: None for hits in found for h in hits})
         if not wanted:
-            return {"token": None, "expires_at": None, "chains": [[] for _ in chains]}
+            return {"token": None, "expires_at": None, "chains": [[] for _ in chains], "more": more}
         token = secrets.token_hex(16)
         expires_at = self._clock() + self._settings.lease_ttl_s
         pinned = self._write(lambda tx: sql.pin(tx.session, wanted, token, reader, expires_at))
@@ -92,7 +94,7 @@ class Loads:
             self._metrics.count_lookup(len(asked), len(hits))
             self._index.record([h.entry for h in hits])
         return {"token": token if pinned else None, "expires_at": expires_at if pinned else None,
-                "chains": [[hit_body(h) for h in hits] for hits in found]}
+                "chains": [[hit_body(h) for h in hits] for hits in found], "more": more}
 
     def complete(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
         failed = {b.hash for b in req.blocks if not b.ok}

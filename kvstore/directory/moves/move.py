@@ -90,8 +90,9 @@ class Moves:
         return self._backoff.get(tier_id, (0.0, 0.0))[0] > time.monotonic()
 
     def copy(self, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int],
-             source_stays: bool, dest_worker_id: int | None = None) -> dict[int, int]:
-        """The source replicas copied, with the bytes each held (freed by a move down once unpinned)."""
+             source_stays: bool, dest_worker_id: int | None = None, timeout_s: float | None = None) -> dict[int, int]:
+        """The source replicas copied, with the bytes each held (freed by a move down once unpinned).
+        `timeout_s`: the move's deadline from now (default: the move timeout)."""
         if not replica_ids:
             return {}
         found = self._write(lambda tx: _sources(tx, worker_id, source_tier_id, dest_kind, replica_ids,
@@ -104,21 +105,21 @@ class Moves:
         with self._waiting_lock:
             self._waiting.add(token)
         try:
-            return self._copy(found, token, dest_kind, source_stays)
+            return self._copy(found, token, dest_kind, source_stays, timeout_s or self._calls.move_timeout_s)
         finally:
             with self._waiting_lock:
                 self._waiting.discard(token)
 
-    def _copy(self, found: _Source, token: str, dest_kind: str, source_stays: bool) -> dict[int, int]:
+    def _copy(self, found: _Source, token: str, dest_kind: str, source_stays: bool, timeout_s: float) -> dict[int, int]:
         runs = None
         if found.dest[1] == "nvme":  # the worker owns its disk pages: ask it, outside every job
             runs = self._calls.allocate(found.worker_url, "nvme", token, [n for _, _, n in found.rows])
-        deadline = self._clock() + self._calls.move_timeout_s
+        deadline = self._clock() + timeout_s
         plan = self._write(lambda tx: self._reserve(tx, found, token, runs, deadline, only_ready=not source_stays))
         if not plan:
             return {}
         t0 = time.perf_counter()
-        result = self._calls.move(found.worker_url, [m.item for m in plan], deadline, found.peer)
+        result = self._calls.move(found.worker_url, [m.item for m in plan], deadline, found.peer, timeout_s)
         route = f"{found.source[1]} -> {found.dest[1]}"
         if found.peer is not None:
             route += " (another worker)"

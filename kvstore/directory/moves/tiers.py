@@ -48,8 +48,9 @@ class _Plan(NamedTuple):
 
 class Movement:
     def __init__(self, write: Write, moves: Moves, reclaim: Reclaim, pools: PagePools, policies: TierPolicies,
-                 reserved_bytes: Callable[[int], int] = lambda tier_id: 0) -> None:
+                 reserved_bytes: Callable[[int], int] = lambda tier_id: 0, promote_timeout_s: float | None = None) -> None:
         self._write = write
+        self._promote_timeout_s = promote_timeout_s  # a reader waits on a promotion: no longer than its lease
         self._reserved = reserved_bytes  # tier id -> bytes that saves hold reserved (not in SQL yet)
         self.moves = moves
         self._reclaim = reclaim
@@ -238,7 +239,8 @@ class Movement:
             kind = "hbm" if items[0].tier.kind == "nvme" and "hbm" in own and gds else "dram"
             if kind in own and not self.moves.backing_off(own[kind]):  # a route failing: not waited on
                 self.make_room(own[kind], worker_id, sum(h.entry.nbytes for h in items), protected)
-                self.moves.copy(worker_id, tier_id, kind, [h.replica.id for h in items], source_stays=True)
+                self.moves.copy(worker_id, tier_id, kind, [h.replica.id for h in items], source_stays=True,
+                                timeout_s=self._promote_timeout_s)
 
 
 def _lower(tx: Tx, tier_id: int, worker_id: int) -> tuple[int, str, bool] | None:

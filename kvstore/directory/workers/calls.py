@@ -74,13 +74,15 @@ class WorkerCalls:
         return self.client(url).allocate(specs.AllocRequest(token=token, kind=kind, sizes=sizes)).runs
 
     def move(self, url: str, items: list[moving.MoveItem], deadline: float,
-             peer: moving.Peer | None = None) -> moving.MoveResult:
+             peer: moving.Peer | None = None, timeout_s: float | None = None) -> moving.MoveResult:
         """The worker must not start after `deadline` (unix time) nor wait past it; we wait for its
-        answer until a little after. No answer: every item is `unreachable` (outcome unknown).
-        `peer`: the items go into that worker's DRAM."""
+        answer until a little after (`timeout_s`, the deadline from now: the move timeout unless
+        given). No answer: every item is `unreachable` (outcome unknown). `peer`: the items go into
+        that worker's DRAM."""
+        wait_s = timeout_s or self.move_timeout_s
         try:
             return self.client(url).move(moving.MoveRequest(items=items, expires_at=deadline, peer=peer),
-                                         timeout_s=self.move_timeout_s + min(5.0, self.move_timeout_s / 2))
+                                         timeout_s=wait_s + min(5.0, wait_s / 2))
         except KVStoreError as exc:
             return moving.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
                                     codes=["unreachable"] * len(items))

@@ -1,0 +1,164 @@
+"""Blocks between an engine's memory and workers' tiers: a plain copy when the worker's DRAM arena
+is mapped here (same host), a NIXL transfer otherwise.
+
+    arenas = LocalArenas(folder, mode)               # "auto" (default), "off"
+    copier = BlockCopier(agent, peers, arenas, timeout_s)
+    copier.move("WRITE" | "READ", [(block, location), ...]) -> [done, ...]
+
+A worker on this host hands its arena over a Unix socket (`<folder>/<worker name>.sock`, see
+kvstore.worker.sharing); a location is copied directly only when its worker, agent and epoch are
+the ones mapped (a worker that restarted has another agent: the connector maps it again). A
+worker that cannot be mapped (another host, another user, sharing off) is asked again after
+RETRY_S, and NIXL carries its blocks meanwhile. `KVSTORE_SAME_HOST=off` forces NIXL everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.connector.peers import Peers
+from kvstore.core import specs
+from kvstore.transfer import Agent, Transfer
+
+log = logging.getLogger(__name__)
+DEFAULT_FOLDER = "/tmp/kvstore"
+RETRY_S = 10.0  # a worker that could not be mapped is asked again after this long
+HANDOVER_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _Arena:
+    agent_name: str
+    epoch: int
+    base_addr: int
+    array: np.ndarray
+    mapping: mmap.mmap
+
+
+class LocalArenas:
+    """The DRAM arenas of this host's workers, mapped on first use."""
+
+    def __init__(self, folder: str | None = None, mode: str | None = None) -> None:
+        self.mode = mode or os.environ.get("KVSTORE_SAME_HOST", "auto")
+        if self.mode not in ("auto", "off"):
+            raise ValueError(f"same-host mode {self.mode!r}: use auto or off")
+        self.folder = Path(folder or os.environ.get("KVSTORE_ARENA_DIR", DEFAULT_FOLDER))
+        self._arenas: dict[str, _Arena] = {}
+        self._unmapped: dict[str, float] = {}  # worker -> when to try again
+        self._lock = threading.Lock()
+
+    def view(self, location: specs.ReplicaLocation) -> _Arena | None:
+        """The mapped arena holding this DRAM location, or None (NIXL carries it)."""
+        if self.mode == "off" or location.tier != "dram":
+            return None
+        with self._lock:
+            arena = self._arenas.get(location.worker)
+            if arena is not None and (arena.agent_name, arena.epoch) == (location.agent_name, location.epoch):
+                return arena
+            if self._unmapped.get(location.worker, 0.0) > time.monotonic() and arena is None:
+                return None
+            arena = self._map(location.worker)
+            if arena is None or arena.agent_name != location.agent_name or arena.epoch != location.epoch:
+                self._unmapped[location.worker] = time.monotonic() + RETRY_S
+                return None
+            self._unmapped.pop(location.worker, None)
+            self._arenas[location.worker] = arena
+            return arena
+
+    def close(self) -> None:
+        with self._lock:  # the mappings go with their last view
+            self._arenas.clear()
+
+    def _map(self, worker: str) -> _Arena | None:
+        path = self.folder / f"{worker}.sock"
+        if not path.exists():
+            return None
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(HANDOVER_TIMEOUT_S)
+                sock.connect(str(path))
+                message, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            header = json.loads(message)
+            if not fds:
+                log.info("worker %s does not share its arena with this process: %s", worker, header.get("error"))
+                return None
+            try:
+                mapping = mmap.mmap(fds[0], header["nbytes"], flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fds[0])
+        except (OSError, ValueError, KeyError) as exc:
+            log.info("cannot map worker %s's arena (%s): NIXL carries its blocks", worker, exc)
+            return None
+        log.info("worker %s's DRAM arena mapped (%d bytes): same-host copies", worker, header["nbytes"])
+        return _Arena(header["agent_name"], int(header["epoch"]), int(header["base_addr"]),
+                      np.frombuffer(mapping, dtype=np.uint8), mapping)
+
+
+class BlockCopier:
+    def __init__(self, agent: Agent, peers: Peers, arenas: LocalArenas, timeout_s: float) -> None:
+        self.agent, self.peers, self.arenas, self.timeout_s = agent, peers, arenas, timeout_s
+
+    def move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
+        """Per item whether its bytes arrived: copied here for mapped arenas, one NIXL request per
+        other worker and tier."""
+        done = [False] * len(items)
+        by_worker: dict[tuple[str, int, str], list[int]] = {}
+        for k, (block, location) in enumerate(items):
+            arena = self.arenas.view(location)
+            if arena is not None:
+                done[k] = _copy(op, block, location, arena)
+            else:
+                by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
+        transfers: list[tuple[Transfer | None, list[int]]] = []
+        for (worker, epoch, tier), ks in by_worker.items():
+            peer = self.peers.agent_for(worker, epoch)
+            local, remote = rows([items[k] for k in ks])
+            remote_mem = "VRAM" if tier == "hbm" else "DRAM"  # hbm: a GPU path (UCX on VRAM)
+            transfers.append((self.agent.submit(op, local, remote, peer, "DRAM", remote_mem) if peer else None, ks))
+        for transfer, ks in transfers:
+            state = transfer.wait(self.timeout_s) if transfer else "failed"
+            if state != "done":
+                log.warning("NIXL %s of %d blocks failed: %s", op, len(ks), transfer.error if transfer else
+                            "worker unreachable")
+            for k in ks:
+                done[k] = state == "done"
+        return done
+
+
+def _copy(op: str, block: np.ndarray, location: specs.ReplicaLocation, arena: _Arena) -> bool:
+    assert block.flags.c_contiguous, "a block is one contiguous buffer"
+    flat = block.reshape(-1).view(np.uint8)
+    at = 0
+    for addr, length in location.runs:
+        offset = addr - arena.base_addr
+        if offset < 0 or offset + length > arena.array.size:
+            return False  # not in the arena mapped: NIXL would have failed too
+        if op == "WRITE":
+            arena.array[offset : offset + length] = flat[at : at + length]
+        else:
+            flat[at : at + length] = arena.array[offset : offset + length]
+        at += length
+    return at == flat.size
+
+
+def rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndarray, np.ndarray]:
+    """NIXL descriptor rows (address, length) of the blocks' memory and of their replicas' runs."""
+    local, remote = [], []
+    for buffer, location in items:
+        addr = int(buffer.ctypes.data)
+        for run_addr, run_len in location.runs:
+            local.append((addr, run_len))
+            remote.append((run_addr, run_len))
+            addr += run_len
+        assert addr == int(buffer.ctypes.data) + buffer.nbytes, "replica runs do not match the block size"
+    return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)

@@ -1,0 +1,81 @@
+"""The same-host path: a worker hands its DRAM arena (a memfd) over a Unix socket, and a connector
+on its host copies blocks straight into and out of it; the directory's protocol is unchanged (the
+worker checks every saved block's checksum with `--verify-writes`). NIXL carries the same calls
+when sharing is off, for a user the worker refuses, and into a restarted worker until it is
+mapped again."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.connector import KVStoreClient
+from tests.fault.prompts import NS, load, prompt, save
+from tests.stacks import ProcessStack
+
+
+@pytest.fixture
+def arenas(monkeypatch):
+    """The socket folder (a fresh one under /tmp, where another user could reach it)."""
+    top = Path(tempfile.mkdtemp(prefix="kvstore-arenas-"))
+    monkeypatch.setenv("KVSTORE_ARENA_DIR", str(top / "arenas"))  # the connector's side
+    yield top / "arenas"
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture
+def stack(tmp_path, arenas):
+    """A directory that verifies every write with the worker, and a worker sharing its arena."""
+    with ProcessStack(tmp_path, directory_args=["--verify-writes"], worker_args=["--arena-dir", str(arenas)]) as s:
+        yield s
+
+
+def mapped(client: KVStoreClient) -> set[str]:
+    return set(client.copier.arenas._arenas)
+
+
+@pytest.mark.parametrize("same_host", ["auto", "off"])
+def test_blocks_round_trip_exactly_copied_or_over_nixl(stack, same_host):
+    with KVStoreClient(stack.url, NS, staging_bytes=4 * NS.block_nbytes, same_host=same_host) as client:
+        hashes, blocks = prompt(1)
+        assert save(client, hashes, blocks) == 4  # the worker found every checksum in its arena
+        n, out = load(client, hashes)
+        assert n == 4 and all(np.array_equal(a, b) for a, b in zip(out, blocks))
+        assert mapped(client) == ({"w0"} if same_host == "auto" else set())
+
+
+def test_the_arena_socket_is_the_owners_alone(stack, arenas):
+    socket_path = arenas / "w0.sock"
+    assert (socket_path.stat().st_mode & 0o777) == 0o600
+    assert (arenas.stat().st_mode & 0o777) == 0o700
+    # even where the file modes let another user connect, the worker checks the peer's uid
+    for path, mode in ((arenas.parent, 0o755), (arenas, 0o755), (socket_path, 0o666)):
+        path.chmod(mode)
+    probe = ("import socket; s = socket.socket(socket.AF_UNIX); "
+             f"s.connect({str(socket_path)!r}); m, fds, _, _ = socket.recv_fds(s, 4096, 1); print(len(fds), m.decode())")
+    other = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", probe], cwd="/",
+                           capture_output=True, text=True, timeout=30)
+    assert other.returncode == 0 and other.stdout.startswith("0 ") and "unauthorized" in other.stdout, \
+        other.stdout + other.stderr
+    own = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert own.stdout.startswith("1 ") and '"agent_name"' in own.stdout, own.stdout + own.stderr
+
+
+def test_a_restarted_worker_is_mapped_again_and_its_old_arena_never_written(stack):
+    with KVStoreClient(stack.url, NS, staging_bytes=4 * NS.block_nbytes) as client:
+        assert save(client, *prompt(1)) == 4
+        old = client.copier.arenas._arenas["w0"]
+        stack.kill(stack.worker)
+        assert stack.start_worker() == 2
+        hashes, blocks = prompt(2)
+        assert save(client, hashes, blocks) == 4
+        new = client.copier.arenas._arenas["w0"]
+        assert new is not old and new.agent_name != old.agent_name
+        n, out = load(client, hashes)
+        assert n == 4 and all(np.array_equal(a, b) for a, b in zip(out, blocks))
