@@ -9,7 +9,9 @@ time, every kind once per cycle in a random order: SIGKILL and SIGSTOP/SIGCONT o
 follower; PostgreSQL restarted; every database connection cut; S3 down (moto restarted: its
 objects are gone) or slow (the workers reach it through a proxy that delays every chunk); a
 worker's NVMe disk full (its slabs live on a tmpfs of their own, filled up: only as root, where
-mounting works; otherwise the kind is left out and the report says so). After each fault the soak waits for recovery: every live replica's /readyz is
+mounting works; otherwise the kind is left out and the report says so). The engines' prompts fit
+in DRAM, so during the last two an operator's eviction moves DRAM down to NVMe (and on to S3)
+into the fault. After each fault the soak waits for recovery: every live replica's /readyz is
 200 and each engine has loaded a whole prompt since the fault ended.
 
 The checker reads the engines' histories at the end: every load is exact, partial (a verified
@@ -44,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import print_table, write_json  # noqa: E402
 from kvstore.core.errors import KVStoreError  # noqa: E402
+from kvstore.core.specs import EvictRequest  # noqa: E402
 from tests.fault.loop_engine import NAMESPACE, chains  # noqa: E402
 from tests.helpers import MotoServer, PostgresCluster, Proxy, wait_until  # noqa: E402
 from tests.stacks import ReplicaCluster, stop_engines  # noqa: E402
@@ -118,14 +121,25 @@ class Soak:
             self.moto.client().create_bucket(Bucket=BUCKET)
         elif kind == "s3_slow":
             self.s3_proxy.delay_s = S3_DELAY_S
+            self._demote("dram", "nvme")  # the engines' prompts fit in DRAM: moves to S3 happen now
             time.sleep(STOPPED_S)
             self.s3_proxy.delay_s = 0.0
         elif kind == "nvme_full":
             filler = self.rng.choice(self.mounted) / "filler"
             subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True)  # until ENOSPC
+            self._demote("dram")
             time.sleep(STOPPED_S)
             filler.unlink()
         return began, time.time()
+
+    def _demote(self, *kinds: str) -> None:
+        """An operator's eviction of each tier one tier down (what pressure would do): the moves run
+        into the fault. Refused or failed moves are the fault's effect, not the soak's concern."""
+        for kind in kinds:
+            try:
+                self.cluster.client(self._leader()).evict_tier(EvictRequest(tier=kind, limit=256))
+            except (KVStoreError, TimeoutError) as exc:
+                print(f"  evict {kind} during the fault: {exc}", flush=True)
 
     def _stopped(self, proc) -> None:
         proc.send_signal(signal.SIGSTOP)

@@ -32,7 +32,7 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
-from kvstore.connector.copies import BlockCopier, LocalArenas
+from kvstore.connector.copies import BlockCopier, LocalArenas, scatter, split
 from kvstore.connector.handoff import HandoffResult, wait_for_handoff
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
@@ -209,13 +209,11 @@ class KVStoreClient:
         admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
         ok: dict[int, bool] = {}
         if admitted:
-            # hash on the helper thread while NIXL (which releases the GIL) writes the same bytes
-            hashing = self._hasher.submit(lambda: {i: checksum(blocks[i]) for i, _ in admitted})
             with self._renewal(prepared.token, prepared.expires_at):
-                done = clock.timed("transfer", self._move, "WRITE", [(blocks[i], d.location) for i, d in admitted])
-                sums = clock.timed("checksum", hashing.result)  # only the wait beyond the transfer
+                done, sums = self._write_hashed([(blocks[i], d.location) for i, d in admitted], clock)
             ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
-            reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[i]) for i, d in admitted]
+            reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[k])
+                       for k, (i, d) in enumerate(admitted)]
             body = specs.CompleteStore(token=prepared.token, blocks=reports)
             if not clock.timed("complete", _accepted, self.directory.complete_store, body):
                 ok = {}  # the reservation was gone: nothing of this call is stored
@@ -277,15 +275,38 @@ class KVStoreClient:
         ttl_s = (expires_at - time.time()) if expires_at is not None else 0.0
         return Renewal(self.directory, token if self.renew_leases and ttl_s > 0 else None, ttl_s)
 
+    def _write_hashed(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], clock: "_PhaseClock"):
+        """Per item (written, xxh3_64 of its bytes): same-host items copied and hashed chunk by chunk;
+        the others hashed on the helper thread while NIXL (which releases the GIL) writes them."""
+        near, far, arenas = split(self.copier.local(items))
+        done, sums = [False] * len(items), [""] * len(items)
+        hashing = self._hasher.submit(lambda: [checksum(items[k][0]) for k in far]) if far else None
+        if near:
+            copied, digests = clock.timed("transfer", self.copier.copy_and_hash, "WRITE", [items[k] for k in near],
+                                          arenas)
+            scatter(near, copied, digests, done, sums)
+        if far:
+            written = clock.timed("transfer", self._move, "WRITE", [items[k] for k in far])
+            scatter(far, written, clock.timed("checksum", hashing.result), done, sums)  # the wait beyond it
+        return done, sums
+
     def _read_and_hash(self, hits: list[specs.BlockHit], blocks: list[np.ndarray], clock: "_PhaseClock"):
-        """Read in groups of about READ_GROUP_BYTES; group k is hashed on the helper thread
-        while group k+1 is read. Returns per block (read ok, xxh3_64 of what arrived)."""
-        done: list[bool] = []
+        """Per block (read ok, xxh3_64 of what arrived). Same-host blocks are copied and hashed chunk
+        by chunk; the others are read over NIXL in groups of about READ_GROUP_BYTES, group k hashed
+        on the helper thread while group k+1 is read."""
+        items = [(blocks[i], hit.location) for i, hit in enumerate(hits)]
+        near, far, arenas = split(self.copier.local(items))
+        done, digests = [False] * len(hits), [""] * len(hits)
+        if near:
+            copied, sums = clock.timed("transfer", self.copier.copy_and_hash, "READ", [items[k] for k in near], arenas)
+            scatter(near, copied, sums, done, digests)
         hashing = []
-        for group in _groups([b.nbytes for b in blocks[: len(hits)]], READ_GROUP_BYTES):
-            done += clock.timed("transfer", self._move, "READ", [(blocks[i], hits[i].location) for i in group])
-            hashing.append(self._hasher.submit(lambda g=group: [checksum(blocks[i]) for i in g]))
-        digests = [d for future in hashing for d in clock.timed("checksum", future.result)]
+        for group in _groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
+            ks = [far[g] for g in group]
+            read = clock.timed("transfer", self._move, "READ", [items[k] for k in ks])
+            hashing.append((ks, read, self._hasher.submit(lambda ks=ks: [checksum(blocks[k]) for k in ks])))
+        for ks, read, future in hashing:
+            scatter(ks, read, clock.timed("checksum", future.result), done, digests)
         return done, digests
 
     def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
@@ -294,7 +315,7 @@ class KVStoreClient:
     def close(self) -> None:
         self._hasher.shutdown(wait=True)
         self.peers.close()
-        self.copier.arenas.close()
+        self.copier.close()
         self.agent.close()
         self.directory.close()
 
@@ -372,3 +393,4 @@ class _PhaseClock:
 
     def finish(self) -> dict[str, float]:
         return {**self.laps, "wall": time.perf_counter() - self._start}
+

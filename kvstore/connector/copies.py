@@ -21,10 +21,12 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from kvstore.connector.peers import Peers
 from kvstore.core import specs
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 DEFAULT_FOLDER = "/tmp/kvstore"
 RETRY_S = 10.0  # a worker that could not be mapped is asked again after this long
 HANDOVER_TIMEOUT_S = 2.0
+COPY_THREADS = 2  # same-host copies run on this many threads (numpy and xxhash release the GIL)
+CHUNK_BYTES = 256 << 10  # copied, then hashed while it is still in cache
 
 
 @dataclass
@@ -107,6 +111,34 @@ class LocalArenas:
 class BlockCopier:
     def __init__(self, agent: Agent, peers: Peers, arenas: LocalArenas, timeout_s: float) -> None:
         self.agent, self.peers, self.arenas, self.timeout_s = agent, peers, arenas, timeout_s
+        self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstore-copy")
+
+    def local(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[_Arena | None]:
+        """Per item the mapped arena holding it (same host), or None."""
+        return [self.arenas.view(location) for _, location in items]
+
+    def copy_and_hash(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]],
+                      arenas: list[_Arena]) -> tuple[list[bool], list[str]]:
+        """Same-host items copied in chunks, each chunk hashed right after it is copied (while it is
+        in cache: the checksum costs no second pass over memory), on COPY_THREADS threads. Returns
+        per item (copied, xxh3_64 of the bytes now at the destination)."""
+        order = sorted(range(len(items)), key=lambda k: -items[k][0].nbytes)
+        shares: list[list[int]] = [[] for _ in range(COPY_THREADS)]
+        loads = [0] * COPY_THREADS
+        for k in order:  # the largest first, each to the least loaded thread
+            t = loads.index(min(loads))
+            shares[t].append(k)
+            loads[t] += items[k][0].nbytes
+        results: dict[int, tuple[bool, str]] = {}
+        futures = [self._pool.submit(lambda ks=ks: {k: _copy_hashed(op, *items[k], arenas[k]) for k in ks})
+                   for ks in shares if ks]
+        for future in futures:
+            results.update(future.result())
+        return [results[k][0] for k in range(len(items))], [results[k][1] for k in range(len(items))]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.arenas.close()
 
     def move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
         """Per item whether its bytes arrived: copied here for mapped arenas, one NIXL request per
@@ -116,7 +148,7 @@ class BlockCopier:
         for k, (block, location) in enumerate(items):
             arena = self.arenas.view(location)
             if arena is not None:
-                done[k] = _copy(op, block, location, arena)
+                done[k] = _copy_hashed(op, block, location, arena, hashed=False)[0]
             else:
                 by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
         transfers: list[tuple[Transfer | None, list[int]]] = []
@@ -135,20 +167,27 @@ class BlockCopier:
         return done
 
 
-def _copy(op: str, block: np.ndarray, location: specs.ReplicaLocation, arena: _Arena) -> bool:
+def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, arena: _Arena,
+                 hashed: bool = True) -> tuple[bool, str]:
+    """One block's runs copied chunk by chunk, each chunk hashed once copied (`hashed`)."""
     assert block.flags.c_contiguous, "a block is one contiguous buffer"
     flat = block.reshape(-1).view(np.uint8)
+    digest = xxhash.xxh3_64()
     at = 0
     for addr, length in location.runs:
         offset = addr - arena.base_addr
         if offset < 0 or offset + length > arena.array.size:
-            return False  # not in the arena mapped: NIXL would have failed too
-        if op == "WRITE":
-            arena.array[offset : offset + length] = flat[at : at + length]
-        else:
-            flat[at : at + length] = arena.array[offset : offset + length]
+            return False, ""  # not in the arena mapped: NIXL would have failed too
+        for start in range(0, length, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, length - start)
+            there = arena.array[offset + start : offset + start + n]
+            here = flat[at + start : at + start + n]
+            target = there if op == "WRITE" else here
+            np.copyto(target, here if op == "WRITE" else there)
+            if hashed:
+                digest.update(target)
         at += length
-    return at == flat.size
+    return at == flat.size, digest.hexdigest()
 
 
 def rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndarray, np.ndarray]:
@@ -162,3 +201,15 @@ def rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndar
             addr += run_len
         assert addr == int(buffer.ctypes.data) + buffer.nbytes, "replica runs do not match the block size"
     return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+
+
+def split(arenas: list) -> tuple[list[int], list[int], list]:
+    """Items by where they are: (indices on a mapped arena, the others, their arenas)."""
+    near = [k for k, a in enumerate(arenas) if a is not None]
+    return near, [k for k, a in enumerate(arenas) if a is None], [arenas[k] for k in near]
+
+
+def scatter(indices: list[int], oks: list[bool], sums: list[str], done: list[bool], digests: list[str]) -> None:
+    """Results of a part of the items written back into the whole's lists."""
+    for k, ok, digest in zip(indices, oks, sums):
+        done[k], digests[k] = ok, digest
