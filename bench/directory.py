@@ -211,7 +211,7 @@ def start_directory(src: Path, port: int, data: Path, log) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(src), "KVSTORE_HEARTBEAT_TIMEOUT_S": "600"}
     # a checkout from before credentials existed has no such flag (and needs none)
     cli = "".join(f.read_text() for f in (src / "kvstore/cli").glob("*.py"))
-    open_flag = ["--insecure-no-auth"] if "insecure_no_auth" in cli else []
+    open_flag = ["--insecure-no-auth"] if "insecure-no-auth" in cli else []
     return subprocess.Popen([sys.executable, "-m", "kvstore.cli.main", "directory", "serve", *open_flag,
                              "--port", str(port), "--data-dir", str(data)], stdout=log, stderr=subprocess.STDOUT,
                             cwd=src, env=env)

@@ -82,7 +82,8 @@ class DirectoryService:
         moves = Moves(write, self.calls, reclaim, self.pools, metrics, clock)
         orphans = Orphans(write, moves, self.calls, reclaim)
         self.movement = Movement(write, moves, reclaim, self.pools, self.policies, self.reservations.reserved_bytes,
-                                 promote_timeout_s=min(settings.move_timeout_s, settings.lease_ttl_s))
+                                 promote_timeout_s=min(settings.move_timeout_s, settings.lease_ttl_s),
+                                 read=self.writer.read)
         spread = Spread(write, moves, reclaim, self.pools)
         self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock)
         self.store = Store(self.writer, self.index, self.pools, self.reservations, self.policies, metrics, settings,

@@ -163,34 +163,45 @@ class TierPolicies:
         """The next victims() syncs from the rows again (the policy ran dry while the tier is full)."""
         self._of(tier).built = False
 
-    @_locked
     def victims(self, tier, rows: list[VictimRow], protected: set[str], to_free: int, limit: int,
                 dry_run: bool = False) -> list:
         """Sync the tier's eviction policy with `rows` (its READY replicas), then evict until
         `to_free` bytes or `limit` rows. Pinned rows and `protected` keys stay. A dry run asks a
-        copy, so it changes nothing."""
-        policy = self._of(tier)
-        self._sync(tier.id, policy, rows)
-        eviction = copy.deepcopy(policy.eviction) if dry_run else policy.eviction
-        by_key = {r.key: r for r in rows}
-        keep = protected | {r.key for r in rows if r.pinned}
-        chosen, freed = [], 0
-        while freed < to_free and len(chosen) < limit:
-            victims = eviction.evict(1, keep)
-            if victims is None:
-                break
-            chosen.append(by_key[victims[0]].row)
-            freed += by_key[victims[0]].nbytes
-        return chosen
+        copy, synced and asked outside the lock (only the copy holds it), so it changes nothing and
+        admissions do not wait for it."""
+        if dry_run:
+            with self.lock:
+                policy = copy.deepcopy(self._of(tier))
+            self._sync(tier.id, policy, rows, expected={})
+            return _choose(policy.eviction, rows, protected, to_free, limit)
+        with self.lock:
+            policy = self._of(tier)
+            self._sync(tier.id, policy, rows)
+            return _choose(policy.eviction, rows, protected, to_free, limit)
 
-    def _sync(self, tier_id: int, policy: _TierPolicy, rows: list[VictimRow]) -> None:
+    def _sync(self, tier_id: int, policy: _TierPolicy, rows: list[VictimRow], expected: dict | None = None) -> None:
+        expected = self._expected if expected is None else expected  # a copy's sync takes no hints
         present = {r.key for r in rows}
         for key in [k for k in policy.eviction if k not in present]:
             policy.eviction.remove(key)
         # oldest first; on ties the deeper block first, so a prefix is more recent than its suffix
         for r in sorted((r for r in rows if r.key not in policy.eviction), key=lambda r: (r.last_access, -r.depth)):
-            policy.eviction.insert(r.key, r.parent, self._expected.pop((tier_id, r.key), None))
+            policy.eviction.insert(r.key, r.parent, expected.pop((tier_id, r.key), None))
             if not policy.built:
                 for _ in range(min(r.hit_count, REPLAY_HITS)):
                     policy.admission.record(r.key)
         policy.built = True
+
+
+def _choose(eviction, rows: list[VictimRow], protected: set[str], to_free: int, limit: int) -> list:
+    """Victims from `eviction` until `to_free` bytes or `limit` rows; pinned and protected keys stay."""
+    by_key = {r.key: r for r in rows}
+    keep = protected | {r.key for r in rows if r.pinned}
+    chosen, freed = [], 0
+    while freed < to_free and len(chosen) < limit:
+        victims = eviction.evict(1, keep)
+        if victims is None:
+            break
+        chosen.append(by_key[victims[0]].row)
+        freed += by_key[victims[0]].nbytes
+    return chosen

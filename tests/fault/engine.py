@@ -55,8 +55,9 @@ def client_for(args, model) -> KVStoreClient:
         name = "complete_store" if args.mode == "save" else "complete_load"
         setattr(client.directory, name, pause_at(getattr(client.directory, name), args.pause_at_complete,
                                                  Path(args.markers)))
-    if args.slow_s:
+    if args.slow_s:  # every transfer, over NIXL or copied into a same-host arena
         client._move = slowed(client._move, args.slow_s)
+        client.copier.copy_and_hash = slowed(client.copier.copy_and_hash, args.slow_s)
     return client
 
 

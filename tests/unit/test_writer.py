@@ -145,3 +145,30 @@ def test_a_commit_nobody_can_tell_about_is_neither_rolled_back_nor_followed(tmp_
         assert log == []
     finally:
         writer.close()
+
+
+def test_a_read_runs_beside_a_job_that_holds_the_writer_and_changes_nothing(tmp_path):
+    import threading
+
+    sessions = sessions_at(tmp_path)
+    writer = Writer(sessions)
+    holding, release = threading.Event(), threading.Event()
+
+    def long_job(tx) -> None:
+        holding.set()
+        release.wait(10)
+    pending = threading.Thread(target=writer.run, args=(long_job,))
+    pending.start()
+    try:
+        assert holding.wait(10)
+
+        def read(tx) -> int:
+            tx.session.add(NamespaceRow(id="n" * 16, spec={}, created_at=0.0))
+            tx.session.flush()
+            return tx.session.query(NamespaceRow).count()
+        assert writer.read(read) == 1  # answered while the writer is busy, on this thread
+    finally:
+        release.set()
+        pending.join(10)
+    assert writer.run(lambda tx: tx.session.query(NamespaceRow).count()) == 0  # nothing a read did stays
+    writer.close()

@@ -85,6 +85,12 @@ class Writer:
         self._queue.put((job, future))
         return future.result()
 
+    def read(self, job: Callable[[Tx], T]) -> T:
+        """A job that only reads, on the caller's thread and its own session (rolled back): long reads
+        (a whole tier) never hold the writer. It sees what was committed when it began."""
+        with self._sessions() as session:
+            return job(Tx(session))
+
     async def run_async(self, job: Callable[[Tx], T]) -> T:
         """For the event loop: no thread of the pool waits for the writer, the loop is woken once."""
         future: Future = Future()

@@ -48,8 +48,10 @@ class _Plan(NamedTuple):
 
 class Movement:
     def __init__(self, write: Write, moves: Moves, reclaim: Reclaim, pools: PagePools, policies: TierPolicies,
-                 reserved_bytes: Callable[[int], int] = lambda tier_id: 0, promote_timeout_s: float | None = None) -> None:
+                 reserved_bytes: Callable[[int], int] = lambda tier_id: 0, promote_timeout_s: float | None = None,
+                 read: Write | None = None) -> None:
         self._write = write
+        self._read = read or write  # a job that only reads, off the writer
         self._promote_timeout_s = promote_timeout_s  # a reader waits on a promotion: no longer than its lease
         self._reserved = reserved_bytes  # tier id -> bytes that saves hold reserved (not in SQL yet)
         self.moves = moves
@@ -88,8 +90,8 @@ class Movement:
         """Operator eviction: up to `limit` blocks (and `max_bytes`) that the tier's eviction policy
         names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
         to_free = max_bytes if max_bytes is not None else 1 << 62
-        if dry_run:  # at the bottom every victim would be dropped, above it moved down
-            chosen, lower = self._write(lambda tx: (self._victims(
+        if dry_run:  # at the bottom every victim would be dropped, above it moved down; read off the writer
+            chosen, lower = self._read(lambda tx: (self._victims(
                 tx, repo.tier(tx.session, tier_id), to_free, set(), namespace_id, limit, dry_run=True),
                 _lower(tx, tier_id, worker_id)))
             return {"replicas": len(chosen), "bytes": sum(r.reserved_bytes for r, _ in chosen),
