@@ -14,6 +14,7 @@ RETRY_S, and NIXL carries its blocks meanwhile. `KVSTORE_SAME_HOST=off` forces N
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import mmap
@@ -30,6 +31,7 @@ import xxhash
 
 from kvstore.connector.peers import Peers
 from kvstore.core import specs
+from kvstore.core.local import peer_uid, trusted_folder
 from kvstore.transfer import Agent, Transfer
 
 log = logging.getLogger(__name__)
@@ -65,18 +67,20 @@ class LocalArenas:
         """The mapped arena holding this DRAM location, or None (NIXL carries it)."""
         if self.mode == "off" or location.tier != "dram":
             return None
+        worker, now = location.worker, time.monotonic()
         with self._lock:
-            arena = self._arenas.get(location.worker)
+            arena = self._arenas.get(worker)
             if arena is not None and (arena.agent_name, arena.epoch) == (location.agent_name, location.epoch):
                 return arena
-            if self._unmapped.get(location.worker, 0.0) > time.monotonic() and arena is None:
+            self._arenas.pop(worker, None)  # the worker restarted or joined again: its old mapping goes
+            if self._unmapped.get(worker, 0.0) > now:
                 return None
-            arena = self._map(location.worker)
-            if arena is None or arena.agent_name != location.agent_name or arena.epoch != location.epoch:
-                self._unmapped[location.worker] = time.monotonic() + RETRY_S
+            arena = self._map(worker)
+            if arena is None or (arena.agent_name, arena.epoch) != (location.agent_name, location.epoch):
+                self._unmapped[worker] = now + RETRY_S
                 return None
-            self._unmapped.pop(location.worker, None)
-            self._arenas[location.worker] = arena
+            self._unmapped.pop(worker, None)
+            self._arenas[worker] = arena
             return arena
 
     def close(self) -> None:
@@ -84,23 +88,34 @@ class LocalArenas:
             self._arenas.clear()
 
     def _map(self, worker: str) -> _Arena | None:
-        path = self.folder / f"{worker}.sock"
-        if not path.exists():
-            return None
+        """The arena `worker` hands over its socket, if the folder and the worker are this user's
+        (or root's) and the memfd cannot shrink under the mapping; None otherwise."""
         try:
+            if not trusted_folder(self.folder, owners=(os.getuid(), 0), forbidden=0o022):
+                log.info("%s is not a folder only this user or root can change: NIXL only", self.folder)
+                return None
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(HANDOVER_TIMEOUT_S)
-                sock.connect(str(path))
+                sock.connect(str(self.folder / f"{worker}.sock"))
+                if peer_uid(sock) not in (os.getuid(), 0):
+                    log.warning("the socket of worker %s belongs to another user: NIXL only", worker)
+                    return None
                 message, fds, _, _ = socket.recv_fds(sock, 4096, 1)
             header = json.loads(message)
             if not fds:
                 log.info("worker %s does not share its arena with this process: %s", worker, header.get("error"))
                 return None
             try:
+                if not fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                    log.warning("worker %s's arena could shrink under a mapping: NIXL only", worker)
+                    return None
                 mapping = mmap.mmap(fds[0], header["nbytes"], flags=mmap.MAP_SHARED)
             finally:
-                os.close(fds[0])
-        except (OSError, ValueError, KeyError) as exc:
+                for fd in fds:
+                    os.close(fd)
+        except FileNotFoundError:
+            return None  # no worker of that name shares an arena on this host
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             log.info("cannot map worker %s's arena (%s): NIXL carries its blocks", worker, exc)
             return None
         log.info("worker %s's DRAM arena mapped (%d bytes): same-host copies", worker, header["nbytes"])

@@ -3,6 +3,7 @@ memfd that other processes of this host can map (the worker's DRAM arena)."""
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 
@@ -19,9 +20,10 @@ class HostBuffer:
         self.nbytes = nbytes
         self.fd: int | None = None
         populate_flag = mmap.MAP_POPULATE if populate else 0
-        if shared:
-            self.fd = os.memfd_create("kvstore-arena", os.MFD_CLOEXEC)
+        if shared:  # sealed at its size: a process it is handed to can never see it shrink (SIGBUS)
+            self.fd = os.memfd_create("kvstore-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.fd, nbytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | populate_flag)
         else:
             self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate_flag)

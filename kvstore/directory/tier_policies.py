@@ -170,8 +170,9 @@ class TierPolicies:
         copy, synced and asked outside the lock (only the copy holds it), so it changes nothing and
         admissions do not wait for it."""
         if dry_run:
-            with self.lock:
-                policy = copy.deepcopy(self._of(tier))
+            with self.lock:  # the eviction order only; its admission is not the dry run's to feed
+                live = self._of(tier)
+                policy = _TierPolicy(copy.deepcopy(live.eviction), _Unrecorded(), live.built)
             self._sync(tier.id, policy, rows, expected={})
             return _choose(policy.eviction, rows, protected, to_free, limit)
         with self.lock:
@@ -205,3 +206,10 @@ def _choose(eviction, rows: list[VictimRow], protected: set[str], to_free: int, 
         chosen.append(by_key[victims[0]].row)
         freed += by_key[victims[0]].nbytes
     return chosen
+
+
+class _Unrecorded:
+    """An admission that forgets what it is told (a dry run's copy of a policy)."""
+
+    def record(self, key: str) -> None:
+        pass

@@ -62,6 +62,8 @@ class NvmeTier:
             os.write(self._manifest, (json.dumps({"op": "meta", "page_bytes": page_bytes}) + "\n").encode())
             os.fsync(self._manifest)
         self._live = self._replay()
+        if recorded is not None and not _has_meta(self.directory / MANIFEST):
+            self._rewrite()  # a manifest from before page sizes were recorded: its size is written down now
         self._pending: dict[str, dict] = {}  # "put" lines waiting for their data to be durable
         self._frees: list[dict] = []  # "free" lines waiting for the next sync
         self._lock = threading.Lock()
@@ -138,9 +140,12 @@ class NvmeTier:
         with self._lock:
             if not self._pending and not self._frees:
                 return
-            if self._pending:
-                for fd in self.fds:
+            try:
+                for fd in self.fds if self._pending else []:
                     os.fsync(fd)
+            except OSError as exc:
+                raise KVStoreError("unavailable", f"cannot make the NVMe slabs durable: {exc.strerror}",
+                                   path=str(self.directory)) from None
             text = "".join(json.dumps(e) + "\n" for e in [*self._frees, *self._pending.values()]).encode()
             end = os.lseek(self._manifest, 0, os.SEEK_END)
             try:
@@ -184,7 +189,7 @@ class NvmeTier:
         for number, line in enumerate(text.splitlines(), 1):
             try:
                 entry = json.loads(line)
-                if entry.get("op") == "meta":
+                if not isinstance(entry, dict) or entry.get("op") == "meta":
                     continue
                 key = _key(entry["token"], entry["runs"])
             except (ValueError, KeyError, TypeError):
@@ -200,6 +205,19 @@ class NvmeTier:
                 log.warning("NVMe manifest entry %s overlaps another; ignored", entry["hash"])
         return live
 
+    def _rewrite(self) -> None:
+        """The manifest as its page size and the live blocks, written aside, fsynced and renamed over
+        the old one (a crash leaves one or the other, whole)."""
+        path, aside = self.directory / MANIFEST, self.directory / (MANIFEST + ".new")
+        lines = [{"op": "meta", "page_bytes": self.page_bytes}, *self._live.values()]
+        with open(aside, "w") as f:
+            f.write("".join(json.dumps(e) + "\n" for e in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(aside, path)
+        os.close(self._manifest)
+        self._manifest = self._open_manifest()
+
     def survivors(self) -> list[specs.Survivor]:
         return [specs.Survivor(kind="nvme", token=e["token"], runs=[specs.PageRun(first=f, count=c)
                                                                      for f, c in e["runs"]],
@@ -210,6 +228,11 @@ class NvmeTier:
         os.close(self._manifest)
         for fd in self.fds:
             os.close(fd)
+
+
+def _has_meta(path: Path) -> bool:
+    with open(path) as f:
+        return '"op": "meta"' in f.readline()
 
 
 def _recorded_page_bytes(path: Path, legacy_page_bytes: int) -> int | None:

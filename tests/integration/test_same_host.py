@@ -79,3 +79,13 @@ def test_a_restarted_worker_is_mapped_again_and_its_old_arena_never_written(stac
         assert new is not old and new.agent_name != old.agent_name
         n, out = load(client, hashes)
         assert n == 4 and all(np.array_equal(a, b) for a, b in zip(out, blocks))
+
+
+def test_a_folder_others_could_change_is_not_trusted_and_nixl_carries_the_blocks(stack, arenas):
+    arenas.chmod(0o777)  # anyone could have put a socket of their own there
+    with KVStoreClient(stack.url, NS, staging_bytes=4 * NS.block_nbytes) as client:
+        hashes, blocks = prompt(3)
+        assert save(client, hashes, blocks) == 4
+        n, out = load(client, hashes)
+        assert n == 4 and all(np.array_equal(a, b) for a, b in zip(out, blocks))
+        assert mapped(client) == set()

@@ -120,5 +120,11 @@ def test_a_directory_keeps_the_page_size_it_was_created_with(tmp_path):
 def test_a_manifest_from_before_page_sizes_were_recorded_is_read_with_the_legacy_size(tmp_path):
     (tmp_path / MANIFEST).write_text(json.dumps({"op": "put", "token": "t1", "runs": [[2, 1]], "namespace_id": "ns",
                                                  "hash": f"{2:032x}", "nbytes": PAGE, "checksum": "0" * 16}) + "\n")
+    (tmp_path / MANIFEST).write_text((tmp_path / MANIFEST).read_text() + "[1, 2]\n")  # valid JSON, not an entry
     tier = NvmeTier(tmp_path, 64 * PAGE, PAGE, legacy_page_bytes=16 * PAGE)
     assert tier.page_bytes == 16 * PAGE and len(tier.survivors()) == 1
+    tier.close()
+    # the size it was read with is written down: a later setting (and legacy guess) changes nothing
+    again = NvmeTier(tmp_path, 64 * PAGE, PAGE, legacy_page_bytes=PAGE)
+    assert again.page_bytes == 16 * PAGE and [s.runs[0].first for s in again.survivors()] == [2]
+    assert json.loads((tmp_path / MANIFEST).read_text().splitlines()[0]) == {"op": "meta", "page_bytes": 16 * PAGE}

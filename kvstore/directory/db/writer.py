@@ -87,7 +87,8 @@ class Writer:
 
     def read(self, job: Callable[[Tx], T]) -> T:
         """A job that only reads, on the caller's thread and its own session (rolled back): long reads
-        (a whole tier) never hold the writer. It sees what was committed when it began."""
+        (a whole tier) never hold the writer. It sees what was committed (on PostgreSQL, as each of its
+        statements began: fine for answers that are advisory, such as a dry run's)."""
         with self._sessions() as session:
             return job(Tx(session))
 
