@@ -32,7 +32,7 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
-from kvstore.connector.copies import BlockCopier, LocalArenas, scatter, split
+from kvstore.connector.copies import BlockCopier, LocalArenas, scatter
 from kvstore.connector.handoff import HandoffResult, wait_for_handoff
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
@@ -278,14 +278,9 @@ class KVStoreClient:
     def _write_hashed(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], clock: "_PhaseClock"):
         """Per item (written, xxh3_64 of its bytes): same-host items copied and hashed chunk by chunk;
         the others hashed on the helper thread while NIXL (which releases the GIL) writes them."""
-        near, far, arenas = split(self.copier.local(items))
-        done, sums = [False] * len(items), [""] * len(items)
-        hashing = self._hasher.submit(lambda: [checksum(items[k][0]) for k in far]) if far else None
-        if near:
-            copied, digests = clock.timed("transfer", self.copier.copy_and_hash, "WRITE", [items[k] for k in near],
-                                          arenas)
-            scatter(near, copied, digests, done, sums)
+        done, sums, far = clock.timed("transfer", self.copier.copy_local, "WRITE", items)
         if far:
+            hashing = self._hasher.submit(lambda: [checksum(items[k][0]) for k in far])
             written = clock.timed("transfer", self._move, "WRITE", [items[k] for k in far])
             scatter(far, written, clock.timed("checksum", hashing.result), done, sums)  # the wait beyond it
         return done, sums
@@ -295,11 +290,7 @@ class KVStoreClient:
         by chunk; the others are read over NIXL in groups of about READ_GROUP_BYTES, group k hashed
         on the helper thread while group k+1 is read."""
         items = [(blocks[i], hit.location) for i, hit in enumerate(hits)]
-        near, far, arenas = split(self.copier.local(items))
-        done, digests = [False] * len(hits), [""] * len(hits)
-        if near:
-            copied, sums = clock.timed("transfer", self.copier.copy_and_hash, "READ", [items[k] for k in near], arenas)
-            scatter(near, copied, sums, done, digests)
+        done, digests, far = clock.timed("transfer", self.copier.copy_local, "READ", items)
         hashing = []
         for group in _groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
             ks = [far[g] for g in group]

@@ -3,7 +3,8 @@ is mapped here (same host), a NIXL transfer otherwise.
 
     arenas = LocalArenas(folder, mode)               # "auto" (default), "off"
     copier = BlockCopier(agent, peers, arenas, timeout_s)
-    copier.move("WRITE" | "READ", [(block, location), ...]) -> [done, ...]
+    done, digests, far = copier.copy_local("WRITE" | "READ", [(block, location), ...])  # same host, hashed
+    copier.move("WRITE" | "READ", [items[k] for k in far]) -> [done, ...]             # NIXL
 
 A worker on this host hands its arena over a Unix socket (`<folder>/<worker name>.sock`, see
 kvstore.worker.sharing); a location is copied directly only when its worker, agent and epoch are
@@ -128,44 +129,38 @@ class BlockCopier:
         self.agent, self.peers, self.arenas, self.timeout_s = agent, peers, arenas, timeout_s
         self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstore-copy")
 
-    def local(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[_Arena | None]:
-        """Per item the mapped arena holding it (same host), or None."""
-        return [self.arenas.view(location) for _, location in items]
-
-    def copy_and_hash(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]],
-                      arenas: list[_Arena]) -> tuple[list[bool], list[str]]:
-        """Same-host items copied in chunks, each chunk hashed right after it is copied (while it is
-        in cache: the checksum costs no second pass over memory), on COPY_THREADS threads. Returns
-        per item (copied, xxh3_64 of the bytes now at the destination)."""
-        order = sorted(range(len(items)), key=lambda k: -items[k][0].nbytes)
+    def copy_local(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]
+                   ) -> tuple[list[bool], list[str], list[int]]:
+        """The items whose arena is mapped here, copied in chunks, each chunk hashed right after it is
+        copied (while it is in cache: the checksum costs no second pass over memory), on COPY_THREADS
+        threads. Returns per item (copied, xxh3_64 of the bytes now at the destination; False and ""
+        for the others) and the indices of the others, which NIXL must carry (`move`)."""
+        arenas = [self.arenas.view(location) for _, location in items]
+        done, digests = [False] * len(items), [""] * len(items)
+        near = sorted((k for k, a in enumerate(arenas) if a is not None), key=lambda k: -items[k][0].nbytes)
         shares: list[list[int]] = [[] for _ in range(COPY_THREADS)]
         loads = [0] * COPY_THREADS
-        for k in order:  # the largest first, each to the least loaded thread
+        for k in near:  # the largest first, each to the least loaded thread
             t = loads.index(min(loads))
             shares[t].append(k)
             loads[t] += items[k][0].nbytes
-        results: dict[int, tuple[bool, str]] = {}
-        futures = [self._pool.submit(lambda ks=ks: {k: _copy_hashed(op, *items[k], arenas[k]) for k in ks})
+        futures = [self._pool.submit(lambda ks=ks: [(k, _copy_hashed(op, *items[k], arenas[k])) for k in ks])
                    for ks in shares if ks]
         for future in futures:
-            results.update(future.result())
-        return [results[k][0] for k in range(len(items))], [results[k][1] for k in range(len(items))]
+            for k, (ok, digest) in future.result():
+                done[k], digests[k] = ok, digest
+        return done, digests, [k for k, a in enumerate(arenas) if a is None]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.arenas.close()
 
     def move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
-        """Per item whether its bytes arrived: copied here for mapped arenas, one NIXL request per
-        other worker and tier."""
+        """Per item whether its bytes arrived over NIXL: one request per worker and tier."""
         done = [False] * len(items)
         by_worker: dict[tuple[str, int, str], list[int]] = {}
-        for k, (block, location) in enumerate(items):
-            arena = self.arenas.view(location)
-            if arena is not None:
-                done[k] = _copy_hashed(op, block, location, arena, hashed=False)[0]
-            else:
-                by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
+        for k, (_, location) in enumerate(items):
+            by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
         transfers: list[tuple[Transfer | None, list[int]]] = []
         for (worker, epoch, tier), ks in by_worker.items():
             peer = self.peers.agent_for(worker, epoch)
@@ -182,9 +177,8 @@ class BlockCopier:
         return done
 
 
-def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, arena: _Arena,
-                 hashed: bool = True) -> tuple[bool, str]:
-    """One block's runs copied chunk by chunk, each chunk hashed once copied (`hashed`)."""
+def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, arena: _Arena) -> tuple[bool, str]:
+    """One block's runs copied chunk by chunk, each chunk hashed once copied."""
     assert block.flags.c_contiguous, "a block is one contiguous buffer"
     flat = block.reshape(-1).view(np.uint8)
     digest = xxhash.xxh3_64()
@@ -199,8 +193,7 @@ def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, ar
             here = flat[at + start : at + start + n]
             target = there if op == "WRITE" else here
             np.copyto(target, here if op == "WRITE" else there)
-            if hashed:
-                digest.update(target)
+            digest.update(target)
         at += length
     return at == flat.size, digest.hexdigest()
 
@@ -216,12 +209,6 @@ def rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndar
             addr += run_len
         assert addr == int(buffer.ctypes.data) + buffer.nbytes, "replica runs do not match the block size"
     return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
-
-
-def split(arenas: list) -> tuple[list[int], list[int], list]:
-    """Items by where they are: (indices on a mapped arena, the others, their arenas)."""
-    near = [k for k, a in enumerate(arenas) if a is not None]
-    return near, [k for k, a in enumerate(arenas) if a is None], [arenas[k] for k in near]
 
 
 def scatter(indices: list[int], oks: list[bool], sums: list[str], done: list[bool], digests: list[str]) -> None:

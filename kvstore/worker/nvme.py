@@ -42,7 +42,7 @@ MANIFEST = "manifest.jsonl"
 class NvmeTier:
     def __init__(self, directory: Path, total_bytes: int, page_bytes: int, legacy_page_bytes: int | None = None) -> None:
         self.directory = Path(directory)
-        recorded = _recorded_page_bytes(self.directory / MANIFEST, legacy_page_bytes or page_bytes)
+        recorded, written_down = _recorded_page_bytes(self.directory / MANIFEST, legacy_page_bytes or page_bytes)
         if recorded is not None and recorded != page_bytes:
             log.warning("NVMe directory %s keeps the page size it was created with, %d bytes (the setting says %d)",
                         self.directory, recorded, page_bytes)
@@ -62,7 +62,7 @@ class NvmeTier:
             os.write(self._manifest, (json.dumps({"op": "meta", "page_bytes": page_bytes}) + "\n").encode())
             os.fsync(self._manifest)
         self._live = self._replay()
-        if recorded is not None and not _has_meta(self.directory / MANIFEST):
+        if recorded is not None and not written_down:
             self._rewrite()  # a manifest from before page sizes were recorded: its size is written down now
         self._pending: dict[str, dict] = {}  # "put" lines waiting for their data to be durable
         self._frees: list[dict] = []  # "free" lines waiting for the next sync
@@ -230,28 +230,24 @@ class NvmeTier:
             os.close(fd)
 
 
-def _has_meta(path: Path) -> bool:
-    with open(path) as f:
-        return '"op": "meta"' in f.readline()
-
-
-def _recorded_page_bytes(path: Path, legacy_page_bytes: int) -> int | None:
-    """The page size a manifest's pages are numbered in: its first line's, `legacy_page_bytes` for
-    a manifest from before that line, None for no manifest (or an empty one)."""
+def _recorded_page_bytes(path: Path, legacy_page_bytes: int) -> tuple[int | None, bool]:
+    """The page size a manifest's pages are numbered in, and whether its first line says so:
+    (that size, True); (`legacy_page_bytes`, False) for a manifest from before that line; (None,
+    False) for no manifest (or an empty one)."""
     try:
         with open(path) as f:
             first = f.readline()
     except OSError:  # none yet, or no folder: opening the slabs says what is wrong
-        return None
+        return None, False
     if not first.strip():
-        return None
+        return None, False
     try:
         meta = json.loads(first)
         if meta.get("op") == "meta" and isinstance(meta.get("page_bytes"), int) and meta["page_bytes"] >= 4096:
-            return meta["page_bytes"]
+            return meta["page_bytes"], True
     except (ValueError, AttributeError):
         pass
-    return legacy_page_bytes
+    return legacy_page_bytes, False
 
 
 def _key(token: str, runs: list) -> str:

@@ -57,7 +57,7 @@ def client_for(args, model) -> KVStoreClient:
                                                  Path(args.markers)))
     if args.slow_s:  # every transfer, over NIXL or copied into a same-host arena
         client._move = slowed(client._move, args.slow_s)
-        client.copier.copy_and_hash = slowed(client.copier.copy_and_hash, args.slow_s)
+        client.copier.copy_local = slowed(client.copier.copy_local, args.slow_s)
     return client
 
 
