@@ -352,7 +352,8 @@ class Engine:
                 "vllm_metric_counts": vllm_metrics, "vllm_log": self.logged,
                 "finished_recving": sorted(self.recving), "failed_recving": sorted(self.failed_recving),
                 "preempted": sorted(self.preempted), "unfreed": sorted(self.scheduler.requests),
-                "namespace_id": self.scheduler.connector._namespace_id_now()}
+                "namespace_id": self.scheduler.connector._namespace_id_now(),
+                "posts": dict(self.worker._worker.posts)}
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -383,10 +384,12 @@ def main() -> None:
     parser.add_argument("--handoff-params", default="{}", help="more kv_transfer_params (JSON), as a router adds")
     parser.add_argument("--prompt-seed-offset", type=int, default=0, help="request i gets prompt i + this")
     parser.add_argument("--tenant", default="", help="the namespace's tenant (another namespace)")
+    parser.add_argument("--same-host", default="auto", choices=["auto", "off"], help="KVSTORE_SAME_HOST")
     parser.add_argument("--finished-marker", default="", help="a file written when a request finishes")
     parser.add_argument("--followup", type=int, default=0,
                         help="the next turn: each prompt followed by the first N tokens this engine generates for it")
     args = parser.parse_args()
+    os.environ["KVSTORE_SAME_HOST"] = args.same_host
     engine = Engine(args)
     result = engine.run([followup(prompt(i + args.prompt_seed_offset, args.prompt_tokens), args.followup)
                          for i in range(args.prompts)])

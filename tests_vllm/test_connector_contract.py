@@ -128,6 +128,18 @@ def test_a_prompt_prefilled_in_chunks_is_saved_and_engine_b_loads_it_into_other_
     assert b["vllm_metric_counts"] == {"load_post": 1, "layer_xfer": LAYERS, "layer_visible": LAYERS, "save": 0}
     assert a["vllm_metric_counts"]["save"] == 3 and "save_count=3" in a["vllm_log"][0]
     assert "layer_xfer_count=4" in b["vllm_log"][0]
+    # the worker is on this host: every layer was copied with its arena, none went over NIXL
+    assert a["posts"] == {"local": 3 * LAYERS, "nixl": 0} and b["posts"] == {"local": LAYERS, "nixl": 0}
+
+
+@pytest.mark.parametrize("save, load", [("off", "auto"), ("auto", "off")])
+def test_pages_copied_with_the_arena_and_moved_over_nixl_are_the_same_bytes(stack, save, load):
+    a = stack.engine("--same-host", save)
+    b = stack.engine("--same-host", load, "--hold-blocks", "30")
+    loaded = b["requests"]["req-0"]
+    assert loaded["matched"] == [FULL_BLOCKS * BLOCK, False] and loaded["kv_exact"] and b["load_errors"] == []
+    assert [e["posts"]["local"] > 0 for e in (a, b)] == [save == "auto", load == "auto"]
+    assert [e["posts"]["nixl"] > 0 for e in (a, b)] == [save == "off", load == "off"]
 
 
 def test_blocks_are_freed_only_after_their_saves_are_committed(stack):

@@ -6,6 +6,9 @@ is mapped here (same host), a NIXL transfer otherwise.
     done, digests, far = copier.copy_local("WRITE" | "READ", [(block, location), ...])  # same host, hashed
     copier.move("WRITE" | "READ", [items[k] for k in far]) -> [done, ...]             # NIXL
 
+    memory = HostMemory(); memory.add(addr, nbytes)  # an engine's own buffers (vLLM's pages)
+    copy_rows(op, local, remote, memory, arena) -> LocalCopy   # NIXL-style rows, copied here
+
 A worker on this host hands its arena over a Unix socket (`<folder>/<worker name>.sock`, see
 kvstore.worker.sharing); a location is copied directly only when its worker, agent and epoch are
 the ones mapped (a worker that restarted has another agent: the connector maps it again). A
@@ -15,6 +18,8 @@ RETRY_S, and NIXL carries its blocks meanwhile. `KVSTORE_SAME_HOST=off` forces N
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import fcntl
 import json
 import logging
@@ -215,3 +220,60 @@ def scatter(indices: list[int], oks: list[bool], sums: list[str], done: list[boo
     """Results of a part of the items written back into the whole's lists."""
     for k, ok, digest in zip(indices, oks, sums):
         done[k], digests[k] = ok, digest
+
+
+class HostMemory:
+    """This process's buffers that descriptor rows may point into, as numpy views (an engine's
+    registered pages): `view(addr, n)` is bytes [addr, addr + n) of the buffer holding them."""
+
+    def __init__(self) -> None:
+        self._bases: list[int] = []
+        self._arrays: list[np.ndarray] = []
+
+    def add(self, addr: int, nbytes: int) -> None:
+        k = bisect.bisect(self._bases, addr)
+        self._bases.insert(k, addr)
+        self._arrays.insert(k, np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr)))
+
+    def view(self, addr: int, n: int) -> np.ndarray | None:
+        k = bisect.bisect(self._bases, addr) - 1
+        if k < 0 or addr + n > self._bases[k] + self._arrays[k].size:
+            return None
+        offset = addr - self._bases[k]
+        return self._arrays[k][offset:offset + n]
+
+
+class LocalCopy:
+    """A transfer that already ended on the caller's thread: what a NIXL `Transfer` answers."""
+
+    def __init__(self, ok: bool, error: str | None = None) -> None:
+        self.state, self.error = ("done", None) if ok else ("failed", error)
+
+    def poll(self) -> str:
+        return self.state
+
+    def wait(self, timeout_s: float | None = None) -> str:
+        return self.state
+
+
+def copy_rows(op: str, local: np.ndarray, remote: np.ndarray, memory: HostMemory, arena: _Arena) -> LocalCopy:
+    """NIXL descriptor rows ((addr, len) here, (addr, len) in a worker's arena) carried out as plain
+    copies: "WRITE" copies here -> there, "READ" there -> here. Rows that continue one another on
+    both sides are one copy."""
+    merged: list[list[int]] = []
+    for (here, n), (there, _) in zip(local.tolist(), remote.tolist()):
+        if merged and merged[-1][0] + merged[-1][2] == here and merged[-1][1] + merged[-1][2] == there:
+            merged[-1][2] += n
+        else:
+            merged.append([here, there, n])
+    for here, there, n in merged:
+        offset = there - arena.base_addr
+        mine = memory.view(here, n)
+        if mine is None or offset < 0 or offset + n > arena.array.size:
+            return LocalCopy(False, "a row outside the registered memory or the mapped arena")
+        theirs = arena.array[offset:offset + n]
+        if op == "WRITE":
+            np.copyto(theirs, mine)
+        else:
+            np.copyto(mine, theirs)
+    return LocalCopy(True)

@@ -1,19 +1,19 @@
-"""The worker half of the vLLM connector: NIXL between vLLM's paged KV buffer and the storage
-workers, one request per (layer, storage worker), with no staging copy. It imports nothing from
-vLLM; `kvstore.connector.vllm` hands it plain plans.
+"""The worker half of the vLLM connector: vLLM's paged KV buffer <-> the storage workers, one
+request per (layer, storage worker), no staging copy: plain copies with the DRAM arena of a worker
+on this host (host pages; KVSTORE_SAME_HOST=off turns it off), NIXL otherwise. It imports nothing
+from vLLM; `kvstore.connector.vllm` hands it plain plans.
 
-Loads. `start_loads` leases the step's synchronous loads in one directory call (asynchronous
-ones one by one) and posts their reads layer by layer through a `LayerClock` (T_post, T_xfer and
-T_visible, as for the engine-neutral layer-wise load). `wait_layer` waits for one layer of this
-step's synchronous loads; `finish_step` verifies them (whole-block checksums) and releases their
-lease; asynchronous loads are polled between steps by `async_results`. A block that did not arrive intact is a load error, never loaded.
+Loads. `start_loads` leases the step's synchronous loads in one directory call (asynchronous ones
+one by one) and posts their reads layer by layer through a `LayerClock` (T_post, T_xfer and
+T_visible). `wait_layer` waits for one layer of this step's synchronous loads; `finish_step`
+verifies them (whole-block checksums: a block that did not arrive intact is a load error) and
+releases their lease; asynchronous loads are polled between steps by `async_results`.
 
 Saves are asynchronous. `save_layer` hands the layer to the saver thread, which reserves the
 step's blocks (one prepare_store per request), posts each layer's writes once that layer's KV is
 in the page (a CUDA event on GPUs), waits for them, checksums the whole blocks and commits. The
-forward never waits for the store. vLLM keeps the source blocks alive until `sent()` reports
-the request (its `request_finished` answered True), and `flush()` waits for the saves of
-preempted requests before their blocks can be reused.
+forward never waits for the store: vLLM keeps the blocks until `sent()` reports the request, and
+`flush()` waits for the saves of preempted requests before their blocks can be reused.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
+from kvstore.connector.copies import HostMemory, LocalArenas, copy_rows
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
 from kvstore.connector.page_checksums import LayerwiseChecksum, block_checksums
 from kvstore.connector.peers import Peers, own_hosts
@@ -85,6 +86,8 @@ class PagedKVWorker:
         self.agent = Agent(f"vllm-kvstore-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
         self.peers = Peers(self.agent, directory)
         self.caches: dict[str, torch.Tensor] = {}
+        self.arenas, self.memory = LocalArenas(), HostMemory()
+        self.posts = {"local": 0, "nixl": 0}  # requests per layer and storage worker, by path
         self._load_errors: set[int] = set()
         self._sync: list[_Load] = []  # loads of this forward
         self._async: dict[str, _Load] = {}  # req_id -> a load vLLM polls for between steps
@@ -119,9 +122,8 @@ class PagedKVWorker:
                 self.agent.register_vram(addr, nbytes, device.index or 0)  # GPU path, not run here
             else:
                 self.agent.register_dram(addr, nbytes)
+                self.memory.add(addr, nbytes)
         self.caches = {name: kv_caches[name] for name in self.layer_names}
-
-    # ---- transfers ----------------------------------------------------------------------
 
     def _page(self, layer: str, block_id: int) -> tuple[int, int]:
         page = self.caches[layer][block_id]
@@ -135,8 +137,9 @@ class PagedKVWorker:
         return [(self.peers.agent_for(worker, epoch), group) for (worker, epoch), group in groups.items()]
 
     def _post(self, op: str, layer_index: int, groups: list[tuple[str | None, list]]) -> list:
-        """One NIXL request per storage worker moving this layer's page of every block: the page of
-        block id <-> bytes [l x page, (l+1) x page) of the stored block."""
+        """One request per storage worker moving this layer's page of every block: the page of
+        block id <-> bytes [l x page, (l+1) x page) of the stored block. Copied here when the
+        worker's arena is mapped and the pages are host memory, posted to NIXL otherwise."""
         layer = self.layer_names[layer_index]
         mem = "VRAM" if self.caches[layer].is_cuda else "DRAM"
         transfers = []
@@ -145,10 +148,12 @@ class PagedKVWorker:
             page = pages[0][0][1]
             local, remote = slice_rows([(addr, runs) for (addr, _), runs in pages],
                                        layer_index * page, (layer_index + 1) * page)
-            transfers.append(self.agent.submit(op, local, remote, peer, mem, "DRAM") if peer else None)
+            near = mem == "DRAM" and all(location.tier == "dram" for _, location in group)
+            arena = self.arenas.view(group[0][1]) if near else None
+            self.posts["local" if arena is not None else "nixl"] += 1
+            transfers.append(copy_rows(op, local, remote, self.memory, arena) if arena is not None else
+                             self.agent.submit(op, local, remote, peer, mem, "DRAM") if peer else None)
         return transfers
-
-    # ---- loads --------------------------------------------------------------------------
 
     def start_loads(self, namespace_id: str, plans: list[BlockPlan]) -> None:
         """Lease the plans' blocks and post their reads, layer 0 first. The step's synchronous loads
@@ -262,8 +267,6 @@ class PagedKVWorker:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    # ---- saves --------------------------------------------------------------------------
 
     def _save_step(self, namespace_id: str, plans: list[BlockPlan]) -> _SaveStep | None:
         """This step's saves, handed to the saver thread when first needed."""
@@ -389,4 +392,5 @@ class PagedKVWorker:
         self._saves.put(None)
         self._saver.join(self.timeout_s * 2)
         self.peers.close()
+        self.arenas.close()
         self.agent.close()
