@@ -15,8 +15,9 @@ The model is 16 layers, 8 KV heads, head_dim 128, bf16 (64 KiB of KV per token, 
   through its tensor API (`KVStoreClient.save` / `load` / `lookup` with per-layer (K, V)
   [heads, tokens, head_dim], blocks of 256 tokens: a packing copy through a staging buffer), and
   as its vLLM connector drives it (`PagedKVWorker` on paged KV [blocks, heads, 16, 2 x head_dim]
-  per layer, registered once: NIXL moves each layer's page of every block, no staging copy).
-  NIXL over UCX (shared memory here), xxh3 checksums on every save and load.
+  per layer, registered once: each layer's page of every block moves with no staging copy).
+  Both copy with the worker's DRAM arena, mapped into the bench's process (same host); with
+  KVSTORE_SAME_HOST=off, NIXL over UCX instead. xxh3 checksums on every save and load.
 Per repeat a new prompt is stored, looked up (--lookups times: LMCache's lookup is a prefetch
 that also takes and releases read locks; kvstore's hashes the tokens and asks the directory),
 and retrieved into new tensors, which are compared byte for byte with what was stored.
@@ -239,7 +240,7 @@ class KVStoreOps:
 class PagedOps:
     """kvstore as its vLLM connector drives it: `PagedKVWorker` moves each layer's page of every
     block straight between the engine's registered paged KV ([blocks, heads, 16, 2 x head_dim] per
-    layer, vLLM's CPU layout) and the worker, one NIXL request per layer, with no staging copy."""
+    layer, vLLM's CPU layout) and the worker, one request per layer, with no staging copy."""
 
     def __init__(self, url: str, args) -> None:
         import torch

@@ -7,7 +7,7 @@ is mapped here (same host), a NIXL transfer otherwise.
     copier.move("WRITE" | "READ", [items[k] for k in far]) -> [done, ...]             # NIXL
 
     memory = HostMemory(); memory.add(addr, nbytes)  # an engine's own buffers (vLLM's pages)
-    copy_rows(op, local, remote, memory, arena) -> LocalCopy   # NIXL-style rows, copied here
+    copy_pages(op, [(addr, runs, hasher), ...], start, end, memory, arena) -> LocalCopy  # a layer's pages
 
 A worker on this host hands its arena over a Unix socket (`<folder>/<worker name>.sock`, see
 kvstore.worker.sharing); a location is copied directly only when its worker, agent and epoch are
@@ -115,7 +115,7 @@ class LocalArenas:
                 if not fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                     log.warning("worker %s's arena could shrink under a mapping: NIXL only", worker)
                     return None
-                mapping = mmap.mmap(fds[0], header["nbytes"], flags=mmap.MAP_SHARED)
+                mapping = mmap.mmap(fds[0], header["nbytes"], flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -256,24 +256,25 @@ class LocalCopy:
         return self.state
 
 
-def copy_rows(op: str, local: np.ndarray, remote: np.ndarray, memory: HostMemory, arena: _Arena) -> LocalCopy:
-    """NIXL descriptor rows ((addr, len) here, (addr, len) in a worker's arena) carried out as plain
-    copies: "WRITE" copies here -> there, "READ" there -> here. Rows that continue one another on
-    both sides are one copy."""
-    merged: list[list[int]] = []
-    for (here, n), (there, _) in zip(local.tolist(), remote.tolist()):
-        if merged and merged[-1][0] + merged[-1][2] == here and merged[-1][1] + merged[-1][2] == there:
-            merged[-1][2] += n
-        else:
-            merged.append([here, there, n])
-    for here, there, n in merged:
-        offset = there - arena.base_addr
-        mine = memory.view(here, n)
-        if mine is None or offset < 0 or offset + n > arena.array.size:
-            return LocalCopy(False, "a row outside the registered memory or the mapped arena")
-        theirs = arena.array[offset:offset + n]
-        if op == "WRITE":
-            np.copyto(theirs, mine)
-        else:
-            np.copyto(mine, theirs)
+def copy_pages(op: str, pages: list[tuple[int, list[tuple[int, int]], object]], start: int, end: int,
+               memory: HostMemory, arena: _Arena) -> LocalCopy:
+    """Bytes [start, end) of stored blocks, each in its `runs` (addr, len) of a mapped arena, copied
+    with this process's memory from `addr` on: "WRITE" here -> there, "READ" there -> here. Per
+    block (addr, runs, hasher or None): one copy per piece of a run, and the hasher fed each piece
+    right after it is copied, while it is in cache. On the caller's thread: xxhash holds the GIL
+    for a page, and a second thread measured no faster here."""
+    for here, runs, hasher in pages:
+        offset = 0  # where the current run starts within the block
+        for run_addr, run_len in runs:
+            lo, hi = max(start, offset), min(end, offset + run_len)
+            if lo < hi:
+                mine, at = memory.view(here + lo - start, hi - lo), run_addr + lo - offset - arena.base_addr
+                if mine is None or at < 0 or at + hi - lo > arena.array.size:
+                    return LocalCopy(False, "a page outside the registered memory or the mapped arena")
+                theirs = arena.array[at:at + hi - lo]
+                target = theirs if op == "WRITE" else mine
+                np.copyto(target, mine if op == "WRITE" else theirs)
+                if hasher is not None:
+                    hasher.update(target)
+            offset += run_len
     return LocalCopy(True)

@@ -4,6 +4,9 @@ of every layer, in layer order.
     block_checksums(caches, layer_names, block_ids) -> [hex]
     tail = LayerwiseChecksum(num_layers)   # one block, hashed a layer at a time as each arrives
     tail.add(index, page); tail.hexdigest() -> hex | None
+    hashes = CopyHashes(block_ids, num_layers)  # blocks hashed as their pages are copied, layer by layer
+    hashes.for_layer(block_id, layer) -> hasher | None; hashes.spoil(ids); hashes.hexdigest(block_id)
+    checksums(caches, layer_names, block_ids, hashes) -> [hex]   # hashes' where it has them, else gathered
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ def block_checksums(caches: dict[str, torch.Tensor], layer_names: list[str], blo
     return out
 
 
+def checksums(caches: dict[str, torch.Tensor], layer_names: list[str], block_ids: list[int],
+              hashes: CopyHashes | None) -> list[str]:
+    """Each block's checksum: taken while its pages were copied when `hashes` has it, else from the pages."""
+    sums = [hashes.hexdigest(b) if hashes is not None else None for b in block_ids]
+    rest = iter(block_checksums(caches, layer_names, [b for b, s in zip(block_ids, sums) if s is None]))
+    return [s if s is not None else next(rest) for s in sums]
+
+
 class LayerwiseChecksum:
     """The checksum of one block whose page is hashed layer by layer, each before the forward writes
     into it (a hand-off's partial last block: the consumer computes the prompt's last token there)."""
@@ -46,3 +57,30 @@ class LayerwiseChecksum:
     def hexdigest(self) -> str | None:
         """None unless every layer was hashed."""
         return self._hash.hexdigest() if self._layers == self._num_layers else None
+
+
+class CopyHashes:
+    """Checksums of blocks whose pages are copied layer by layer (the same-host path): each page is
+    hashed right after its copy. A block has one only if every layer was hashed, in layer order,
+    once; otherwise its checksum is taken from the pages (`block_checksums`)."""
+
+    def __init__(self, block_ids: list[int], num_layers: int) -> None:
+        self._num_layers = num_layers
+        self._next = {block_id: 0 for block_id in block_ids}  # the layer expected next; -1: spoilt
+        self._hashers = {block_id: xxhash.xxh3_64() for block_id in block_ids}
+
+    def for_layer(self, block_id: int, layer: int):
+        """The hasher to feed this block's page of `layer`, or None (the block then has no checksum here)."""
+        if self._next.get(block_id) != layer:
+            self.spoil([block_id])
+            return None
+        self._next[block_id] = layer + 1
+        return self._hashers[block_id]
+
+    def spoil(self, block_ids) -> None:
+        """These blocks' pages went another way (NIXL): no checksum from here."""
+        for block_id in block_ids:
+            self._next[block_id] = -1
+
+    def hexdigest(self, block_id: int) -> str | None:
+        return self._hashers[block_id].hexdigest() if self._next.get(block_id) == self._num_layers else None

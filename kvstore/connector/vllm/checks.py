@@ -13,6 +13,27 @@ DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "b
           torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
+def checked_pages(kv_caches: dict[str, torch.Tensor], layer_names: list[str], page_shape: tuple[int, int, int],
+                  dtype: torch.dtype) -> dict[int, tuple[int, torch.device]]:
+    """The allocations behind vLLM's pages, {address: (bytes, device)}; pages the namespace does not
+    describe are refused."""
+    missing = [n for n in layer_names if n not in kv_caches]
+    if missing:
+        raise KVStoreError("invalid", f"register_kv_caches lacks layers {missing[:3]}")
+    storages = {}
+    for name in layer_names:
+        t = kv_caches[name]
+        if t.dim() != 4 or not t[0].is_contiguous():
+            raise KVStoreError("invalid", f"layer {name}: expected [blocks, heads, block_size, head+head_v] "
+                               f"pages, got shape {tuple(t.shape)} strides {t.stride()}")
+        if tuple(t.shape[1:]) != page_shape or t.dtype != dtype:
+            raise KVStoreError("invalid", f"layer {name}: pages {tuple(t.shape[1:])} of {t.dtype} do not match "
+                               f"the namespace: {page_shape} (kv heads, block size, 2 x head size) of {dtype}")
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = (storage.nbytes(), t.device)
+    return storages
+
+
 def tp_rank(extra: dict) -> int:
     """This worker's tensor-parallel rank (vLLM's process group), or `tp_rank` from the extra
     config where vLLM's distributed state is not set up (tests)."""

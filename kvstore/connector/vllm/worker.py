@@ -30,11 +30,12 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
-from kvstore.connector.copies import HostMemory, LocalArenas, copy_rows
+from kvstore.connector.copies import HostMemory, LocalArenas, copy_pages
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
-from kvstore.connector.page_checksums import LayerwiseChecksum, block_checksums
+from kvstore.connector.page_checksums import CopyHashes, LayerwiseChecksum, checksums
 from kvstore.connector.peers import Peers, own_hosts
 from kvstore.connector.renewal import Renewal
+from kvstore.connector.vllm.checks import checked_pages
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.transfer import Agent
@@ -64,6 +65,7 @@ class _Load:
     hits: list[specs.BlockHit]
     clock: LayerClock | None = None
     tail: LayerwiseChecksum | None = None  # a partial last block's, layer by layer as each arrives
+    hashes: CopyHashes | None = None  # blocks hashed as their pages were copied (same host)
 
 
 @dataclass
@@ -103,20 +105,7 @@ class PagedKVWorker:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the allocation behind vLLM's pages once; refuse pages the namespace does not describe."""
-        missing = [n for n in self.layer_names if n not in kv_caches]
-        if missing:
-            raise KVStoreError("invalid", f"register_kv_caches lacks layers {missing[:3]}")
-        storages = {}
-        for name in self.layer_names:
-            t = kv_caches[name]
-            if t.dim() != 4 or not t[0].is_contiguous():
-                raise KVStoreError("invalid", f"layer {name}: expected [blocks, heads, block_size, head+head_v] "
-                                   f"pages, got shape {tuple(t.shape)} strides {t.stride()}")
-            if tuple(t.shape[1:]) != self.page_shape or t.dtype != self.dtype:
-                raise KVStoreError("invalid", f"layer {name}: pages {tuple(t.shape[1:])} of {t.dtype} do not match "
-                                   f"the namespace: {self.page_shape} (kv heads, block size, 2 x head size) of {self.dtype}")
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = (storage.nbytes(), t.device)
+        storages = checked_pages(kv_caches, self.layer_names, self.page_shape, self.dtype)
         for addr, (nbytes, device) in storages.items():  # vLLM backs every layer with one allocation
             if device.type == "cuda":
                 self.agent.register_vram(addr, nbytes, device.index or 0)  # GPU path, not run here
@@ -136,23 +125,29 @@ class PagedKVWorker:
             groups.setdefault((location.worker, location.epoch), []).append((block_id, location))
         return [(self.peers.agent_for(worker, epoch), group) for (worker, epoch), group in groups.items()]
 
-    def _post(self, op: str, layer_index: int, groups: list[tuple[str | None, list]]) -> list:
+    def _post(self, op: str, layer_index: int, groups: list[tuple[str | None, list]], hashes: CopyHashes) -> list:
         """One request per storage worker moving this layer's page of every block: the page of
-        block id <-> bytes [l x page, (l+1) x page) of the stored block. Copied here when the
-        worker's arena is mapped and the pages are host memory, posted to NIXL otherwise."""
+        block id <-> bytes [l x page, (l+1) x page) of the stored block. Copied here (and hashed
+        into `hashes`) when the worker's arena is mapped and the pages are host memory, posted to
+        NIXL otherwise."""
         layer = self.layer_names[layer_index]
         mem = "VRAM" if self.caches[layer].is_cuda else "DRAM"
         transfers = []
         for peer, group in groups:
             pages = [(self._page(layer, block_id), location.runs) for block_id, location in group]
             page = pages[0][0][1]
-            local, remote = slice_rows([(addr, runs) for (addr, _), runs in pages],
-                                       layer_index * page, (layer_index + 1) * page)
             near = mem == "DRAM" and all(location.tier == "dram" for _, location in group)
             arena = self.arenas.view(group[0][1]) if near else None
             self.posts["local" if arena is not None else "nixl"] += 1
-            transfers.append(copy_rows(op, local, remote, self.memory, arena) if arena is not None else
-                             self.agent.submit(op, local, remote, peer, mem, "DRAM") if peer else None)
+            if arena is not None:
+                transfers.append(copy_pages(op, [(addr, runs, hashes.for_layer(block_id, layer_index)) for
+                                                 ((addr, _), runs), (block_id, _) in zip(pages, group)],
+                                            layer_index * page, (layer_index + 1) * page, self.memory, arena))
+                continue
+            hashes.spoil(block_id for block_id, _ in group)
+            local, remote = slice_rows([(addr, runs) for (addr, _), runs in pages],
+                                       layer_index * page, (layer_index + 1) * page)
+            transfers.append(self.agent.submit(op, local, remote, peer, mem, "DRAM") if peer else None)
         return transfers
 
     def start_loads(self, namespace_id: str, plans: list[BlockPlan]) -> None:
@@ -176,11 +171,11 @@ class PagedKVWorker:
             prepared = specs.LoadsPrepared(token=None, expires_at=None, chains=[[] for _ in plans])
         loads = []
         for plan, hits in zip(plans, prepared.chains):
-            load = _Load(plan, prepared.token, hits)
+            load = _Load(plan, prepared.token, hits, hashes=CopyHashes(plan.block_ids, len(self.layer_names)))
             if hits:
                 groups = self._by_worker(list(zip(plan.block_ids, (h.location for h in hits))))
-                load.clock = LayerClock(len(self.layer_names), lambda i, g=groups: self._post("READ", i, g), t0,
-                                        self.timeout_s)
+                load.clock = LayerClock(len(self.layer_names), lambda i, g=groups, h=load.hashes:
+                                        self._post("READ", i, g, h), t0, self.timeout_s)
             loads.append(load)
         return loads
 
@@ -234,10 +229,10 @@ class PagedKVWorker:
         reports, bad = [], False  # only bad blocks are reported: their replicas are invalidated
         # a partial last block was hashed as each layer arrived: its page holds the forward's writes now
         tail = load.plan.partial_tail and not load.plan.load_async and loaded == load.plan.block_ids
-        checksums = block_checksums(self.caches, self.layer_names, loaded[:-1] if tail else loaded)
+        sums = checksums(self.caches, self.layer_names, loaded[:-1] if tail else loaded, load.hashes)
         if tail:
-            checksums.append(load.tail.hexdigest() if load.tail is not None else None)
-        for block_id, hit, checksum in zip(loaded, load.hits, checksums):
+            sums.append(load.hashes.hexdigest(loaded[-1]) or (load.tail.hexdigest() if load.tail else None))
+        for block_id, hit, checksum in zip(loaded, load.hits, sums):
             if checksum is not None and checksum != hit.checksum:
                 reports.append(specs.BlockRead(hash=hit.hash, ok=False))
             bad = bad or checksum != hit.checksum  # vLLM recomputes from the first bad block on
@@ -339,6 +334,7 @@ class PagedKVWorker:
     def _save(self, step: _SaveStep) -> None:
         reserved = [(plan, *r) for plan in step.plans if (r := self._reserve(step.namespace_id, plan)) and r[1]]
         groups = self._by_worker([(b, d.location) for _, _, admitted in reserved for b, d in admitted])
+        hashes = CopyHashes([b for _, _, admitted in reserved for b, _ in admitted], len(self.layer_names))
         transfers, posted = [], 0
         with contextlib.ExitStack() as renewals:
             for _, prepared, _ in reserved:
@@ -356,12 +352,12 @@ class PagedKVWorker:
                     event.synchronize()
                 posted += 1
                 if groups:
-                    transfers += self._post("WRITE", index, groups)
+                    transfers += self._post("WRITE", index, groups, hashes)
             ok = posted == len(self.layer_names) and all(
                 t is not None and t.wait(self.timeout_s) == "done" for t in transfers)
             for plan, prepared, admitted in reserved:
                 good = ok and plan.req_id not in step.failed_loads
-                sums = block_checksums(self.caches, self.layer_names, [b for b, _ in admitted]) if good \
+                sums = checksums(self.caches, self.layer_names, [b for b, _ in admitted], hashes) if good \
                     else [None] * len(admitted)
                 reports = [specs.BlockWritten(hash=d.hash, ok=good, checksum=checksum)
                            for (_, d), checksum in zip(admitted, sums)]
