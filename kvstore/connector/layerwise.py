@@ -7,7 +7,8 @@ own, so attention over layer l can start while layers l+1.. are still on the wir
 
 The store's block layout is layer-major ([L][K,V][T][H][D]), so layer l of a block is one
 contiguous slice at l x layer_bytes; a layer's read is one request with a descriptor per block
-(split where the block's pages are). A poller thread stamps each layer's completion, which gives:
+(split where the block's pages are), or, from the mapped arena of a worker on this host, plain
+copies, each block hashed layer by layer as its slices arrive. A poller thread stamps each layer's completion, which gives:
 
     T_post        prepare_load + posting layer 0's read (the poller posts layers 1..)
     T_xfer[l]     post -> completion of layer l
@@ -29,6 +30,8 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.connector import layout
+from kvstore.connector.copies import HostMemory, copy_pages
+from kvstore.connector.page_checksums import CopyHashes
 from kvstore.core import specs
 from kvstore.core.keys import checksum
 
@@ -160,11 +163,24 @@ class LayerwiseLoad:
         for i, hit in enumerate(self.hits):
             self._by_worker.setdefault((hit.location.worker, hit.location.epoch), []).append((i, hit))
         self._peers = {key: client.peers.agent_for(*key) for key in self._by_worker}
+        self._memory, self._hashes = HostMemory(), CopyHashes(list(range(len(self.hits))), self.namespace.num_layers)
+        if self.hits:
+            self._memory.add(int(self._raw.ctypes.data), self._raw.nbytes)
         self.clock = LayerClock(self.namespace.num_layers if self.hits else 0, self._post, t0)
 
     def _post(self, layer: int) -> list:
-        transfers = []
+        """Layer `layer` of every hit block: copied (and hashed) with the arena of a worker on this
+        host when it is mapped, one NIXL READ per worker otherwise."""
+        transfers, size = [], self.namespace.block_nbytes // self.namespace.num_layers
         for key, group in self._by_worker.items():
+            arena = self.client.copier.arenas.view(group[0][1].location)
+            if arena is not None:
+                base = int(self._raw.ctypes.data) + layer * size
+                pages = [(base + i * self.namespace.block_nbytes, hit.location.runs, self._hashes.for_layer(i, layer))
+                         for i, hit in group]
+                transfers.append(copy_pages("READ", pages, layer * size, (layer + 1) * size, self._memory, arena))
+                continue
+            self._hashes.spoil(i for i, _ in group)
             local, remote = layer_rows(self.namespace, group, self._raw, layer)
             transfers.append(self.client.agent.submit("READ", local, remote, self._peers[key],
                                                       "DRAM", "DRAM") if self._peers[key] else None)
@@ -188,7 +204,8 @@ class LayerwiseLoad:
         verified, reports = 0, []
         size = self.namespace.block_nbytes
         for i, hit in enumerate(self.hits):
-            good = all_done and checksum(self._raw[i * size:(i + 1) * size]) == hit.checksum
+            digest = self._hashes.hexdigest(i) or checksum(self._raw[i * size:(i + 1) * size])
+            good = all_done and digest == hit.checksum
             if all_done and not good:  # only a bad block is reported: its replica is invalidated
                 reports.append(specs.BlockRead(hash=hit.hash, ok=False))
             verified += good and verified == i
