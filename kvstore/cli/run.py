@@ -14,10 +14,10 @@ from typing import Annotated
 
 import typer
 
-from kvstore.cli.serve import Config, Host, is_loopback, service_logging, settings_from, use_config
+from kvstore.cli.serve import ADMISSION_NAMES, EVICTION_NAMES, Config, Host, is_loopback, service_logging, settings_from, use_config
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import parse_size
-from kvstore.policies import make_admission, make_eviction
+from kvstore.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, make_admission, make_eviction
 
 log = logging.getLogger("kvstore")
 
@@ -37,8 +37,10 @@ def up(host: Host = "127.0.0.1", port: Annotated[int, typer.Option(help="directo
        = None,
        heartbeat_timeout: Annotated[float | None, typer.Option(help="seconds of silence before a worker is "
                                                                     "dead [10]")] = None,
-       eviction: Annotated[str | None, typer.Option(help="eviction policy of every tier [lru]")] = None,
-       admission: Annotated[str | None, typer.Option(help="admission of the memory tiers [adaptive]")] = None,
+       eviction: Annotated[str | None, typer.Option(help=f"eviction policy of every tier: {EVICTION_NAMES} "
+                                                         f"[{DEFAULT_EVICTION}]")] = None,
+       admission: Annotated[str | None, typer.Option(help=f"admission of the memory tiers: {ADMISSION_NAMES} "
+                                                          f"[{DEFAULT_ADMISSION}]")] = None,
        require_auth: Annotated[bool, typer.Option(help="credentials even on loopback; the admin token is "
                                                   "written to DATA_DIR/admin.token")] = False) -> None:
     """Run the embedded stack: the directory on SQLite and one storage worker (restarted if it dies).

@@ -21,8 +21,10 @@ import typer
 from kvstore.cli.common import Output, console, problems
 from kvstore.core.config import CONFIG_ENV, redact_url
 from kvstore.core.errors import KVStoreError
+from kvstore.policies import ADMISSION, DEFAULT_ADMISSION, DEFAULT_EVICTION, EVICTION
 
 log = logging.getLogger("kvstore")
+EVICTION_NAMES, ADMISSION_NAMES = ", ".join(EVICTION), ", ".join(ADMISSION)  # --help lists every policy
 directory_app = typer.Typer(help="The directory service.", no_args_is_help=True)
 worker_app = typer.Typer(help="A storage worker.", no_args_is_help=True)
 
@@ -100,11 +102,11 @@ def directory_serve(
                                                                 "tier moves")] = None,
         migrate: Annotated[bool | None, typer.Option("--migrate/--no-migrate", help="run the migrations at "
                                                      "start")] = None,
-        eviction: Annotated[str | None, typer.Option(help="eviction policy of every tier: lru, arc, s3fifo, "
-                                                          "prefix-lru")] = None,
-        admission: Annotated[str | None, typer.Option(help="admission of the memory tiers: adaptive, always, "
-                                                           "doorkeeper, tinylfu, backpressure, size:MIN-MAX, "
-                                                           "or a comma-separated chain")] = None,
+        eviction: Annotated[str | None, typer.Option(help=f"eviction policy of every tier: {EVICTION_NAMES} "
+                                                          f"[{DEFAULT_EVICTION}]")] = None,
+        admission: Annotated[str | None, typer.Option(help=f"admission of the memory tiers: {ADMISSION_NAMES}, "
+                                                           "size:MIN-MAX, or a comma-separated chain "
+                                                           f"[{DEFAULT_ADMISSION}]")] = None,
         eviction_by_tier: Annotated[str | None, typer.Option(help='JSON, e.g. {"s3": "lru"}')] = None,
         admission_by_tier: Annotated[str | None, typer.Option(help='JSON, e.g. {"nvme": "always"}')] = None,
         require_auth: Annotated[bool | None, typer.Option("--require-auth/--insecure-no-auth",
@@ -256,8 +258,8 @@ def worker_serve(
         bounce_bytes: Annotated[str | None, typer.Option(help="DRAM buffer for copies to S3 [64MiB]")] = None,
         arena_dir: Annotated[str | None, typer.Option(help="folder of the socket that hands the DRAM arena to "
                                                       "engines on this host; '' = NIXL only [/tmp/kvstore]")] = None,
-        token: Annotated[str | None, typer.Option(envvar="KVSTORE_TOKEN", help="worker token for the "
-                                                  "directory")] = None,
+        token: Annotated[str | None, typer.Option(help="worker token for the directory "
+                                                  "(KVSTORE_WORKER_TOKEN, else KVSTORE_TOKEN)")] = None,
         ca_file: Annotated[str | None, typer.Option(envvar="KVSTORE_CA_FILE", help="CA bundle the directory's "
                                                     "certificate is checked against")] = None,
         tls_cert: TlsCert = None, tls_key: TlsKey = None,
@@ -346,6 +348,8 @@ def settings_rows() -> list[dict]:
         for name in cls.model_fields:
             source = "env" if prefix + name.upper() in os.environ else "file" if name in in_file else "default"
             value = getattr(settings, name)
+            if (service, name, source) == ("worker", "token", "default") and value is not None:
+                source = "env KVSTORE_TOKEN"
             rows.append({"service": service, "setting": name, "source": source,
                          "value": redacted(name, str(value) if isinstance(value, Path) else value)})
     return rows

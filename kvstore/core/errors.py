@@ -16,6 +16,7 @@ HTTP_STATUS: dict[str, int] = {
     "unauthorized": 401,  # no credential, or one the directory does not know
     "forbidden": 403,  # a credential without the scope the call needs
     "not_found": 404,
+    "method_not_allowed": 405,  # a path that exists, asked with a method it does not have
     "too_large": 413,  # a request body over the limit
     "conflict": 409,  # stale epoch, unknown/expired/duplicate token
     "no_space": 507,  # no tier has room

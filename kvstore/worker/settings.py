@@ -3,6 +3,7 @@ file's `[worker]` table (kvstore.core.config), then these defaults. Sizes take u
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Literal
@@ -42,7 +43,8 @@ class WorkerSettings(BaseSettings):
     s3_prefix: str = Field("kvstore", description="objects live at <prefix>/<namespace_id>/<hash>")
     s3_region: str = Field("us-east-1", description="region of the S3 tier's bucket")
     s3_virtual_addressing: bool = Field(False, description="bucket.host URLs instead of host/bucket paths")
-    token: str | None = Field(None, description="worker-scope token for the directory (KVSTORE_TOKEN also works)")
+    token: str | None = Field(None, description="worker-scope token for the directory (if none is given, "
+                              "KVSTORE_TOKEN's)")
     ca_file: str | None = Field(None, description="CA bundle the directory's HTTPS certificate is checked against")
     tls_cert: Path | None = Field(None, description="certificate of the control endpoint (HTTPS); needs tls_key")
     tls_key: Path | None = Field(None, description="private key of the control endpoint's certificate")
@@ -58,6 +60,15 @@ class WorkerSettings(BaseSettings):
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return config.sources(settings_cls, init_settings, env_settings, "worker")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _generic_token(cls, values):
+        """KVSTORE_TOKEN, the token every kvstore command takes, when no worker token is given
+        anywhere (flag, KVSTORE_WORKER_TOKEN, config file)."""
+        if isinstance(values, dict) and values.get("token") is None and os.environ.get("KVSTORE_TOKEN"):
+            return {**values, "token": os.environ["KVSTORE_TOKEN"]}
+        return values
 
     @model_validator(mode="after")
     def _reachable(self) -> "WorkerSettings":

@@ -80,10 +80,16 @@ def test_a_path_the_guard_does_not_know_never_reaches_the_app(secure):
     no guard entry matches exactly is refused by the guard itself, never forwarded."""
     body = {"name": "sneaky", "scopes": ["admin"], "all": True}
     for method, path in (("POST", "/v1/admin/tokens%0A"), ("POST", "/v1/admin/evict%0a"), ("GET", "/v1/workers%0A"),
-                         ("POST", "/v1/workers/w0/drain%0A"), ("GET", "/v1/tiers/"), ("POST", "/v1/nowhere"),
-                         ("DELETE", "/v1/admin/tokens")):
+                         ("POST", "/v1/workers/w0/drain%0A"), ("GET", "/v1/tiers/"), ("POST", "/v1/nowhere")):
         answer = secure.http.request(method, path, json=body)
         assert answer.status_code == 404 and answer.json()["error"] == "not_found", (method, path, answer.text)
+    # a path that exists, with a method it does not have: 405 and what it takes, before any credential
+    for method, path, allow in (("DELETE", "/v1/admin/tokens", "GET, HEAD, POST"), ("PUT", "/v1/admin/evict", "POST"),
+                                ("PATCH", "/v1/workers/w0/drain", "POST"), ("POST", "/healthz", "GET, HEAD")):
+        for headers in ({}, {"Authorization": "Bearer kvs_nobody"}):
+            answer = secure.http.request(method, path, json=body, headers=headers)
+            assert (answer.status_code, answer.headers.get("allow")) == (405, allow), (method, path, answer.text)
+            assert answer.json()["error"] == "method_not_allowed" and "Traceback" not in answer.text
     assert "sneaky" not in {t.name for t in secure.client.tokens()}
     assert secure.client.worker("w0").state == "active"
 
@@ -173,6 +179,23 @@ def test_a_revoked_token_is_refused_at_once(secure):
     assert secure.app.state.tokens.authenticate(token) is None
     revoked = [t for t in secure.client.tokens() if t.id == token_id]
     assert len(revoked) == 1 and revoked[0].revoked_at is not None
+
+
+def test_the_last_live_admin_token_cannot_be_revoked(secure):
+    def live_admins(client):
+        return [t.id for t in client.tokens() if "admin" in t.scopes and t.revoked_at is None]
+    [own] = live_admins(secure.client)  # the client's
+    with pytest.raises(KVStoreError) as refused:
+        secure.client.revoke_token(own)
+    assert refused.value.kind == "conflict" and "last live admin token" in refused.value.message
+    assert live_admins(secure.client) == [own]  # still in
+    second = secure.as_(secure.token("admin"))
+    [other] = [t for t in live_admins(second) if t != own]
+    assert secure.client.revoke_token(own).revoked_at is not None  # another admin is left
+    with pytest.raises(KVStoreError) as refused:
+        second.revoke_token(other)  # itself, now the last one
+    assert refused.value.kind == "conflict" and live_admins(second) == [other]
+    assert second.revoke_token(own).revoked_at is not None  # a revoked one again: nothing changes
 
 
 def test_token_creation_checks_its_input(secure):

@@ -109,3 +109,36 @@ def test_a_bad_config_file_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTORE_CONFIG", str(tmp_path / "missing.toml"))
     with pytest.raises(typer.BadParameter, match="cannot read the config file"):
         settings_from(WorkerSettings, {}, {})
+
+
+def test_help_names_every_policy_and_the_defaults_the_settings_use():
+    from kvstore.cli.main import app
+
+    root = typer.main.get_command(app)
+    commands = [root.commands["up"], root.commands["directory"].commands["serve"]]
+    defaults = DirectorySettings()
+    for command in commands:
+        options = {p.name: p.help for p in command.params}
+        assert options["eviction"].endswith(f"[{defaults.eviction}]"), command.name
+        assert options["admission"].endswith(f"[{defaults.admission}]"), command.name
+        assert all(name in options["eviction"] for name in ("lru", "arc", "s3fifo", "prefix-lru", "session"))
+        assert all(name in options["admission"] for name in ("adaptive", "always", "tinylfu", "session"))
+
+
+def test_the_worker_takes_kvstore_token_only_when_no_worker_token_is_given(tmp_path, monkeypatch):
+    from kvstore.cli.serve import settings_rows
+
+    monkeypatch.delenv("KVSTORE_CONFIG", raising=False)
+    monkeypatch.delenv("KVSTORE_WORKER_TOKEN", raising=False)
+    monkeypatch.setenv("KVSTORE_TOKEN", "kvs_generic")
+    assert settings_from(WorkerSettings, {}, WORKER_FLAGS).token == "kvs_generic"
+    row = next(r for r in settings_rows() if (r["service"], r["setting"]) == ("worker", "token"))
+    assert row["source"] == "env KVSTORE_TOKEN" and row["value"] != "kvs_generic"  # shown, redacted
+    config = tmp_path / "kvstore.toml"
+    config.write_text('[worker]\ntoken = "kvs_file"\n')
+    monkeypatch.setenv("KVSTORE_CONFIG", str(config))
+    assert settings_from(WorkerSettings, {}, WORKER_FLAGS).token == "kvs_file"
+    monkeypatch.setenv("KVSTORE_WORKER_TOKEN", "kvs_worker")
+    assert settings_from(WorkerSettings, {}, WORKER_FLAGS).token == "kvs_worker"
+    flag = next(f for f, field in WORKER_FLAGS.items() if field == "token")
+    assert settings_from(WorkerSettings, {flag: "kvs_flag"}, WORKER_FLAGS).token == "kvs_flag"

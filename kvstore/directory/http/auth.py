@@ -158,6 +158,11 @@ class Tokens:
             row = sql.token(tx.session, token_id)
             if row is None:
                 raise KVStoreError("not_found", f"no token {token_id!r}", token_id=token_id)
+            if row.revoked_at is None and ADMIN in row.scopes and not any(
+                    ADMIN in other.scopes for other in sql.live(tx.session) if other.id != row.id):
+                raise KVStoreError("conflict", f"token {token_id} is the last live admin token: revoking it would "
+                                   "lock every operator out; create another (kvstore tokens create --scope admin) "
+                                   "first", token_id=token_id)
             row.revoked_at = row.revoked_at or self._clock()
             return _info(row)
         info = self._write(job)
@@ -243,6 +248,12 @@ class Guard:
                 return template, scopes
         return None
 
+    def methods(self, path: str) -> list[str]:
+        """The methods some route answers at `path` (HEAD wherever GET is), for a 405's Allow."""
+        found = {m for m, p in self._exact if p == path} | {m for m, regex, _, _ in self._patterns
+                                                              if regex.fullmatch(path)}
+        return sorted(found | ({"HEAD"} if "GET" in found else set()))
+
     def check(self, method: str, path: str, authorization: bytes | None) -> Principal:
         """The caller, or a refusal; a request no route answers is refused here too (404), so that
         nothing the guard did not classify ever reaches the app."""
@@ -252,6 +263,10 @@ class Guard:
               route: tuple[str, frozenset[str]] | None) -> Principal:
         """`check` with the route found already."""
         if route is None:
+            allowed = self.methods(path)
+            if allowed:
+                raise KVStoreError("method_not_allowed", f"{path[:200]} takes {', '.join(allowed)}, not {method[:20]}",
+                                   allow=allowed)
             raise KVStoreError("not_found", f"no route {method} {path[:200]}")
         needed = route[1]
         if not self.require_auth:

@@ -239,6 +239,8 @@ async def _answer(send, status: int, payload: bytes, headers: list | None = None
 def _error_headers(exc: KVStoreError) -> list[tuple[bytes, bytes]]:
     if exc.kind == "unauthorized":
         return [(b"www-authenticate", b"Bearer")]
+    if exc.kind == "method_not_allowed":
+        return [(b"allow", ", ".join(exc.context.get("allow", ())).encode())]
     if exc.kind == "throttled":
         return [(b"retry-after", str(max(1, math.ceil(exc.context.get("retry_after_s", 1)))).encode())]
     return []

@@ -99,7 +99,8 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _framework(_request: Request, exc: StarletteHTTPException):
         """The framework's own refusals (unparsable JSON, unknown route, wrong method) in kvstore's body."""
-        kind = {401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large"}.get(
+        kind = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+                413: "too_large"}.get(
             exc.status_code, "invalid" if exc.status_code < 500 else "internal")
         return JSONResponse(KVStoreError(kind, str(exc.detail)).to_body(), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
