@@ -48,9 +48,30 @@ def metrics_md() -> str:
         "and a Grafana dashboard over these names are in `deploy/`.\n\n"
         "## Directory\n\n" + head + "\n".join(_metric_rows(DirectoryMetrics())) + "\n\n"
         "`route` is, for `kvstore_request_seconds`, the route's template (`/v1/workers/{name}`; `unmatched` for a "
-        "path no route answers), and for `kvstore_move_failures_total` the tiers (`dram -> nvme`).\n\n"
+        "path no route answers), and for `kvstore_move_failures_total` the tiers, `<source>_<destination>` "
+        "(`dram_nvme`), as the workers spell it.\n\n"
+        "Only the replica that leads (`kvstore_leader` 1) exports the cluster's state, so that a sum over "
+        "replicas counts it once: " + ", ".join(f"`{n}`" for n in _names(DirectoryMetrics().cluster)) + ". "
+        "Every replica exports its own requests, counters, `kvstore_leader`, `kvstore_follower_lag_seconds` "
+        "and `kvstore_build_info`.\n\n"
         "## Worker\n\n" + head + "\n".join(_metric_rows(WorkerMetrics())) + "\n\n"
-        "`route` is `<source tier>_<destination tier>`, e.g. `dram_nvme`.\n")
+        "`route` is `<source tier>_<destination tier>`, e.g. `dram_nvme`.\n\n"
+        "## Both\n\n"
+        "The directory and the worker also export their process's figures (`prometheus_client`'s process "
+        "collector): " + ", ".join(f"`{n}`" for n in _names(_process_registry())) + ".\n")
+
+
+def _names(registry) -> list[str]:
+    suffix = {"counter": "_total", "gauge": "", "histogram": "_bucket"}
+    return sorted(f.name + suffix.get(f.type, "") for f in registry.collect())
+
+
+def _process_registry():
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    return registry
 
 
 def _flags(group: str) -> dict[str, str]:

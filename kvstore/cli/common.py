@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from kvstore.client import DirectoryClient
-from kvstore.core.errors import KVStoreError
+from kvstore.core.errors import KVStoreError, Unreachable
 
 Url = Annotated[str, typer.Option(envvar="KVSTORE_URL", help="directory URL; several, comma-separated, are "
                                   "tried in turn")]
@@ -29,7 +29,10 @@ class Format(str, Enum):
     json = "json"
 
 
-Output = Annotated[Format, typer.Option(help="table or json", case_sensitive=False)]
+Output = Annotated[Format, typer.Option("--output", "-o", help="table or json", case_sensitive=False)]
+# exit codes: 0 done; 1 the directory refused the call (bad input, a credential, a conflict); 2 bad
+# usage (typer's); 3 the directory could not be reached; 4 it answered with a server error
+EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_SERVER = 1, 3, 4
 DEFAULT_URL = "http://127.0.0.1:8700"
 console = Console(markup=False)  # names, tenants and messages come from users: never markup
 
@@ -71,16 +74,23 @@ def directory(url: str, token: str | None, ca_file: str | None, timeout_s: float
     return DirectoryClient(url, timeout_s=timeout_s, token=token, ca_file=ca_file)
 
 
+def exit_code(exc: KVStoreError) -> int:
+    if isinstance(exc, Unreachable):
+        return EXIT_UNREACHABLE
+    return EXIT_SERVER if exc.http_status >= 500 else EXIT_REFUSED
+
+
 def one_line_errors(command):
-    """A command whose errors, the directory's and its own input's, are one line and exit code 1."""
+    """A command whose errors, the directory's and its own input's, are one line and an exit code
+    that says whose they are (`exit_code`)."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except KVStoreError as exc:
-            _fail(str(exc))
+            _fail(str(exc), exit_code(exc))
         except ValidationError as exc:  # a request the command built from bad arguments
-            _fail(problems(exc, "input", limit=5))
+            _fail(problems(exc, "input", limit=5), EXIT_REFUSED)
     return wrapper
 
 
@@ -90,7 +100,7 @@ def problems(exc: ValidationError, whole: str, limit: int | None = None) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors()[:limit])
 
 
-def _fail(message: str):
+def _fail(message: str, code: int):
     # as text, never markup: a message may hold brackets
     Console(stderr=True, soft_wrap=True).print(Text("error: ", style="red") + Text(message), highlight=False)
-    raise typer.Exit(1) from None
+    raise typer.Exit(code) from None

@@ -14,19 +14,20 @@ from rich.table import Table
 
 from kvstore import __version__
 from kvstore.cli.common import DEFAULT_URL, CaFile, Output, Token, Url, ago, console, directory, emit, one_line_errors
+from kvstore.cli.database import db_app
 from kvstore.cli.info import info
 from kvstore.cli.maintenance import evict, flush, replicas, write_through
 from kvstore.cli.pd_proxy import pd_proxy
 from kvstore.cli.prefixes import inspect, lookup
 from kvstore.cli.run import up
 from kvstore.cli.serve import config_app, directory_app, worker_app
+from kvstore.cli.status import status
 from kvstore.cli.tokens import tokens_app
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import format_size
 
 app = typer.Typer(help="kvstore: a tiered KV-cache store for LLM inference.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
-db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 app.add_typer(directory_app, name="directory")
 app.add_typer(worker_app, name="worker")
 app.add_typer(db_app, name="db")
@@ -34,6 +35,7 @@ app.add_typer(tokens_app, name="tokens")
 app.add_typer(config_app, name="config")
 app.command()(up)
 app.command()(info)
+app.command()(status)
 app.command()(lookup)
 app.command()(inspect)
 app.command()(evict)
@@ -155,18 +157,6 @@ def stats(url: Url = DEFAULT_URL, token: Token = None, ca_file: CaFile = None, o
                       if isinstance(value, dict) else str(value))
         return t
     emit(output, result, table)
-
-
-@db_app.command("upgrade")
-@one_line_errors
-def db_upgrade(database_url: Annotated[str, typer.Option(envvar="KVSTORE_DATABASE_URL")]
-               = "sqlite:///var/directory.db", output: Output = "table") -> None:
-    """Run the alembic migrations up to the newest revision."""
-    from kvstore.core.config import redact_url
-    from kvstore.directory.db import engine as db
-
-    db.upgrade(database_url)
-    emit(output, {"database_url": redact_url(database_url), "schema": "head"}, text="schema is at head")
 
 
 def main() -> None:

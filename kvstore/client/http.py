@@ -7,8 +7,11 @@ added about 0.3 ms to every call.)
 
 Several servers: `JsonHttp("http://a:8700,http://b:8700")` sends each call to the server that
 answered last; one it cannot reach, or that answers 500 or 503, goes to the back of the order for
-a while (1 s, doubling to 30 s while it keeps failing) and the call goes to the next. Only when
-every server fails does the caller see the error.
+a while (1 s, doubling to 30 s while it keeps failing, or what its `Retry-After` says, with up to
+25 % jitter so that clients do not come back at once) and the call goes to the next. Only when
+every server fails does the caller see the error. A 429 or 503 error carries the server's
+`Retry-After` as `retry_after_s` in its context: loops that ask again (hand-off waits) wait that
+long; a single call never sleeps on it (an engine's lookup is a miss, not a wait).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import random
 import select
 import socket
 import ssl
@@ -27,7 +31,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
-from kvstore.core.errors import KVStoreError
+from kvstore.core.errors import KVStoreError, Unreachable
 
 M = TypeVar("M", bound=BaseModel)
 JSON = {"content-type": "application/json"}
@@ -124,7 +128,7 @@ class JsonHttp:
         and its status and body whatever they are: what a directory replica that forwards a call
         needs. Raises KVStoreError("unavailable") only when the server cannot be reached."""
         server = self._servers[0]
-        return self._exchange(server, method, server.prefix + target, content, headers, self.timeout_s)
+        return self._exchange(server, method, server.prefix + target, content, headers, self.timeout_s)[:2]
 
     def _request(self, method: str, path: str, body: BaseModel | dict | None,
                  timeout_s: float | None = None) -> bytes:
@@ -138,8 +142,8 @@ class JsonHttp:
         for index in self._order():
             server = self._servers[index]
             try:
-                status, payload = self._exchange(server, method, server.prefix + path, content, headers,
-                                                 timeout_s or self.timeout_s)
+                status, payload, retry_after = self._exchange(server, method, server.prefix + path, content,
+                                                              headers, timeout_s or self.timeout_s)
             except KVStoreError as exc:  # unreachable
                 failure = exc
                 self._failed(server)
@@ -148,9 +152,11 @@ class JsonHttp:
                 self._answered(index)
                 return payload
             error = _error(status, payload, server.url + path)
+            if retry_after is not None and status in (429, 503):
+                error.context.setdefault("retry_after_s", retry_after)
             if status in FAILOVER_STATUSES and len(self._servers) > 1:
                 failure = error
-                self._failed(server)
+                self._failed(server, retry_after)
                 continue
             self._answered(index)
             raise error
@@ -164,12 +170,13 @@ class JsonHttp:
         return [i for i in ring if self._servers[i].skip_until <= now] + \
             [i for i in ring if self._servers[i].skip_until > now]
 
-    def _failed(self, server: _Server) -> None:
+    def _failed(self, server: _Server, retry_after_s: float | None = None) -> None:
         if len(self._servers) == 1:
             return
         with self._lock:
             server.backoff_s = min(MAX_BACKOFF_S, server.backoff_s * 2 or BACKOFF_S)
-            server.skip_until = time.monotonic() + server.backoff_s
+            wait = max(server.backoff_s, min(MAX_BACKOFF_S, retry_after_s or 0.0))
+            server.skip_until = time.monotonic() + wait * random.uniform(1.0, 1.25)
 
     def _answered(self, index: int) -> None:
         server = self._servers[index]
@@ -179,9 +186,10 @@ class JsonHttp:
                 self._current = index
 
     def _exchange(self, server: _Server, method: str, path: str, content: bytes | None, headers: dict[str, str],
-                  timeout_s: float) -> tuple[int, bytes]:
-        """One request and its whole response. A reused connection that fails before any answer
-        arrived (the server closed it while idle) is retried once on a new connection."""
+                  timeout_s: float) -> tuple[int, bytes, float | None]:
+        """One request and its whole response (status, body, its Retry-After in seconds). A reused
+        connection that fails before any answer arrived (the server closed it while idle) is retried
+        once on a new connection."""
         conn, reused = self._checkout(server, timeout_s)
         try:
             while True:
@@ -205,7 +213,7 @@ class JsonHttp:
         if response.will_close:
             conn.close()
         self._checkin(server, conn)
-        return response.status, payload
+        return response.status, payload, retry_after(response.getheader("retry-after"))
 
     def _connect_timeout(self, timeout_s: float) -> float:
         return min(timeout_s, CONNECT_TIMEOUT_S) if len(self._servers) > 1 else timeout_s
@@ -243,9 +251,18 @@ class JsonHttp:
                 conn.close()
 
 
+def retry_after(value: str | None) -> float | None:
+    """A Retry-After header's seconds (an HTTP date, or nonsense, counts as none)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < 86400 else None
+
+
 def _unreachable(server: _Server, path: str, exc: Exception) -> KVStoreError:
     reason = str(exc) or type(exc).__name__
-    return KVStoreError("unavailable", f"cannot reach {server.url}: {reason}", url=server.url + path)
+    return Unreachable(f"cannot reach {server.url}: {reason}", url=server.url + path)
 
 
 def _error(status: int, payload: bytes, url: str) -> KVStoreError:

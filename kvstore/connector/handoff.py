@@ -18,6 +18,7 @@ wait longer; a cancelled wait stops within CANCEL_POLL_S.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,8 +59,11 @@ def wait_for_handoff(directory: DirectoryClient, namespace_id: str, handoff_id: 
         except KVStoreError as exc:
             if exc.kind not in RETRIED:
                 return HandoffResult("error", time.monotonic() - started, detail=str(exc))
-            state = None
-            time.sleep(min(RETRY_S, max(0.0, left)))
+            state = None  # the directory asks for patience: as long as it says, give or take a fifth
+            asked = exc.context.get("retry_after_s")
+            pause = max(RETRY_S, min(MAX_WAIT_S, asked) if isinstance(asked, (int, float)) else 0.0)
+            pause *= random.uniform(0.8, 1.2)
+            time.sleep(min(pause, max(0.0, left)))
         except ValueError as exc:  # a handoff id the directory would refuse: the request itself is wrong
             return HandoffResult("error", time.monotonic() - started, detail=str(exc))
         if state is not None and state.state != "pending":

@@ -8,6 +8,7 @@ turns such a body back into the same exception.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # kind -> HTTP status. Closed set: adding a kind is a deliberate change.
@@ -47,6 +48,18 @@ class KVStoreError(Exception):
     def http_status(self) -> int:
         return HTTP_STATUS[self.kind]
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers an answer carrying this error has: how to authenticate (401), the methods
+        the path takes (405), and when to ask again (429, and 503 when the server knows)."""
+        if self.kind == "unauthorized":
+            return {"www-authenticate": "Bearer"}
+        if self.kind == "method_not_allowed":
+            return {"allow": ", ".join(self.context.get("allow", ()))}
+        retry = self.context.get("retry_after_s")
+        if self.kind == "throttled" or (self.kind == "unavailable" and isinstance(retry, (int, float))):
+            return {"retry-after": str(max(1, math.ceil(retry if isinstance(retry, (int, float)) else 1)))}
+        return {}
+
     def to_body(self) -> dict[str, Any]:
         return {"error": self.kind, "detail": self.message, "context": self.context}
 
@@ -62,3 +75,11 @@ class KVStoreError(Exception):
             return f"{self.kind}: {self.message}"
         ctx = ", ".join(f"{k}={v}" for k, v in self.context.items())
         return f"{self.kind}: {self.message} ({ctx})"
+
+
+class Unreachable(KVStoreError):
+    """`unavailable` because the server could not be reached at all (nothing was asked of it), as
+    opposed to a server that answered 503: callers that report may tell the two apart."""
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__("unavailable", message, **context)

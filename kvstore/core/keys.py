@@ -107,11 +107,32 @@ class Namespace:
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @classmethod
+    def json_schema(cls) -> dict:
+        """The JSON schema of `from_dict`'s input: every field, its type, range or values."""
+        integer = {"type": "integer"}
+        props = {f.name: dict(integer) if f.type == "int" else {"type": "string", "maxLength": MAX_NAME_CHARS}
+                 for f in dataclasses.fields(cls)}
+        for name in (*DIMENSIONS, "tp_size", "pp_size"):
+            props[name].update(minimum=1, maximum=65536)
+        for name in ("tp_rank", "pp_rank"):
+            props[name]["minimum"] = 0
+        props["model_id"]["minLength"] = 1
+        props["dtype"] = {"type": "string", "enum": sorted(DTYPE_BYTES)}
+        props["layout"] = {"type": "string", "enum": list(LAYOUTS), "default": LAYOUTS[0]}
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": False,
+                "description": "what a KV block means: a block is at most 1 GiB; each rank below its size"}
+
+    @classmethod
     def from_dict(cls, data: dict) -> "Namespace":
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise KVStoreError("invalid", f"unknown namespace fields: {sorted(unknown)}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise KVStoreError("invalid", f"a namespace needs {', '.join(missing)}", missing=missing)
         try:
             return cls(**data)
         except TypeError as exc:

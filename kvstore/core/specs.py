@@ -47,6 +47,13 @@ class PageRun(_Spec):
     first: int = Field(ge=0, lt=1 << 40)
     count: int = Field(gt=0, lt=1 << 40)
 
+    @field_validator("first", "count", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value):
+        if isinstance(value, bool):  # JSON's false is not page 0
+            raise ValueError("a page number, not a boolean")
+        return value
+
 
 def page_spans(base: int, page_bytes: int, runs, nbytes: int) -> list[tuple[int, int]]:
     """(address, length) of the first `nbytes` of these pages; runs are PageRuns or [first, count]."""
@@ -75,8 +82,10 @@ class Survivor(_Spec):
 class WorkerRegistration(_Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$", description="letters, digits, . _ -")
     agent_name: str = Field(pattern=r"^[!-~]{1,200}$")
-    agent_metadata: str = Field(max_length=16 << 20, description="base64 of the NIXL agent metadata")
-    control_url: str = Field(pattern=r"^(https?://[^\s/?#@]+/?)?$", max_length=500)
+    agent_metadata: str = Field(min_length=1, max_length=16 << 20, description="base64 of the NIXL agent metadata")
+    control_url: str = Field(pattern=r"^(https?://[^\s/?#@]+/?)?$", max_length=500,
+                             description="the worker's control endpoint, an http(s) origin; empty: a worker "
+                             "the directory cannot call (no tier moves, no checks of written bytes)")
     pid: int = Field(0, ge=0, lt=1 << 31)
     backends: list[Annotated[str, Field(max_length=32)]] = Field([], max_length=16)
     tiers: list[TierSpec] = Field(min_length=1, max_length=4)
@@ -310,6 +319,7 @@ class Stats(_Spec):
     committed_jobs: int = 0  # jobs those commits carried (jobs / groups: how much grouping helps)
     leader: bool = True  # this directory replica writes (the others forward to it)
     follower_lag_s: float = 0.0  # a follower: seconds since it last read the leader's change log
+    term: int = 0  # the leading replica's term, as the database says (raised by each new leader)
 
 
 class Renewed(_Spec):

@@ -31,7 +31,7 @@ from kvstore.core.keys import Namespace
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.core.tiers import MEMORY
 from kvstore.directory.db import repository as repo
-from kvstore.directory.db.changelog import ChangeLog, Changes
+from kvstore.directory.db.changelog import ChangeLog, Changes, term
 from kvstore.directory.db.index import Index
 from kvstore.directory.db.models.replica import DELETING, MOVING, READY, WRITING
 from kvstore.directory.db.writer import Tx, Writer
@@ -375,7 +375,7 @@ class DirectoryService:
             counts = repo.counts(session)  # its reservations are the moves' destinations
             counts["reservations"] += self.reservations.blocks
             return specs.Stats(**counts, replicas_by_tier=repo.replicas_by_tier(session),
-                               indexed_blocks=self.index.num_blocks, leader=self.leading,
+                               indexed_blocks=self.index.num_blocks, leader=self.leading, term=term(session) or 0,
                                follower_lag_s=round(self.changelog.lag_s, 3),
                                commit_groups=self.writer.groups, committed_jobs=self.writer.jobs)
 

@@ -3,7 +3,11 @@ port at GET /metrics: what its tiers hold and what its moves between tiers did."
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import platform
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from kvstore import __version__
 
 MOVE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
@@ -11,6 +15,10 @@ MOVE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, open fds
+        self.build_info = Gauge("kvstore_build_info", "kvstore's version and Python's (always 1)",
+                                ["version", "python"], registry=r)
+        self.build_info.labels(__version__, platform.python_version()).set(1)
         self.tier_capacity = Gauge("kvstore_worker_tier_capacity_bytes", "Capacity of a tier with pages",
                                    ["tier"], registry=r)
         self.tier_held = Gauge("kvstore_worker_tier_held_bytes", "Bytes of a tier's pages the directory holds: "
@@ -18,7 +26,7 @@ class WorkerMetrics:
                                "replicas; how much holds blocks is the directory's kvstore_tier_used_bytes",
                                ["tier"], registry=r)
         self.moves = Counter("kvstore_worker_moves", "Blocks moved between this worker's tiers, by route "
-                             "(src_dst) and result (ok, failed, source_corrupt, expired)", ["route", "result"],
+                             "(src_dst, as the directory's kvstore_move_failures) and result (ok, failed, source_corrupt, expired)", ["route", "result"],
                              registry=r)
         self.moved_bytes = Counter("kvstore_worker_moved_bytes", "Bytes of the blocks moved successfully",
                                    ["route"], registry=r)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -171,6 +172,29 @@ def test_lookup_under_another_namespace_finds_nothing(stack):
     assert stack.client.lookup_tokens(stack.namespace_id, list(range(11))).hit_tokens == 8
 
 
+def test_a_namespace_body_says_what_it_lacks_and_the_document_says_what_it_needs(stack):
+    answer = stack.http.post("/v1/namespaces", json={"namespace": {}})
+    assert answer.status_code == 400 and answer.json()["error"] == "invalid"
+    assert "needs model_id, num_layers" in answer.json()["detail"] and "__init__" not in answer.text
+    answer = stack.http.post("/v1/namespaces", json={"namespace": {**NS.to_dict(), "num_layers": 2.5}})
+    assert answer.status_code == 400 and "num_layers must be an integer" in answer.json()["detail"]
+    doc = stack.http.get("/openapi.json").json()
+    body = doc["components"]["schemas"]["NamespaceBody"]["properties"]["namespace"]
+    assert body["required"] == ["model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_tokens"]
+    assert body["properties"]["num_layers"] == {"type": "integer", "minimum": 1, "maximum": 65536}
+    assert "bfloat16" in body["properties"]["dtype"]["enum"] and body["additionalProperties"] is False
+
+
+def test_a_registration_the_document_refuses_is_refused(stack):
+    good = json.loads(registration("wz").model_dump_json())
+    survivor = {"kind": "nvme", "token": "t", "runs": [{"first": False, "count": 1}], "namespace_id": "0" * 16,
+                "hash": "0" * 32, "nbytes": 1, "checksum": "0" * 16}
+    for bad in ({"agent_metadata": ""}, {"inventory": [survivor]}, {"control_url": "ftp://host"}):
+        answer = stack.http.post("/v1/workers", json={**good, **bad})
+        assert answer.status_code == 400 and answer.json()["error"] == "invalid", (bad, answer.text)
+    assert "wz" not in {w.name for w in stack.client.workers()}
+
+
 def test_unknown_namespace_and_bad_bodies_get_error_bodies(stack):
     answer = stack.http.post("/v1/lookup", json={"namespace_id": "0" * 16, "hashes": []})
     assert answer.status_code == 404 and answer.json()["error"] == "not_found"
@@ -315,6 +339,13 @@ def test_the_openapi_document_describes_every_hot_call(stack):
         assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + body)
         ok = operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
         assert ok.endswith("/" + answer) and body in doc["components"]["schemas"], path
+    # the credential, declared so that generated clients send it; health needs none
+    assert doc["components"]["securitySchemes"]["bearer"] == {**doc["components"]["securitySchemes"]["bearer"],
+                                                              "type": "http", "scheme": "bearer"}
+    assert doc["paths"]["/v1/lookup"]["post"]["security"] == [{"bearer": []}]
+    assert doc["paths"]["/v1/lookup"]["post"]["x-kvstore-scopes"] == ["engine"]
+    assert doc["paths"]["/v1/admin/evict"]["post"]["x-kvstore-scopes"] == ["admin"]
+    assert "security" not in doc["paths"]["/healthz"]["get"] and "security" not in doc["paths"]["/readyz"]["get"]
 
 
 def test_a_worker_that_deregisters_takes_its_dram_replicas_along(stack):

@@ -190,3 +190,29 @@ def test_a_follower_cut_off_from_the_database_says_so_and_follows_again_when_it_
             wait_until(lambda: httpx.get(url + "/readyz?workers=0").status_code == 200, 30, "the follower ready")
             assert follower.stats().follower_lag_s < 5
     admin.dispose()
+
+
+@pytest.mark.postgres
+def test_rate_limits_are_per_replica_and_writes_spend_the_leaders(postgres):
+    """Each replica keeps its own bucket per engine token: lookups a follower answers spend its
+    bucket, and every write is forwarded and spends the leader's (so N replicas allow up to N
+    times the lookup rate, and the write rate once). A refusal relayed by a follower keeps the
+    leader's Retry-After."""
+    database_url = postgres.create_database()
+    limits = {"require_auth": True, "engine_rate": 0.01, "engine_burst": 3}  # 3 calls, then one per 100 s
+    with directory_replica(database_url, **limits) as (leader_app, leader_url):
+        tokens = leader_app.state.tokens
+        admin = tokens.create(TokenCreate(name="a", scopes=["admin"])).token
+        engine = tokens.create(TokenCreate(name="e", scopes=["engine"], tenants=[NS.tenant])).token
+        namespace_id = DirectoryClient(leader_url, token=admin).register_namespace(NS)
+        with directory_replica(database_url, **limits) as (_, follower_url):
+            hashes = {"namespace_id": namespace_id, "hashes": ["0" * 32]}
+            auth = {"authorization": f"Bearer {engine}"}
+            on_leader = [httpx.post(leader_url + "/v1/lookup", json=hashes, headers=auth) for _ in range(4)]
+            on_follower = [httpx.post(follower_url + "/v1/lookup", json=hashes, headers=auth) for _ in range(4)]
+            for answers in (on_leader, on_follower):  # each replica: its own burst of 3, then 429
+                assert [a.status_code for a in answers] == [200, 200, 200, 429], [a.text for a in answers]
+                assert int(answers[-1].headers["retry-after"]) >= 90
+            forwarded = httpx.post(follower_url + "/v1/namespaces", json={"namespace": NS.to_dict()}, headers=auth)
+            assert forwarded.status_code == 429 and forwarded.json()["error"] == "throttled"  # the leader's bucket
+            assert int(forwarded.headers["retry-after"]) >= 90  # relayed with the leader's answer

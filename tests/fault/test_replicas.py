@@ -21,7 +21,9 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import DirectoryClient
 from kvstore.core.inspection import InspectRequest
@@ -30,6 +32,7 @@ from tests.fault.conftest import SETTLE_S, TTL_S
 from tests.fault.loop_engine import BLOCKS, NAMESPACE, PROMPTS, chains
 from tests.helpers import wait_until
 from tests.stacks import ReplicaCluster, s3_bucket
+from tests.unit.test_deploy import expressions, metric_names
 
 pytestmark = pytest.mark.postgres
 PER_PROCESS = ("leader", "commit_groups", "committed_jobs", "follower_lag_s")  # what differs between replicas by design
@@ -150,4 +153,38 @@ def test_replicas_and_workers_fail_without_engine_errors_or_wrong_bytes(cluster)
                            for i in c.live()}
     # the leader's reaper may be busy a while with moves to S3 (moto) before it expires the rest
     c.wait(lambda: all(v == (0, 0, 0) for v in outstanding().values()), IDLE_S, "no pins, leases or reservations")
+    metrics_add_up(c, any_replica)
     print(f"\nreplica failover: {json.dumps(timings)}; final stats {stats}")
+
+
+def scrape(url: str) -> dict[str, list]:
+    """Series name (as PromQL names it: counters with _total) -> [(labels, value)] of a real /metrics."""
+    series: dict[str, list] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        names = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}.get(family.type, [""])
+        for suffix in names:
+            series.setdefault(family.name + suffix, [])
+        for sample in family.samples:
+            series.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return series
+
+
+def metrics_add_up(c: ReplicaCluster, client: DirectoryClient) -> None:
+    """The replicas' and workers' real /metrics: one leader, the cluster's gauges from it alone (a
+    sum over replicas counts each replica once), and every alert's and panel's metric exported."""
+    replicas = {i: scrape(c.url(i)) for i in c.live()}
+    workers = [scrape(w.control_url) for w in client.workers() if w.state != "dead"]
+    leaders = [i for i, s in replicas.items() if s["kvstore_leader"] == [({}, 1.0)]]
+    assert leaders == [c.leader()], leaders
+    by_tier: dict[str, float] = {}  # sum by (tier) (kvstore_tier_replicas) over every replica's scrape
+    for series in replicas.values():
+        for labels, value in series.get("kvstore_tier_replicas", []):
+            by_tier[labels["tier"]] = by_tier.get(labels["tier"], 0.0) + value
+    assert by_tier == {k: float(v) for k, v in client.stats().replicas_by_tier.items()}, by_tier
+    for i, series in replicas.items():
+        cluster_wide = [series.get(n, []) for n in ("kvstore_blocks", "kvstore_leases_active", "kvstore_workers")]
+        assert all(cluster_wide) == (i in leaders), (i, cluster_wide)
+        assert series["kvstore_build_info"] and series["process_resident_memory_bytes"][0][1] > 0
+    exported = {name for s in [*replicas.values(), *workers] for name in s}
+    for where, expr in expressions().items():
+        assert metric_names(expr) <= exported, (where, sorted(metric_names(expr) - exported))

@@ -95,28 +95,45 @@ def test_tiers_workers_and_evict_from_the_command_line(tmp_path):
         assert {"UCX", "POSIX"} <= set(info["nixl"]["plugins"]) and info["nixl"]["loads"]["UCX"] is True
         stats = json.loads(cli("stats", "--url", url, "--output", "json").stdout)
         assert (stats["blocks"], stats["pins"], stats["leases_active"]) == (0, 0, 0)
+
+        view = cli("status", "--url", url)  # the cluster at a glance
+        assert view.returncode == 0 and "leader" in view.stdout and "worker-0" in view.stdout, view.stderr
+        gone = f"http://127.0.0.1:{free_port()}"
+        partial = cli("status", "--url", f"{url},{gone}", "-o", "json", "--timeout", "2")
+        assert partial.returncode == 3, partial.stderr  # one replica could not be reached
+        seen = json.loads(partial.stdout)
+        assert [(r["url"], r["role"], r["ready"]) for r in seen["replicas"]] == [(url, "leader", True),
+                                                                                (gone, None, False)]
+        assert seen["replicas"][0]["term"] == 0 and "cannot reach" in seen["replicas"][1]["detail"]  # SQLite: no election
+        [worker] = seen["workers"]
+        assert (worker["name"], worker["state"]) == ("worker-0", "active") and worker["heartbeat_age_s"] < 10
+        assert worker["tiers"]["dram"]["capacity_bytes"] == 8 << 20
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0
 
 
-def test_cli_errors_are_one_line_and_a_nonzero_exit():
-    for args, message in ((("evict", "--tier", "dram", "--url", "http://127.0.0.1:9"), "exactly one of"),
-                          (("evict", "--tier", "tape", "--all"), "--tier must be"),
-                          (("tiers", "--url", "http://127.0.0.1:9"), "cannot reach"),
-                          (("evict", "--tier", "dram", "--bytes", "lots", "--url", "http://127.0.0.1:9"),
-                           "cannot read 'lots'"),
-                          (("inspect", "0" * 16, "1,2", "--hashes", "ab"), "not both"),
-                          (("lookup", "0" * 16, "1,two"), "comma-separated integers"),
-                          (("inspect", "0" * 16, "--hashes", "zz[red]"), "hashes.0: String should match pattern")):
+def test_cli_errors_are_one_line_and_an_exit_code_that_says_whose():
+    for args, message, code in (
+            (("evict", "--tier", "dram", "--url", "http://127.0.0.1:9"), "exactly one of", 1),
+            (("evict", "--tier", "tape", "--all"), "--tier must be", 1),
+            (("tiers", "--url", "http://127.0.0.1:9"), "cannot reach", 3),  # a connection failure
+            (("status", "--url", "http://127.0.0.1:9", "-o", "json"), "cannot reach", 3),
+            (("evict", "--tier", "dram", "--bytes", "lots", "--url", "http://127.0.0.1:9"), "cannot read 'lots'", 1),
+            (("inspect", "0" * 16, "1,2", "--hashes", "ab"), "not both", 1),
+            (("lookup", "0" * 16, "1,two"), "comma-separated integers", 1),
+            (("inspect", "0" * 16, "--hashes", "zz[red]"), "hashes.0: String should match pattern", 1)):
         result = cli(*args)
-        assert result.returncode == 1, args
+        if args[0] == "status":  # status reports each replica in its output, not as an error line
+            assert result.returncode == code and message in result.stdout, result
+            continue
+        assert result.returncode == code, args
         assert message in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_an_unknown_output_format_is_refused_before_anything_runs():
-    for command in (("tiers",), ("workers",), ("tokens", "list"), ("namespaces",), ("stats",), ("info",),
+    for command in (("tiers",), ("workers",), ("tokens", "list"), ("namespaces",), ("stats",), ("info",), ("status",),
                     ("lookup", "x", "1"), ("inspect", "x", "1"), ("flush", "--namespace", "x"), ("tokens", "revoke", "x"),
                     ("evict", "--tier", "dram", "--all"), ("write-through", "x"), ("replicas", "x", "2"),
                     ("workers", "drain", "w"),

@@ -200,7 +200,8 @@ def cross_check(docs: list[dict]) -> None:
 def exported() -> set[str]:
     """Every series name the directory and the workers can export."""
     names = set()
-    for registry in (DirectoryMetrics().registry, WorkerMetrics().registry):
+    directory = DirectoryMetrics()
+    for registry in (directory.registry, directory.cluster, WorkerMetrics().registry):
         for family in registry.collect():
             suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
             names |= {family.name + s for s in suffixes[family.type]}
@@ -243,7 +244,8 @@ def test_every_alert_and_panel_names_only_exported_metrics():
     wanted = {"kvstore_workers_declared_dead_total", "kvstore_checksum_failures_total",
               "kvstore_worker_checksum_failures_total", "kvstore_worker_moves_total", "kvstore_leases_active",
               "kvstore_pins", "kvstore_tier_high_watermark_ratio", "kvstore_lookup_hit_blocks_total",
-              "kvstore_request_seconds_bucket", "kvstore_worker_s3_errors_total", "kvstore_worker_nixl_failures_total"}
+              "kvstore_request_seconds_bucket", "kvstore_worker_s3_errors_total", "kvstore_worker_nixl_failures_total",
+              "kvstore_leader"}
     assert wanted <= used, sorted(wanted - used)
 
 

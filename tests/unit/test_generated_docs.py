@@ -28,8 +28,12 @@ def test_every_metric_and_setting_is_in_them():
 
     gen = _generator()
     metrics, configuration = gen.metrics_md(), gen.configuration_md()
-    for family in WorkerMetrics().registry.collect():
-        assert f"`{family.name}" in metrics, family.name
+    from kvstore.directory.metrics import DirectoryMetrics
+
+    directory = DirectoryMetrics()
+    for registry in (WorkerMetrics().registry, directory.registry, directory.cluster):
+        for family in registry.collect():
+            assert f"`{family.name}" in metrics, family.name
     assert "`kvstore_pins`" in metrics and "`kvstore_request_seconds_bucket" in metrics
     for cls, prefix in ((DirectorySettings, "KVSTORE_"), (WorkerSettings, "KVSTORE_WORKER_")):
         for name in cls.model_fields:

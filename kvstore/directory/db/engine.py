@@ -48,11 +48,59 @@ def make_sessions(engine: Engine) -> sessionmaker[Session]:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Bring the schema at `url` to `revision` by running the alembic migrations."""
+    command.upgrade(_alembic(url), revision)
+
+
+def _alembic(url: str) -> Config:
     assert MIGRATIONS_DIR.is_dir(), f"migrations not found at {MIGRATIONS_DIR}"
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    command.upgrade(config, revision)
+    return config
+
+
+def schema(url: str) -> dict:
+    """{"current": the revision the database is at (None: no schema yet), "head": the newest this
+    kvstore has, "history": [{"revision", "title", "applied"}] oldest first}."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(_alembic(url))
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+    except DBAPIError as exc:
+        raise KVStoreError("unavailable", f"cannot read the database's schema: {exc.orig}") from None
+    finally:
+        engine.dispose()
+    revisions = list(reversed(list(scripts.walk_revisions())))
+    applied = {r.revision for r in scripts.iterate_revisions(current, "base")} if current else set()
+    return {"current": current, "head": scripts.get_current_head(),
+            "history": [{"revision": r.revision, "title": (r.doc or "").splitlines()[0] if r.doc else "",
+                         "applied": r.revision in applied} for r in revisions]}
+
+
+def backup(url: str, path: Path) -> int:
+    """An online copy of a SQLite database at `path` (SQLite's backup API: consistent while the
+    directory keeps writing); its size in bytes. PostgreSQL is backed up with pg_dump."""
+    import sqlite3
+
+    if not url.startswith("sqlite:///"):
+        raise KVStoreError("invalid", "kvstore db backup copies SQLite databases; for PostgreSQL run "
+                           "pg_dump --format=custom --file PATH DATABASE (see docs/operations.md)")
+    source = Path(url.removeprefix("sqlite:///"))
+    if not source.is_file():
+        raise KVStoreError("not_found", f"no SQLite database at {source}")
+    if path.exists():
+        raise KVStoreError("conflict", f"{path} exists: give a new path (a backup never overwrites)")
+    src, dst = sqlite3.connect(source), sqlite3.connect(path)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    return path.stat().st_size
 
 
 def unreachable(exc: BaseException) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +31,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import body_length, too_large
 from kvstore.directory import wire
 from kvstore.directory.db.engine import outage
-from kvstore.directory.http.auth import PRINCIPAL, Guard, Principal
+from kvstore.directory.http.auth import PRINCIPAL, ROUTES, Guard, Principal
 from kvstore.directory.metrics import UNMATCHED, DirectoryMetrics
 from kvstore.directory.service import DirectoryService
 
@@ -220,7 +220,7 @@ class HotPath:
             status, payload = await run_in_threadpool(self.leader.forward, method, target, body, sent)
         except KVStoreError as exc:
             status, payload = exc.http_status, wire.encode(exc.to_body())
-        await _answer(send, status, payload)
+        await _answer(send, status, payload, _relayed_headers(status, payload))
 
 
 def _body_limit(method: str, path: str) -> int:
@@ -237,13 +237,18 @@ async def _answer(send, status: int, payload: bytes, headers: list | None = None
 
 
 def _error_headers(exc: KVStoreError) -> list[tuple[bytes, bytes]]:
-    if exc.kind == "unauthorized":
-        return [(b"www-authenticate", b"Bearer")]
-    if exc.kind == "method_not_allowed":
-        return [(b"allow", ", ".join(exc.context.get("allow", ())).encode())]
-    if exc.kind == "throttled":
-        return [(b"retry-after", str(max(1, math.ceil(exc.context.get("retry_after_s", 1)))).encode())]
-    return []
+    return [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+
+
+def _relayed_headers(status: int, payload: bytes) -> list[tuple[bytes, bytes]]:
+    """The error headers of the leader's answer, rebuilt from its body (Retry-After, Allow...)."""
+    if status < 400:
+        return []
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        return []
+    return _error_headers(KVStoreError.from_body(body)) if isinstance(body, dict) and "error" in body else []
 
 
 def _replay(body: bytes, receive):
@@ -282,9 +287,16 @@ def document_bodies(app: FastAPI) -> None:
                 model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(model_schema.pop("$defs", {}))
                 components[model.__name__] = model_schema
-            for operations in schema.get("paths", {}).values():  # bad input is a 400 here, never a 422
-                for operation in operations.values():
+            schema["components"]["securitySchemes"] = {"bearer": {
+                "type": "http", "scheme": "bearer", "description": "a kvstore token (`kvstore tokens create`); "
+                "each operation's x-kvstore-scopes says which scopes may call it"}}
+            for path, operations in schema.get("paths", {}).items():  # bad input is a 400 here, never a 422
+                for method, operation in operations.items():
                     operation.get("responses", {}).pop("422", None)
+                    scopes = ROUTES.get((method.upper(), path))
+                    if scopes:  # the public ones (health) need no credential
+                        operation["security"] = [{"bearer": []}]
+                        operation["x-kvstore-scopes"] = sorted(scopes)
             for unused in ("HTTPValidationError", "ValidationError"):
                 components.pop(unused, None)
             app.openapi_schema = schema

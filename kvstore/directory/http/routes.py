@@ -13,13 +13,16 @@ import time
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from typing import Annotated
+
+from pydantic import BaseModel, Field, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstore.core import credentials, specs
 from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.handoffs import HandoffCommit, HandoffState, HandoffWait
 from kvstore.core.inspection import InspectRequest, InspectResult
+from kvstore.core.keys import Namespace
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.directory import wire
 from kvstore.directory.db.engine import outage
@@ -32,7 +35,7 @@ READY_CACHE_S = 1.0  # /readyz reads the database at most this often
 
 
 class NamespaceBody(BaseModel):
-    namespace: dict
+    namespace: Annotated[dict, WithJsonSchema(Namespace.json_schema())]  # checked by Namespace.from_dict
 
 
 class ErrorBody(BaseModel):
@@ -88,7 +91,7 @@ Caller = Depends(caller)
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(KVStoreError)
     async def _kvstore_error(_request: Request, exc: KVStoreError):
-        return JSONResponse(exc.to_body(), status_code=exc.http_status)
+        return JSONResponse(exc.to_body(), status_code=exc.http_status, headers=exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError):

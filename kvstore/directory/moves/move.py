@@ -120,7 +120,7 @@ class Moves:
             return {}
         t0 = time.perf_counter()
         result = self._calls.move(found.worker_url, [m.item for m in plan], deadline, found.peer, timeout_s)
-        route = f"{found.source[1]} -> {found.dest[1]}"
+        route = f"{found.source[1]}_{found.dest[1]}"  # spelt as the workers' kvstore_worker_moves route
         if found.peer is not None:
             route += " (another worker)"
             result = self._checked_at_peer(found, plan, result)
