@@ -138,8 +138,38 @@ def test_kubernetes_manifests_pass_the_api_schemas():
         kinds.append(doc["kind"])
         if doc["kind"] not in OPERATOR_KINDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on any error
-    assert sorted(kinds) == ["DaemonSet", "Deployment", "Job", "Namespace", "PodMonitor", "Secret", "Service",
-                             "ServiceMonitor"]
+    assert sorted(kinds) == ["DaemonSet", "Deployment", "Job", "Namespace", "PodDisruptionBudget", "PodMonitor",
+                             "Secret", "Service", "ServiceMonitor"]
+
+
+def test_pods_are_hardened_and_the_directory_survives_a_drain():
+    docs = {d["kind"]: d for d in manifests()}
+    for kind in ("Deployment", "DaemonSet", "Job"):
+        pod = docs[kind]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, kind
+        main = pod["containers"][0]["securityContext"]
+        assert main["readOnlyRootFilesystem"] is True and main["allowPrivilegeEscalation"] is False, kind
+    assert docs["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"][
+        "add"] == ["IPC_LOCK"]  # memlock for UCX
+    assert docs["Job"]["spec"]["ttlSecondsAfterFinished"] > 0
+    budget, directory = docs["PodDisruptionBudget"], docs["Deployment"]
+    assert budget["spec"]["maxUnavailable"] == 1 and directory["spec"]["replicas"] == 3
+    assert budget["spec"]["selector"] == directory["spec"]["selector"]
+    spread = directory["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= directory["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_compose_pins_its_images_and_checks_every_long_running_service():
+    services = compose()["services"]
+    for name, service in services.items():
+        image = service.get("image", "")
+        assert image.startswith("kvstore") or (":" in image and not image.endswith(":latest")), (name, image)
+    for name in ("postgres", "minio", "directory", "worker1", "worker2"):
+        assert services[name]["healthcheck"]["test"], name
+    for name in ("worker1", "worker2"):  # the worker binds its own name's address, not loopback
+        assert f"http://{name}:8710/healthz" in " ".join(services[name]["healthcheck"]["test"])
 
 
 def test_kubernetes_containers_run_real_commands_and_monitors_select_real_ports():
