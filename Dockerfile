@@ -1,8 +1,13 @@
 # syntax=docker/dockerfile:1
-# The kvstore image: the `kvstore` CLI with every extra (directory, worker, connector, hf).
+# kvstore's images. Two targets:
 #
-#   docker build -t kvstore:cpu .                              # CPU (default)
-#   docker build --build-arg VARIANT=cuda -t kvstore:cuda .    # GPU
+#   docker build -t kvstore:cpu .                                   # everything: workers, engines, CLI (CPU)
+#   docker build --build-arg VARIANT=cuda -t kvstore:cuda .         # the same on CUDA (GPU)
+#   docker build --target directory -t kvstore-directory .          # the directory alone: no torch, no NIXL
+#
+# Dependencies come from constraints.txt (the versions `make test` ran with) and are installed
+# before the kvstore wheel, from pyproject.toml alone (scripts/requirements.py), so a change to the
+# code rebuilds only the last layers.
 #
 # VARIANT=cuda: an nvidia/cuda runtime base (the CUDA 12 libraries, libcufile among them), the CUDA
 # build of torch (TORCH_INDEX), and the same nixl-cu12 wheel, whose GDS_MT backend (HBM <-> NVMe
@@ -19,6 +24,21 @@ COPY pyproject.toml README.md ./
 COPY kvstore ./kvstore
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
+# --- the directory: FastAPI, SQLAlchemy, psycopg; no torch, no NIXL ---
+FROM python:3.11-slim AS directory
+COPY pyproject.toml constraints.txt scripts/requirements.py /deps/
+RUN python /deps/requirements.py directory > /deps/directory.txt \
+    && pip install --no-cache-dir -c /deps/constraints.txt -r /deps/directory.txt
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir --no-deps /wheels/kvstore-*.whl && rm -rf /wheels \
+    && useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/kvstore --shell /usr/sbin/nologin kvstore \
+    && install -d -o kvstore -g kvstore -m 0700 /var/lib/kvstore /run/kvstore
+USER 10001:10001
+WORKDIR /var/lib/kvstore
+EXPOSE 8700
+ENTRYPOINT ["kvstore"]
+CMD ["directory", "serve", "--help"]
+
 # --- CPU base: torch first from the CPU index (a bare torch requirement pulls the CUDA build) ---
 FROM python:3.11-slim AS base-cpu
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
@@ -33,13 +53,16 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" torch==2.13.0
 
 # --- runtime ---
+# --- everything (the default target): workers, engines, the directory, the CLI ---
 # hadolint ignore=DL3006
-FROM base-${VARIANT}
-COPY --from=build /wheels /wheels
+FROM base-${VARIANT} AS full
 # torch is already satisfied; nixl-cu12 (UCX, POSIX, OBJ and GDS_MT backends, libaio and liburing
-# bundled), boto3, FastAPI, psycopg, transformers come from PyPI
-# hadolint ignore=DL3013
-RUN set -- /wheels/kvstore-*.whl && pip install --no-cache-dir "$1[all]" && rm -rf /wheels
+# bundled), boto3, FastAPI, psycopg, transformers come from PyPI, at constraints.txt's versions
+COPY pyproject.toml constraints.txt scripts/requirements.py /deps/
+RUN python /deps/requirements.py all > /deps/all.txt \
+    && pip install --no-cache-dir -c /deps/constraints.txt -r /deps/all.txt
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir --no-deps /wheels/kvstore-*.whl && rm -rf /wheels
 # /run/kvstore: token files; /var/lib/kvstore/nvme: NVMe slab files. Owned by the service user so
 # that named volumes mounted there start with the right owner.
 RUN useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/kvstore --shell /usr/sbin/nologin kvstore \

@@ -21,12 +21,13 @@ ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# the CPU build of torch first; a bare torch requirement would pull a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	# the versions the tests ran with (and the images install): constraints.txt
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	./scripts/ensure-postgres.sh
 	touch $(STAMP)
 

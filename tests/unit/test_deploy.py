@@ -285,3 +285,36 @@ def test_a_misspelt_metric_would_be_caught():
     assert "kvstore_request_second_bucket" not in exported()
     with pytest.raises(ValueError):
         promql_parser.parse("sum(rate(kvstore_pins[5m])")
+
+
+# ---- images ----------------------------------------------------------------------------------------
+
+def test_images_install_the_tested_versions_before_the_code_and_the_directory_has_no_torch():
+    import importlib.util
+
+    root = DEPLOY.parent
+    dockerfile = (root / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM \S+ AS (\S+)", dockerfile, flags=re.M)
+    assert {"build", "directory", "full"} <= set(stages) and stages[-1] == "full"  # full: the default target
+    for stage in ("directory", "full"):
+        body = dockerfile.split(f" AS {stage}\n", 1)[1].split("\nFROM ", 1)[0]
+        deps, wheel = body.index("-c /deps/constraints.txt"), body.index("/wheels/kvstore-*.whl")
+        assert deps < wheel and "--no-deps /wheels/kvstore" in body, stage  # dependencies first, cached
+    for source in re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile, flags=re.M):
+        for path in source.split():
+            assert (root / path).exists(), path
+    spec = importlib.util.spec_from_file_location("requirements", root / "scripts/requirements.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    directory, everything = script.requirements(["directory"]), script.requirements(["all"])
+    assert any(r.startswith("fastapi") for r in directory) and not any(
+        r.startswith(("torch", "nixl")) for r in directory)
+    assert {"torch", "nixl-cu12", "boto3", "fastapi"} <= {re.split(r"[<>=\[]", r)[0] for r in everything}
+    pinned = dict(line.split("==") for line in (root / "constraints.txt").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    normal = {re.sub(r"[-_.]+", "-", k).lower() for k in pinned}
+    for req in everything:  # every dependency has a tested version (torch: each image's own build)
+        name = re.sub(r"[-_.]+", "-", re.split(r"[<>=\[]", req)[0]).lower()
+        assert name == "torch" or name in normal, name
+    services = compose()["services"]
+    assert services["directory"]["build"]["target"] == "directory" == services["migrate"]["build"]["target"]
