@@ -12,12 +12,19 @@ VLLM_STAMP := $(VLLM_VENV)/.setup-done
 VLLM_IMPORTS := packaging pydantic regex psutil cbor2 pyzmq urllib3 'transformers>=5.16.1,<5.21' aiohttp \
 	requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
 	prometheus-client xgrammar fastapi partial-json-parser llguidance einops
+# SGLang's HiCache contract tests run in their own environment too: SGLang 0.5 without its CUDA
+# stack (--no-deps), and the modules its HiCache storage interface imports on a CPU host
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.setup-done
+SGLANG_IMPORTS := numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic pyzmq \
+	tqdm ipython aiohttp
 # peers the comparison benchmarks run against, each in its own environment
 MOONCAKE_VENV := .venv-mooncake
 LMCACHE_VENV := .venv-lmcache
 ARGS ?=
 
-.PHONY: setup setup-vllm setup-mooncake setup-lmcache run test test-unit test-vllm bench bench-peers clean
+.PHONY: setup setup-vllm setup-sglang setup-mooncake setup-lmcache run test test-unit test-vllm bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -46,6 +53,18 @@ $(VLLM_STAMP): pyproject.toml Makefile
 		from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory; \
 		from vllm.v1.core.sched.scheduler import Scheduler"
 	touch $(VLLM_STAMP)
+
+setup-sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet --upgrade pip
+	$(SGLANG_PY) -m pip install --quiet torch==2.13.0
+	$(SGLANG_PY) -m pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG_PY) -m pip install --quiet $(SGLANG_IMPORTS)
+	$(SGLANG_PY) -m pip install --quiet -c constraints.txt -e '.[directory,worker,connector]' pytest pytest-timeout httpx
+	$(SGLANG_PY) -c "from sglang.srt.mem_cache.hicache_storage import HiCacheStorage"
+	touch $(SGLANG_STAMP)
 
 setup-mooncake: $(MOONCAKE_VENV)/.setup-done
 

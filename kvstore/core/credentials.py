@@ -20,6 +20,13 @@ class _Spec(BaseModel):
 
 
 class TokenCreate(_Spec):
+    """An engine token names at least one tenant; tokens of other scopes name none."""
+
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"scopes": {"contains": {"const": "engine"}}}},
+        "then": {"required": ["tenants"], "properties": {"tenants": {"minItems": 1}}},
+        "else": {"properties": {"tenants": {"maxItems": 0}}}})
+
     name: str = Field(min_length=1, max_length=200, description="what the token is for")
     scopes: list[Scope] = Field(min_length=1, max_length=4)
     tenants: list[Tenant] = Field([], max_length=1000, description="an engine token's tenants (at least one)")

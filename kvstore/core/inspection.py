@@ -15,6 +15,12 @@ class _Spec(BaseModel):
 
 
 class InspectRequest(_Spec):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["token_ids"], "properties": {"token_ids": {"type": "array"}},
+         "not": {"required": ["hashes"], "properties": {"hashes": {"type": "array"}}}},
+        {"required": ["hashes"], "properties": {"hashes": {"type": "array"}},
+         "not": {"required": ["token_ids"], "properties": {"token_ids": {"type": "array"}}}}]})
+
     namespace_id: str = Field(max_length=64)
     token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_IDS, description="a prompt, hashed with the "
                                         "namespace's own scheme (vLLM's included)")

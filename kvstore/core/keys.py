@@ -133,6 +133,8 @@ class Namespace:
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
             raise KVStoreError("invalid", f"a namespace needs {', '.join(missing)}", missing=missing)
+        integers = {f.name for f in dataclasses.fields(cls) if f.type == "int"}  # 5.0 is JSON's integer 5
+        data = {k: int(v) if k in integers and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
         try:
             return cls(**data)
         except TypeError as exc:

@@ -16,6 +16,7 @@ HEX_HASH = r"^[0-9a-f]{2,128}$"
 HexHash = Annotated[str, Field(pattern=HEX_HASH)]
 Checksum = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]  # xxh3_64 of a block, 16 lowercase hex digits
 BlockBytes = Annotated[int, Field(gt=0, le=MAX_BLOCK_BYTES)]
+NamespaceId = Annotated[str, Field(max_length=16, description="16 hex digits, as POST /v1/namespaces answered")]
 MAX_BLOCKS = 100_000  # hashes one request may name (in all its lists together), or cause (token ids)
 MAX_TOKEN_IDS = 1 << 20  # token ids of one /v1/lookup/tokens request
 
@@ -82,7 +83,8 @@ class Survivor(_Spec):
 class WorkerRegistration(_Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$", description="letters, digits, . _ -")
     agent_name: str = Field(pattern=r"^[!-~]{1,200}$")
-    agent_metadata: str = Field(min_length=1, max_length=16 << 20, description="base64 of the NIXL agent metadata")
+    agent_metadata: str = Field(min_length=4, max_length=16 << 20, pattern=r"^(?:[A-Za-z0-9+/]{4})+$|^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)$",
+                                description="base64 of the NIXL agent metadata")
     control_url: str = Field(pattern=r"^(https?://[^\s/?#@]+/?)?$", max_length=500,
                              description="the worker's control endpoint, an http(s) origin; empty: a worker "
                              "the directory cannot call (no tier moves, no checks of written bytes)")
@@ -144,7 +146,7 @@ class RequestHints(_Spec):
 
 
 class PrepareStore(_Spec):
-    namespace_id: str
+    namespace_id: NamespaceId
     blocks: list[BlockToStore] = Field(min_length=1, max_length=MAX_BLOCKS)
     writer: str = Field("", max_length=200)
     hosts: list[Annotated[str, Field(max_length=255)]] = Field([], max_length=16, description="the engine's "
@@ -190,7 +192,7 @@ class TokenBody(_Spec):
 
 
 class LookupRequest(_Spec):
-    namespace_id: str
+    namespace_id: NamespaceId
     hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
     locations: bool = Field(False, description="also answer each hit block's replica location and checksum")
 
@@ -239,7 +241,7 @@ class TokenLookupResult(_Spec):
 
 
 class PrepareLoad(_Spec):
-    namespace_id: str
+    namespace_id: NamespaceId
     hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
     reader: str = Field("", max_length=200)
 
@@ -254,7 +256,7 @@ class LoadPrepared(_Spec):
 
 class PrepareLoads(_Spec):
     """Several prefixes leased at once (an engine step's loads): one token, each block pinned once."""
-    namespace_id: str
+    namespace_id: NamespaceId
     chains: list[list[HexHash]] = Field(max_length=4096)
     reader: str = Field("", max_length=200)
 
@@ -364,6 +366,11 @@ class FreeRequest(_Spec):
 class EvictRequest(_Spec):
     """Without `tier`: drop every replica (of one namespace, or all). With `tier`: least recently
     used blocks of that tier go one tier down (dropped at the bottom), up to `bytes` or `limit`."""
+
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["tier"], "properties": {"tier": {"type": "string"}}},
+        {"required": ["namespace_id"], "properties": {"namespace_id": {"type": "string"}}},
+        {"required": ["all"], "properties": {"all": {"const": True}}}]})
 
     tier: TierKind | None = None
     worker: str | None = Field(None, description="null = every worker with that tier")

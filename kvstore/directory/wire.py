@@ -95,7 +95,8 @@ _decoders: dict[type, msgspec.json.Decoder] = {}
 def decode(body: bytes, kind: type[T]) -> T:
     decoder = _decoders.get(kind)
     if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+        # not strict: an integer may come as 5.0 (JSON Schema's "integer" allows it), as pydantic takes it
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind, strict=False)
     try:
         value = decoder.decode(body)
     except msgspec.ValidationError as exc:

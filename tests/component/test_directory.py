@@ -185,6 +185,30 @@ def test_a_namespace_body_says_what_it_lacks_and_the_document_says_what_it_needs
     assert "bfloat16" in body["properties"]["dtype"]["enum"] and body["additionalProperties"] is False
 
 
+def test_the_document_states_the_rules_the_server_enforces(stack):
+    doc = stack.http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    # one of token_ids or hashes; evict names a tier, a namespace or all; tenants go with engine tokens
+    assert [set(c["required"]) for c in schemas["InspectRequest"]["oneOf"]] == [{"token_ids"}, {"hashes"}]
+    assert stack.http.post("/v1/admin/inspect", json={"namespace_id": "0" * 16}).status_code == 400
+    assert [c["required"] for c in schemas["EvictRequest"]["anyOf"]] == [["tier"], ["namespace_id"], ["all"]]
+    assert stack.http.post("/v1/admin/evict", json={}).status_code == 400
+    assert schemas["TokenCreate"]["then"]["properties"]["tenants"]["minItems"] == 1
+    assert schemas["TokenCreate"]["else"]["properties"]["tenants"]["maxItems"] == 0
+    assert schemas["PrepareLoads"]["properties"]["namespace_id"]["maxLength"] == 16
+    assert "pattern" in schemas["WorkerRegistration"]["properties"]["agent_metadata"]
+    # JSON Schema's integers include 5.0: the server takes them as the document says
+    namespace_id = stack.client.register_namespace(NS)
+    floats = {k: float(v) if isinstance(v, int) else v for k, v in NS.to_dict().items()}
+    answer = stack.http.post("/v1/namespaces", json={"namespace": floats})
+    assert answer.status_code == 200 and answer.json()["namespace_id"] == namespace_id
+    body = {"namespace_id": namespace_id, "blocks": [{"hash": "ab" * 8, "nbytes": float(NS.block_nbytes)}]}
+    answer = stack.http.post("/v1/store/prepare", json=body)
+    assert answer.status_code == 200 and answer.json()["blocks"][0]["status"] == "admitted", answer.text
+    body["blocks"][0]["nbytes"] = NS.block_nbytes + 0.5
+    assert stack.http.post("/v1/store/prepare", json=body).status_code == 400
+
+
 def test_a_registration_the_document_refuses_is_refused(stack):
     good = json.loads(registration("wz").model_dump_json())
     survivor = {"kind": "nvme", "token": "t", "runs": [{"first": False, "count": 1}], "namespace_id": "0" * 16,
