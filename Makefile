@@ -63,7 +63,8 @@ $(SGLANG_STAMP): pyproject.toml constraints.txt Makefile
 	$(SGLANG_PY) -m pip install --quiet --no-deps sglang==0.5.23
 	$(SGLANG_PY) -m pip install --quiet $(SGLANG_IMPORTS)
 	$(SGLANG_PY) -m pip install --quiet -c constraints.txt -e '.[directory,worker,connector]' pytest pytest-timeout httpx
-	$(SGLANG_PY) -c "from sglang.srt.mem_cache.hicache_storage import HiCacheStorage"
+	$(SGLANG_PY) -c "from sglang.srt.mem_cache.hicache_storage import HiCacheStorage; \
+		from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory"
 	touch $(SGLANG_STAMP)
 
 setup-mooncake: $(MOONCAKE_VENV)/.setup-done
@@ -86,10 +87,11 @@ $(LMCACHE_VENV)/.setup-done: Makefile
 run: setup
 	$(VENV)/bin/kvstore up $(ARGS)
 
-test: setup setup-vllm
+test: setup setup-vllm setup-sglang
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra $(ARGS)
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q -ra -p no:cacheprovider tests_vllm
+	$(SGLANG_PY) -m pytest -q -ra -p no:cacheprovider tests_sglang
 
 test-vllm: setup setup-vllm
 	VLLM_TARGET_DEVICE=cpu $(VLLM_PY) -m pytest -q -ra -p no:cacheprovider tests_vllm $(ARGS)

@@ -41,7 +41,7 @@ from kvstore.connector.renewal import Renewal
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.handoffs import HandoffCommit
-from kvstore.core.keys import LAYOUTS, Namespace, block_hashes, checksum
+from kvstore.core.keys import LAYOUTS, RAW_LAYOUTS, Namespace, block_hashes, checksum
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent
 
@@ -61,7 +61,7 @@ class KVStoreClient:
         host a worker may have registered, beyond its names and addresses (saves prefer such workers).
         `same_host`: "auto" copies blocks straight into and out of the DRAM arena of a worker on this
         host that shares it, "off" always uses NIXL (default: $KVSTORE_SAME_HOST, else auto)."""
-        if namespace.layout != LAYOUTS[0]:
+        if namespace.layout not in (LAYOUTS[0], *RAW_LAYOUTS):  # raw ones: save_blocks / load_blocks only
             raise KVStoreError("invalid", f"KVStoreClient packs blocks as {LAYOUTS[0]}; namespace layout "
                                f"{namespace.layout!r} is written by another connector (kvstore.connector.vllm)")
         self.namespace = namespace

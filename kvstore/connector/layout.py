@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from kvstore.core.errors import KVStoreError
-from kvstore.core.keys import Namespace
+from kvstore.core.keys import LAYOUTS, Namespace
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -16,6 +16,9 @@ LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 def block_view(namespace: Namespace, raw: np.ndarray) -> torch.Tensor:
     """A uint8 buffer of n whole blocks seen as [n, L, 2, T, H, D] in the model dtype (no copy)."""
+    if namespace.layout != LAYOUTS[0]:
+        raise KVStoreError("invalid", f"blocks of layout {namespace.layout!r} are bytes to this client: "
+                           "save_blocks / load_blocks, not the tensor API")
     n = raw.nbytes // namespace.block_nbytes
     assert n * namespace.block_nbytes == raw.nbytes, "buffer is not a whole number of blocks"
     flat = torch.from_numpy(raw).view(TORCH_DTYPES[namespace.dtype])
