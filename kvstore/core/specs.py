@@ -90,7 +90,7 @@ class WorkerRegistration(_Spec):
                              "the directory cannot call (no tier moves, no checks of written bytes)")
     pid: int = Field(0, ge=0, lt=1 << 31)
     backends: list[Annotated[str, Field(max_length=32)]] = Field([], max_length=16)
-    tiers: list[TierSpec] = Field(min_length=1, max_length=4)
+    tiers: list[TierSpec] = Field(min_length=1, max_length=4, description="at most one tier of each kind")
     inventory: list[Survivor] = Field([], max_length=1 << 24, description="what survived on durable tiers")
     control_secret: str | None = Field(None, min_length=32, max_length=128, description="directory calls carry it")
 
