@@ -55,6 +55,7 @@ class _Arena:
     base_addr: int
     array: np.ndarray
     mapping: mmap.mmap
+    sock: socket.socket | None = None  # the worker's end closes when it exits
 
 
 class LocalArenas:
@@ -78,11 +79,15 @@ class LocalArenas:
             arena = self._arenas.get(worker)
             if arena is not None and (arena.agent_name, arena.epoch) == (location.agent_name, location.epoch):
                 return arena
-            self._arenas.pop(worker, None)  # the worker restarted or joined again: its old mapping goes
+            stale = self._arenas.pop(worker, None)  # the worker restarted or joined again: its old mapping goes
+            if stale is not None:
+                _hang_up(stale)
             if self._unmapped.get(worker, 0.0) > now:
                 return None
             arena = self._map(worker)
             if arena is None or (arena.agent_name, arena.epoch) != (location.agent_name, location.epoch):
+                if arena is not None:
+                    _hang_up(arena)
                 self._unmapped[worker] = now + RETRY_S
                 return None
             self._unmapped.pop(worker, None)
@@ -91,42 +96,77 @@ class LocalArenas:
 
     def close(self) -> None:
         with self._lock:  # the mappings go with their last view
-            self._arenas.clear()
+            arenas, self._arenas = list(self._arenas.values()), {}
+        for arena in arenas:
+            _hang_up(arena)
 
     def _map(self, worker: str) -> _Arena | None:
         """The arena `worker` hands over its socket, if the folder and the worker are this user's
-        (or root's) and the memfd cannot shrink under the mapping; None otherwise."""
+        (or root's) and the memfd cannot shrink under the mapping; None otherwise. The socket
+        stays open while the arena is mapped: its end is the worker's exit (`_watch`)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            if not trusted_folder(self.folder, owners=(os.getuid(), 0), forbidden=0o022):
-                log.info("%s is not a folder only this user or root can change: NIXL only", self.folder)
-                return None
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(HANDOVER_TIMEOUT_S)
-                sock.connect(str(self.folder / f"{worker}.sock"))
-                if peer_uid(sock) not in (os.getuid(), 0):
-                    log.warning("the socket of worker %s belongs to another user: NIXL only", worker)
-                    return None
-                message, fds, _, _ = socket.recv_fds(sock, 4096, 1)
-            header = json.loads(message)
-            if not fds:
-                log.info("worker %s does not share its arena with this process: %s", worker, header.get("error"))
-                return None
-            try:
-                if not fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
-                    log.warning("worker %s's arena could shrink under a mapping: NIXL only", worker)
-                    return None
-                mapping = mmap.mmap(fds[0], header["nbytes"], flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            arena = self._handover(worker, sock)
         except FileNotFoundError:
-            return None  # no worker of that name shares an arena on this host
+            arena = None  # no worker of that name shares an arena on this host
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.info("cannot map worker %s's arena (%s): NIXL carries its blocks", worker, exc)
+            arena = None
+        if arena is None:
+            sock.close()
             return None
-        log.info("worker %s's DRAM arena mapped (%d bytes): same-host copies", worker, header["nbytes"])
+        log.info("worker %s's DRAM arena mapped (%d bytes): same-host copies", worker, arena.array.size)
+        threading.Thread(target=self._watch, args=(worker, arena), name="kvstore-arena-watch", daemon=True).start()
+        return arena
+
+    def _handover(self, worker: str, sock: socket.socket) -> _Arena | None:
+        if not trusted_folder(self.folder, owners=(os.getuid(), 0), forbidden=0o022):
+            log.info("%s is not a folder only this user or root can change: NIXL only", self.folder)
+            return None
+        sock.settimeout(HANDOVER_TIMEOUT_S)
+        sock.connect(str(self.folder / f"{worker}.sock"))
+        if peer_uid(sock) not in (os.getuid(), 0):
+            log.warning("the socket of worker %s belongs to another user: NIXL only", worker)
+            return None
+        message, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        header = json.loads(message)
+        if not fds:
+            log.info("worker %s does not share its arena with this process: %s", worker, header.get("error"))
+            return None
+        try:
+            if not fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                log.warning("worker %s's arena could shrink under a mapping: NIXL only", worker)
+                return None
+            mapping = mmap.mmap(fds[0], header["nbytes"], flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.settimeout(None)
         return _Arena(header["agent_name"], int(header["epoch"]), int(header["base_addr"]),
-                      np.frombuffer(mapping, dtype=np.uint8), mapping)
+                      np.frombuffer(mapping, dtype=np.uint8), mapping, sock)
+
+    def _watch(self, worker: str, arena: _Arena) -> None:
+        """Until the worker's end of the hand-over connection closes (it exited): then its arena is
+        unmapped here, once the copies using it are done (they hold their own reference)."""
+        try:
+            while arena.sock.recv(4096):
+                pass
+        except OSError:
+            pass
+        arena.sock.close()
+        with self._lock:
+            if self._arenas.get(worker) is arena:
+                del self._arenas[worker]
+                log.info("worker %s exited: its DRAM arena is unmapped here", worker)
+
+
+def _hang_up(arena: _Arena) -> None:
+    """End the hand-over connection of an arena this process no longer uses (its watcher ends)."""
+    if arena.sock is not None:
+        try:
+            arena.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class BlockCopier:

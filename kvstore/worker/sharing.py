@@ -9,7 +9,9 @@ address and size, as the directory's replica locations use them) and the memfd (
 then copies blocks straight between its memory and the arena: one copy per byte instead of a NIXL
 transfer. The directory's protocol is unchanged (pages reserved before a write, leased before a
 read, committed after the checksum); the engine checks that a location's agent and epoch are the
-ones it mapped.
+ones it mapped. The connection stays open while the worker lives: when the worker exits, however
+it dies, the engine reads the end of it and unmaps the arena, so a dead worker's memory is not
+kept alive by the engines that mapped it.
 
 The credential is the kernel's: the socket is 0600 in a folder that must be this user's, 0700
 (the worker does not share otherwise), and the peer's uid (SO_PEERCRED) must be this process's
@@ -33,6 +35,7 @@ from kvstore.core.local import peer_uid, trusted_folder
 from kvstore.core.memory import HostBuffer
 
 log = logging.getLogger(__name__)
+MAX_ENGINES = 1024  # engine processes of this host holding the arena mapped; more map it but are not told of an exit
 
 
 class ArenaShare:
@@ -43,6 +46,7 @@ class ArenaShare:
         self._identity = identity
         self._sock: socket.socket | None = None
         self._inode = 0
+        self._engines: set[socket.socket] = set()  # connections of engines that mapped the arena
 
     def start(self) -> None:
         """Raises OSError when the folder cannot be made, or is not this user's alone."""
@@ -66,20 +70,38 @@ class ArenaShare:
                 conn, _ = sock.accept()
             except OSError:
                 return  # stopped
-            with conn:
-                try:
-                    self._answer(conn)
-                except OSError as exc:
-                    log.debug("an engine left during the arena hand-over: %s", exc)
+            try:
+                shared = self._answer(conn)
+            except OSError as exc:
+                log.debug("an engine left during the arena hand-over: %s", exc)
+                shared = False
+            if shared and len(self._engines) < MAX_ENGINES:
+                threading.Thread(target=self._hold, args=(conn,), name="arena-engine", daemon=True).start()
+            else:
+                conn.close()
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _hold(self, conn: socket.socket) -> None:
+        """Keep an engine's connection open while this worker lives: the engine reads its end of
+        it, and the worker's exit (however it dies) closes it, so the engine unmaps the arena."""
+        self._engines.add(conn)
+        try:
+            while conn.recv(4096):
+                pass  # engines send nothing; an empty read is the engine gone
+        except OSError:
+            pass
+        finally:
+            self._engines.discard(conn)
+            conn.close()
+
+    def _answer(self, conn: socket.socket) -> bool:
         uid = peer_uid(conn)
         if uid not in (os.getuid(), 0):
             log.warning("a process of uid %d asked for the DRAM arena; refused (not this worker's user)", uid)
             conn.sendall(json.dumps({"error": "unauthorized"}).encode())
-            return
+            return False
         header = {**self._identity(), "base_addr": self._arena.addr, "nbytes": self._arena.nbytes}
         socket.send_fds(conn, [json.dumps(header).encode()], [self._arena.fd])
+        return True
 
     def stop(self) -> None:
         if self._sock is not None:
@@ -89,6 +111,11 @@ class ArenaShare:
                 pass
             self._sock.close()
             self._sock = None
+        for conn in list(self._engines):  # the engines unmap the arena
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         try:
             if os.stat(self.path).st_ino == self._inode:  # not a successor's socket
                 self.path.unlink()

@@ -6,6 +6,7 @@ mapped again."""
 
 from __future__ import annotations
 
+import gc
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from kvstore.connector import KVStoreClient
 from tests.fault.prompts import NS, load, prompt, save
+from tests.helpers import wait_until
 from tests.stacks import ProcessStack
 
 
@@ -79,6 +81,25 @@ def test_a_restarted_worker_is_mapped_again_and_its_old_arena_never_written(stac
         assert new is not old and new.agent_name != old.agent_name
         n, out = load(client, hashes)
         assert n == 4 and all(np.array_equal(a, b) for a, b in zip(out, blocks))
+
+
+def arena_inodes() -> set[str]:
+    """Inodes of the worker arenas (memfds) mapped into this process now."""
+    return {line.split()[4] for line in Path("/proc/self/maps").read_text().splitlines()
+            if "memfd:kvstore-arena" in line}
+
+
+def test_a_dead_workers_arena_is_unmapped_by_the_engines_that_mapped_it(stack):
+    gc.collect()
+    before = arena_inodes()
+    with KVStoreClient(stack.url, NS, staging_bytes=4 * NS.block_nbytes) as client:
+        assert save(client, *prompt(4)) == 4 and mapped(client) == {"w0"}
+        theirs = arena_inodes() - before
+        assert len(theirs) == 1
+        stack.kill(stack.worker)  # SIGKILL: the worker says nothing, its end of the socket just closes
+        wait_until(lambda: mapped(client) == set(), 10, "the dead worker's arena dropped")
+        gc.collect()
+        assert not theirs & arena_inodes()  # unmapped: the dead worker's memory is not held by this engine
 
 
 def test_a_folder_others_could_change_is_not_trusted_and_nixl_carries_the_blocks(stack, arenas):
