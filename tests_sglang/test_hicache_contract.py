@@ -59,16 +59,18 @@ def test_every_abstract_method_is_implemented_and_sglangs_factory_loads_it(stack
         KVStoreHiCache(HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, True, "m", extra_config={}))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_pages_round_trip_byte_exact_through_both_interfaces(stack, layout):
+@pytest.mark.parametrize("layout, same_host", [(layout, "auto") for layout in LAYOUTS] + [("page_first", "off")])
+def test_pages_round_trip_byte_exact_through_both_interfaces(stack, layout, same_host):
     pool = HostPool(layout)
     pool.fill(seed=1)
-    made = backend(stack.url, pool)
+    made = backend(stack.url, pool, same_host=same_host)
     first = keys(5, "v1")
     assert made.batch_set_v1(first, pool.indices(0, 5)) == [True] * 5
     before = [pool.page(i) for i in range(5)]
     assert made.batch_get_v1(first, pool.indices(8, 5)) == [True] * 5  # into other pages
     assert all(torch.equal(pool.page(8 + i).view(torch.int16), before[i].view(torch.int16)) for i in range(5))
+    # interface_v1 on the worker's host: straight between the host pool and the arena; else staged
+    assert made.pages == ({"direct": 10, "staged": 0} if same_host == "auto" else {"direct": 0, "staged": 10})
     # the older interface: flat page tensors (SGLang copies them in and out of the pool itself)
     second = keys(3, "tensors")
     pages = [pool.get_data_page(i * pool.page_size) for i in range(3)]

@@ -12,8 +12,10 @@ The namespace records that order, SGLang's key scheme and the tensor-parallel sh
 another kind or layout never read these blocks. SGLang's page keys (hex digests of the token
 chain) are the block hashes; a page's parent is the key before it.
 
-Pages move through the client's registered staging buffer (one copy on each side of it, then
-the same-host or NIXL path); keys are asked in one lookup per batch. Every failure is a miss: a
+With `interface_v1`, pages move straight between SGLang's host pool and the DRAM arena of a
+worker on this host (one copy, hashed as it is copied); otherwise (another host, the older
+interface) through the client's registered staging buffer and then the same-host copy or NIXL.
+Keys are asked in one lookup per batch. Every failure is a miss: a
 dead directory or worker makes `batch_exists` 0, a get None or False, a set False, never an
 exception into SGLang. `interface_v1` (zero-copy in SGLang's terms: the backend reads and writes
 the host pool itself) and the older tensor interface are both served.
@@ -32,7 +34,9 @@ import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvstore.connector.client import KVStoreClient
+from kvstore.connector.copies import HostMemory, copy_pages
 from kvstore.connector.layout import TORCH_DTYPES
+from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace
 
@@ -61,6 +65,8 @@ class KVStoreHiCache(HiCacheStorage):
         self.config, self.extra = storage_config, extra
         self.client: KVStoreClient | None = None
         self.namespace: Namespace | None = None
+        self.memory = HostMemory()  # the host pool, for copies straight into and out of it
+        self.pages = {"direct": 0, "staged": 0}  # pages moved by each path (saves and loads)
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """The host pool fixes what a page is: the namespace, and the client that moves pages."""
@@ -80,6 +86,9 @@ class KVStoreHiCache(HiCacheStorage):
                                     staging_bytes=BATCH_PAGES * self.namespace.block_nbytes,
                                     token=self.extra.get("token"), timeout_s=float(self.extra.get("timeout_s", 30)),
                                     same_host=self.extra.get("same_host"))
+        buffer = getattr(pool, "kv_buffer", None)
+        if isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu":
+            self.memory.add(buffer.data_ptr(), buffer.numel() * buffer.element_size())
 
     # ---- existence ----------------------------------------------------------------------
 
@@ -115,6 +124,10 @@ class KVStoreHiCache(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if self.client is None or not keys:
             return [False] * len(keys)
+        direct = self._save_direct(keys, host_indices, extra_info)
+        if direct is not None:
+            self.pages["direct"] += sum(direct)
+            return direct
         blocks = self._staged(len(keys))
         for block, pieces in zip(blocks, self._pieces(host_indices, len(keys))):
             np.concatenate(pieces, out=block)
@@ -124,6 +137,10 @@ class KVStoreHiCache(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if self.client is None or not keys:
             return [False] * len(keys)
+        direct = self._load_direct(keys, host_indices)
+        if direct is not None:
+            self.pages["direct"] += sum(direct)
+            return direct
         blocks = self._staged(len(keys))
         n = self._load(keys, blocks)
         for block, pieces in zip(blocks[:n], self._pieces(host_indices, n) if n else []):
@@ -132,6 +149,81 @@ class KVStoreHiCache(HiCacheStorage):
                 piece[:] = block[at:at + piece.size]
                 at += piece.size
         return [i < n for i in range(len(keys))]
+
+    # ---- straight between the host pool and a same-host worker's arena ---------------------
+
+    def _arenas(self, locations: list[specs.ReplicaLocation]) -> list | None:
+        """The mapped arena of each location, or None unless every one is mapped (then the
+        staged path moves the pages, NIXL included)."""
+        arenas = [self.client.copier.arenas.view(location) for location in locations]
+        return arenas if all(a is not None for a in arenas) else None
+
+    def _copy(self, op: str, addrs: list[tuple[int, int]], location: specs.ReplicaLocation, arena) -> str | None:
+        """One page's pieces (addr, bytes), in the stored order, copied with its runs in the arena;
+        the xxh3 of the bytes as they now are at the destination, None if a piece fell outside."""
+        hasher, at = xxhash.xxh3_64(), 0
+        for addr, size in addrs:
+            if copy_pages(op, [(addr, location.runs, hasher)], at, at + size, self.memory, arena).state != "done":
+                return None
+            at += size
+        return hasher.hexdigest()
+
+    def _addrs(self, host_indices: torch.Tensor, n: int) -> list[list[tuple[int, int]]]:
+        return [[(int(p.ctypes.data), p.size) for p in pieces] for pieces in self._pieces(host_indices, n)]
+
+    def _save_direct(self, keys: list[str], host_indices: torch.Tensor, extra_info) -> list[bool] | None:
+        """Pages written into the arena of a worker on this host straight from the host pool (one
+        copy), hashed as they are copied; None when some page is placed elsewhere (nothing kept)."""
+        prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
+        hashes = [block_hash(k).hex() for k in keys]
+        parents = [block_hash(prefix[-1]).hex() if prefix else None] + hashes[:-1]
+        try:
+            prepared = self.client.directory.prepare_store(specs.PrepareStore(
+                namespace_id=self.client.namespace_id, writer=self.client.agent.name, hosts=self.client.hosts,
+                blocks=[specs.BlockToStore(hash=h, parent=p, nbytes=self.namespace.block_nbytes)
+                        for h, p in zip(hashes, parents)]))
+            admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
+            arenas = self._arenas([d.location for _, d in admitted])
+            addrs = self._addrs(host_indices, len(keys))
+            sums = [self._copy("WRITE", addrs[i], d.location, arena) for (i, d), arena in
+                    zip(admitted, arenas)] if arenas is not None else [None] * len(admitted)
+            if prepared.token is not None:
+                self.client.directory.complete_store(specs.CompleteStore(token=prepared.token, blocks=[
+                    specs.BlockWritten(hash=d.hash, ok=s is not None, checksum=s) for (_, d), s in zip(admitted, sums)]))
+        except KVStoreError as exc:
+            log.warning("kvstore save failed (%s): pages not stored", exc)
+            return [False] * len(keys)
+        if arenas is None:
+            return None  # rolled back: the staged path saves them
+        stored = {i for (i, _), s in zip(admitted, sums) if s is not None} | \
+            {i for i, d in enumerate(prepared.blocks) if d.status == "exists"}
+        held = next((i for i in range(len(keys)) if i not in stored), len(keys))
+        return [i < held for i in range(len(keys))]
+
+    def _load_direct(self, keys: list[str], host_indices: torch.Tensor) -> list[bool] | None:
+        """The leading pages found, read from a same-host worker's arena straight into the host
+        pool and checked against their checksums; None when some page is elsewhere."""
+        try:
+            prepared = self.client.directory.prepare_load(specs.PrepareLoad(
+                namespace_id=self.client.namespace_id, hashes=[block_hash(k).hex() for k in keys],
+                reader=self.client.agent.name))
+            arenas = self._arenas([hit.location for hit in prepared.blocks])
+            verified, reports = 0, []
+            if arenas is not None and prepared.blocks:
+                addrs = self._addrs(host_indices, len(prepared.blocks))
+                for i, (hit, arena) in enumerate(zip(prepared.blocks, arenas)):
+                    good = self._copy("READ", addrs[i], hit.location, arena) == hit.checksum
+                    if not good:
+                        reports.append(specs.BlockRead(hash=hit.hash, ok=False))
+                    verified += good and verified == i
+            if prepared.token is not None:
+                self.client.directory.complete_load(specs.CompleteLoad(token=prepared.token, blocks=reports))
+        except KVStoreError as exc:
+            log.warning("kvstore load failed (%s): a miss", exc)
+            return [False] * len(keys)
+        if arenas is None:
+            return None
+        return [i < verified for i in range(len(keys))]
 
     # ---- pages as tensors (the older interface) -----------------------------------------
 
@@ -185,14 +277,17 @@ class KVStoreHiCache(HiCacheStorage):
         except KVStoreError as exc:
             log.warning("kvstore save failed (%s): pages not stored", exc)
             held = 0
+        self.pages["staged"] += held
         return [i < held for i in range(len(keys))]
 
     def _load(self, keys: list[str], blocks: list[np.ndarray]) -> int:
         try:
-            return self.client.load_blocks([block_hash(k) for k in keys], blocks)
+            n = self.client.load_blocks([block_hash(k) for k in keys], blocks)
         except KVStoreError as exc:
             log.warning("kvstore load failed (%s): a miss", exc)
             return 0
+        self.pages["staged"] += n
+        return n
 
     def clear(self) -> None:
         """Nothing: the store's blocks are shared with other engines and evicted by its policies."""
