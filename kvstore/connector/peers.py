@@ -43,7 +43,12 @@ class Peers:
             return None
         if known:
             self._agent.remove_peer(known[1])
-        name = self._agent.add_peer(base64.b64decode(info.agent_metadata))
+            del self._known[worker]
+        try:
+            name = self._agent.add_peer(base64.b64decode(info.agent_metadata))
+        except KVStoreError as exc:  # not dead to the directory yet, but unreachable: asked again next time
+            log.warning("worker %s cannot be reached over NIXL: %s", worker, exc)
+            return None
         self._known[worker] = (epoch, name)
         return name
 

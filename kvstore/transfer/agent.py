@@ -219,7 +219,13 @@ class Agent:
         return self._raw.get_agent_metadata()
 
     def add_peer(self, metadata: bytes) -> str:
-        name = self._raw.add_remote_agent(metadata)
+        """The peer's agent name, its metadata loaded; KVStoreError("unavailable") when NIXL cannot
+        load it (a worker gone: UCX cannot reach the address it names)."""
+        try:
+            name = self._raw.add_remote_agent(metadata)
+        except Exception as exc:  # nixl*Error, contained as every NIXL failure here
+            raise KVStoreError("unavailable", f"cannot load a peer's NIXL metadata: {type(exc).__name__}: {exc}") \
+                from None
         name = name.decode() if isinstance(name, bytes) else name
         self._peers.add(name)
         return name

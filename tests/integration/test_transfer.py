@@ -5,9 +5,12 @@ every unmapped destination untouched."""
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 import pytest
 
+from kvstore.core.errors import KVStoreError
 from kvstore.core.memory import HostBuffer
 from kvstore.transfer import Agent
 from tests.helpers import wait_until
@@ -87,3 +90,15 @@ def test_a_transfer_outside_registered_memory_fails_as_a_value(pair):
     assert t.wait(10) == "failed" and "NotFound" in t.error
     t = initiator.submit("WRITE", pages(local, [0]), pages(remote, [0]), "no-such-peer")
     assert t.state == "failed"
+
+
+def test_metadata_nixl_cannot_load_is_a_kvstore_error_not_a_nixl_one():
+    """A peer whose metadata NIXL cannot load (garbage here; in a cluster, a worker that died
+    before the directory noticed) is `unavailable`, which callers treat as a miss."""
+    agent = Agent(f"bad-peer-{uuid.uuid4().hex[:8]}", backends={"UCX": {}})
+    try:
+        with pytest.raises(KVStoreError) as refused:
+            agent.add_peer(b"these bytes are not NIXL agent metadata")
+        assert refused.value.kind == "unavailable" and "metadata" in refused.value.message
+    finally:
+        agent.close()
