@@ -108,17 +108,22 @@ class KVStoreHiCache(HiCacheStorage):
 
     # ---- pages in the host pool (interface_v1) ------------------------------------------
 
-    def _pieces(self, host_indices: torch.Tensor, n: int) -> list[list[np.ndarray]]:
-        """Per page, the host pool's memory of its block in the stored order (K pieces, then V)."""
+    def _addrs(self, host_indices: torch.Tensor, n: int) -> list[list[tuple[int, int]]]:
+        """Per page, the (address, bytes) pieces of the host pool holding its block, in the stored
+        order (K pieces, then V)."""
         pool = self.mem_pool_host
         ptrs, sizes = pool.get_page_buffer_meta(host_indices[:n * pool.page_size])
         per_page = len(ptrs) // n
         pages = []
         for i in range(n):
-            ks = list(zip(ptrs[i * per_page:(i + 1) * per_page:2], sizes[i * per_page:(i + 1) * per_page:2]))
-            vs = list(zip(ptrs[i * per_page + 1:(i + 1) * per_page:2], sizes[i * per_page + 1:(i + 1) * per_page:2]))
-            pages.append([np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr)) for ptr, size in ks + vs])
+            pieces = list(zip(ptrs[i * per_page:(i + 1) * per_page], sizes[i * per_page:(i + 1) * per_page]))
+            pages.append(pieces[0::2] + pieces[1::2])
         return pages
+
+    def _pieces(self, host_indices: torch.Tensor, n: int) -> list[list[np.ndarray]]:
+        """`_addrs` as arrays over the host pool's memory (for the staged path's copies)."""
+        return [[np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr)) for addr, size in page]
+                for page in self._addrs(host_indices, n)]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -168,15 +173,12 @@ class KVStoreHiCache(HiCacheStorage):
             at += size
         return hasher.hexdigest()
 
-    def _addrs(self, host_indices: torch.Tensor, n: int) -> list[list[tuple[int, int]]]:
-        return [[(int(p.ctypes.data), p.size) for p in pieces] for pieces in self._pieces(host_indices, n)]
-
     def _save_direct(self, keys: list[str], host_indices: torch.Tensor, extra_info) -> list[bool] | None:
         """Pages written into the arena of a worker on this host straight from the host pool (one
         copy), hashed as they are copied; None when some page is placed elsewhere (nothing kept)."""
-        prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
         hashes = [block_hash(k).hex() for k in keys]
-        parents = [block_hash(prefix[-1]).hex() if prefix else None] + hashes[:-1]
+        parent = _parent(extra_info)
+        parents = [parent.hex() if parent else None] + hashes[:-1]
         try:
             prepared = self.client.directory.prepare_store(specs.PrepareStore(
                 namespace_id=self.client.namespace_id, writer=self.client.agent.name, hosts=self.client.hosts,
@@ -184,7 +186,7 @@ class KVStoreHiCache(HiCacheStorage):
                         for h, p in zip(hashes, parents)]))
             admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
             arenas = self._arenas([d.location for _, d in admitted])
-            addrs = self._addrs(host_indices, len(keys))
+            addrs = self._addrs(host_indices, len(keys)) if arenas is not None else []
             sums = [self._copy("WRITE", addrs[i], d.location, arena) for (i, d), arena in
                     zip(admitted, arenas)] if arenas is not None else [None] * len(admitted)
             if prepared.token is not None:
@@ -270,10 +272,8 @@ class KVStoreHiCache(HiCacheStorage):
         return [self.client.staging.view(i * size, size) for i in range(n)]
 
     def _save(self, keys: list[str], blocks: list[np.ndarray], extra_info) -> list[bool]:
-        prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
         try:
-            held = self.client.save_blocks([block_hash(k) for k in keys], blocks,
-                                           parent=block_hash(prefix[-1]) if prefix else None)
+            held = self.client.save_blocks([block_hash(k) for k in keys], blocks, parent=_parent(extra_info))
         except KVStoreError as exc:
             log.warning("kvstore save failed (%s): pages not stored", exc)
             held = 0
@@ -296,6 +296,12 @@ class KVStoreHiCache(HiCacheStorage):
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+def _parent(extra_info: HiCacheStorageExtraInfo | None) -> bytes | None:
+    """The stored block before a batch: the last of SGLang's prefix keys, if it sent them."""
+    prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
+    return block_hash(prefix[-1]) if prefix else None
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
