@@ -7,12 +7,14 @@ worker checksum + NIXL POSIX WRITE + manifest) and promotion (NVMe -> DRAM insid
 `prepare_load`) vs raw NIXL POSIX WRITE/READ of the same sizes between a
 registered buffer and a pre-allocated file in the same directory, from this
 process, for both POSIX queues (aio, io_uring), and the aio write followed by an
-fsync of the file (the store syncs slab data before its manifest line).
+fdatasync of the file (the store syncs slab data before its manifest line); the
+same through a file opened with O_DIRECT (aio), which bypasses the page cache.
 S3 (a local moto_server, which is pure Python and the bottleneck): demotion
 NVMe -> S3 and promotion S3 -> DRAM vs raw NIXL OBJ (one request, all objects)
 and boto3 (one object at a time) with the same object sizes.
-The directory's share of each move is the CPU time of its process over the
-move's wall time (it is otherwise idle here).
+The directory's share of the moves is the CPU time of its process over the
+moves' wall time, summed over the repeats (it is otherwise idle here; the
+kernel counts CPU time in 10 ms ticks, so one move alone is too short to read).
 """
 
 from __future__ import annotations
@@ -38,33 +40,33 @@ from datapath import namespace_for  # noqa: E402
 from tests.helpers import MotoServer  # noqa: E402
 
 
-def raw_posix(tmp: Path, queue: str, block: int, n: int, repeats: int) -> dict:
+def raw_posix(tmp: Path, queue: str, block: int, n: int, repeats: int, direct: bool = False) -> dict:
     agent = Agent(f"bench-posix-{queue}", {"POSIX": {"use_uring": "true"} if queue == "uring" else {"use_aio": "true"}},
                   progress_thread=False)
     buf = HostBuffer(block * n)
     buf.array[:] = 7
     agent.register_dram(buf.addr, buf.nbytes)
-    path = tmp / f"raw-{queue}.bin"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    path = tmp / f"raw-{queue}{'-direct' if direct else ''}.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o644)
     os.posix_fallocate(fd, 0, block * n)
     agent.register_file(fd, block * n, str(path))
     local = np.array([(buf.addr + i * block, block) for i in range(n)], dtype=np.uint64)
     remote = np.array([(i * block, block, fd) for i in range(n)], dtype=np.uint64)
     w = [raw_xfer(agent, "WRITE", local, remote, agent.name, "FILE") for _ in range(repeats)]
-    ws = [raw_xfer(agent, "WRITE", local, remote, agent.name, "FILE") + timed(lambda: os.fsync(fd))
+    ws = [raw_xfer(agent, "WRITE", local, remote, agent.name, "FILE") + timed(lambda: os.fdatasync(fd))
           for _ in range(repeats)]
     r = [raw_xfer(agent, "READ", local, remote, agent.name, "FILE") for _ in range(repeats)]
     agent.close()
     os.close(fd)
-    return {"write_gbps": block * n / median(w) / 1e9, "write_fsync_gbps": block * n / median(ws) / 1e9,
+    return {"write_gbps": block * n / median(w) / 1e9, "write_sync_gbps": block * n / median(ws) / 1e9,
             "read_gbps": block * n / median(r) / 1e9}
 
 
 def store_moves(url: str, block: int, n: int, repeats: int, lower: str, directory_pid: int) -> dict:
     """Save n blocks, demote them (to NVMe, or on to S3), then time promotion back via prepare_load.
-    The directory's share of a move: the CPU time its process spent over the call's wall time."""
+    The directory's share of the moves: the CPU time its process spent over their wall time."""
     ns = namespace_for(block)
-    down, up, share_down, share_up = [], [], [], []
+    down, up, cpu_down, cpu_up = [], [], [], []
     with KVStoreClient(url, ns, staging_bytes=block) as client:
         src = HostBuffer(block * n)
         src.array[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
@@ -82,17 +84,17 @@ def store_moves(url: str, block: int, n: int, repeats: int, lower: str, director
             by_tier = client.directory.lookup(ns.namespace_id, [h.hex() for h in hashes]).by_tier
             assert by_tier == {lower: n}, by_tier
             down.append(seconds)
-            share_down.append(cpu / seconds)
+            cpu_down.append(cpu)
             body = specs.PrepareLoad(namespace_id=ns.namespace_id, hashes=[h.hex() for h in hashes])
             cpu0, t0 = cpu_s(directory_pid), time.perf_counter()
             prepared = client.directory.prepare_load(body)
             up.append(time.perf_counter() - t0)
-            share_up.append((cpu_s(directory_pid) - cpu0) / up[-1])
+            cpu_up.append(cpu_s(directory_pid) - cpu0)
             assert len(prepared.blocks) == n and prepared.blocks[0].location.tier == "dram"
             client.directory.complete_load(specs.CompleteLoad(token=prepared.token))
             client.directory.evict(ns.namespace_id)
     return {"demote_gbps": block * n / median(down) / 1e9, "promote_gbps": block * n / median(up) / 1e9,
-            "directory_share_demote": median(share_down), "directory_share_promote": median(share_up)}
+            "directory_share_demote": sum(cpu_down) / sum(down), "directory_share_promote": sum(cpu_up) / sum(up)}
 
 
 def raw_s3(s3: MotoServer, block: int, n: int, repeats: int) -> dict:
@@ -150,21 +152,24 @@ def main() -> None:
                            "nvme_store": store_moves(url, size, n, args.repeats, "nvme", pids["directory"]),
                            "posix_aio": raw_posix(tmp, "aio", size, n, args.repeats),
                            "posix_uring": raw_posix(tmp, "uring", size, n, args.repeats),
+                           "posix_direct": raw_posix(tmp, "aio", size, n, args.repeats, direct=True),
                            "s3_store": store_moves(url, size, n3, args.repeats, "s3", pids["directory"]),
                            "s3_raw": raw_s3(s3, size, n3, args.repeats)}
                     results.append(row)
         finally:
             s3.stop()
     print()
-    print_table(["block", "demote->NVMe", "raw POSIX W aio/uring", "raw W+fsync", "promote<-NVMe",
-                 "raw POSIX R aio/uring", "demote/raw W", "demote/raw W+fsync", "promote/raw R",
+    print_table(["block", "demote->NVMe", "raw POSIX W aio/uring", "raw W+fdatasync", "O_DIRECT W+fds/R",
+                 "promote<-NVMe", "raw POSIX R aio/uring", "demote/raw W", "demote/raw W+fds", "promote/raw R",
                  "directory CPU share demote/promote"],
                 [[format_size(r["block_bytes"]), r["nvme_store"]["demote_gbps"],
                   f'{r["posix_aio"]["write_gbps"]:.2f}/{r["posix_uring"]["write_gbps"]:.2f}',
-                  r["posix_aio"]["write_fsync_gbps"], r["nvme_store"]["promote_gbps"],
+                  r["posix_aio"]["write_sync_gbps"],
+                  f'{r["posix_direct"]["write_sync_gbps"]:.2f}/{r["posix_direct"]["read_gbps"]:.2f}',
+                  r["nvme_store"]["promote_gbps"],
                   f'{r["posix_aio"]["read_gbps"]:.2f}/{r["posix_uring"]["read_gbps"]:.2f}',
                   r["nvme_store"]["demote_gbps"] / r["posix_aio"]["write_gbps"],
-                  r["nvme_store"]["demote_gbps"] / r["posix_aio"]["write_fsync_gbps"],
+                  r["nvme_store"]["demote_gbps"] / r["posix_aio"]["write_sync_gbps"],
                   r["nvme_store"]["promote_gbps"] / r["posix_aio"]["read_gbps"],
                   f'{r["nvme_store"]["directory_share_demote"]:.0%}/{r["nvme_store"]["directory_share_promote"]:.0%}']
                  for r in results])
@@ -177,9 +182,10 @@ def main() -> None:
                   r["s3_store"]["promote_gbps"] / r["s3_raw"]["obj_read_gbps"],
                   f'{r["s3_store"]["directory_share_demote"]:.0%}/{r["s3_store"]["directory_share_promote"]:.0%}']
                  for r in results])
-    print("(GB/s, medians; ratios against the aio queue, the worker's default; raw W+fsync: the write and an fsync\n"
-          " of the file, as the store syncs slab data before its manifest line; directory CPU share: the directory\n"
-          " process's CPU time over the move's wall time)")
+    print("(GB/s, medians; ratios against the aio queue, the worker's default, through the page cache as the\n"
+          " worker's slabs are; W+fdatasync: the write and an fdatasync of the file, as the store syncs slab data\n"
+          " before its manifest line; O_DIRECT: the same file access bypassing the page cache; directory CPU\n"
+          " share: the directory process's CPU time over the moves' wall time, all repeats)")
     write_json(args.json, {"benchmark": "tiers", "machine": machine(), "batch_bytes": batch,
                            "s3_batch_bytes": s3_batch, "repeats": args.repeats, "results": results})
     os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it

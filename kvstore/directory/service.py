@@ -79,7 +79,7 @@ class DirectoryService:
         self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s, ca_file=settings.ca_file)
         reclaim = Reclaim(self.calls, self.pools)
         self.reservations = Reservations()
-        moves = Moves(write, self.calls, reclaim, self.pools, metrics, clock)
+        moves = Moves(write, self.calls, reclaim, self.pools, metrics, clock, read=self.writer.read)
         orphans = Orphans(write, moves, self.calls, reclaim)
         self.movement = Movement(write, moves, reclaim, self.pools, self.policies, self.reservations.reserved_bytes,
                                  promote_timeout_s=min(settings.move_timeout_s, settings.lease_ttl_s),

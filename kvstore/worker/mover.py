@@ -2,9 +2,10 @@
 
     mover.move(MoveRequest) -> MoveResult     # failures are values, per block
 
-Every route checks the block checksum on the way: the source is hashed before
-it leaves DRAM, and what arrives in DRAM is hashed before it counts. A mismatch
-fails the item, so corrupt bytes never become a replica.
+Every route checks the block checksum on the way: the source is hashed as it
+leaves DRAM (beside the write to NVMe, before any other), and what arrives in
+DRAM is hashed before it counts. A mismatch fails the item, so corrupt bytes
+never become a replica.
 
     dram -> nvme   POSIX WRITE into slab pages; the manifest records the block
     nvme -> dram   POSIX READ (promotion)
@@ -26,6 +27,7 @@ import base64
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -73,10 +75,8 @@ class Mover:
         self.bounce_pages = PageAllocator(bounce_bytes // page_bytes, page_bytes) if self.bounce else None
         if self.bounce:
             agent.register_dram(self.bounce.addr, self.bounce.nbytes)
-        self.nvme = nvme
-        self.s3 = s3
-        self.hbm = hbm
-        self.gds = gds
+        self.nvme, self.s3, self.hbm, self.gds = nvme, s3, hbm, gds
+        self._hashing = ThreadPoolExecutor(2, thread_name_prefix="move-checksum")  # beside a write to NVMe
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL loaded it under
         self._peers_lock = threading.Lock()
 
@@ -186,21 +186,23 @@ class Mover:
                 m.s3_errors.labels("failed").inc()
 
     def _batch(self, route: tuple[str, str], items: list[tuple[int, moving.MoveItem]]) -> dict[int, str | None]:
-        """All items of one route in a single NIXL request (POSIX queues, OBJ threads work in parallel);
-        checksums are checked per block, and a failed request falls back to one request per block."""
-        errors: dict[int, str | None] = {}
-        if route[0] == "dram":
-            for i, item in items:
-                if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-                    errors[i] = SourceCorrupt("checksum mismatch in DRAM before demotion")
+        """All items of one route in one NIXL request; checksums per block; a failed request falls back
+        to a request per block. To NVMe, sources are hashed on another thread as they are written (a
+        bad one lands in pages the directory gives back, and is never recorded)."""
+        checking = self._hashing.submit(self._source_errors, items) if route == ("dram", "nvme") else None
+        errors = self._source_errors(items) if route[0] == "dram" and checking is None else {}
         todo = [(i, item) for i, item in items if i not in errors and
                 (route != ("dram", "s3") or len(item.src_runs) == 1)]
         rows = [self._route_rows(route, item) for _, item in todo]
         if todo:
             local, remote = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
-            if self._post("WRITE" if route[0] == "dram" else "READ", local, remote, rows[0][2]):
+            failed = self._post("WRITE" if route[0] == "dram" else "READ", local, remote, rows[0][2])
+            errors.update(checking.result() if checking is not None else {})
+            if failed:
                 return {**errors, **{i: self._move_one(item) for i, item in items if i not in errors}}
         for i, item in todo:
+            if i in errors:
+                continue
             if route[1] == "dram" and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
                 errors[i] = SourceCorrupt(f"checksum mismatch after reading from {'NVMe' if route[0] == 'nvme' else 'S3'}")
             else:
@@ -211,6 +213,10 @@ class Mover:
             if i not in errors:
                 errors[i] = self._move_one(item)
         return errors
+
+    def _source_errors(self, items: list[tuple[int, moving.MoveItem]]) -> dict[int, str]:
+        return {i: SourceCorrupt("checksum mismatch in DRAM before demotion") for i, item in items
+                if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum}
 
     def _route_rows(self, route: tuple[str, str], item: moving.MoveItem):
         dram_runs = item.src_runs if route[0] == "dram" else item.dst_runs

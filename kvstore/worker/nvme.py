@@ -66,6 +66,7 @@ class NvmeTier:
             self._rewrite()  # a manifest from before page sizes were recorded: its size is written down now
         self._pending: dict[str, dict] = {}  # "put" lines waiting for their data to be durable
         self._frees: list[dict] = []  # "free" lines waiting for the next sync
+        self._dirty: set[int] = set()  # slabs written since the last sync
         self._lock = threading.Lock()
 
     @property
@@ -118,9 +119,12 @@ class NvmeTier:
                  "namespace_id": item.namespace_id, "hash": item.hash, "nbytes": item.nbytes,
                  "checksum": item.checksum}
         key = _key(item.dst_token, entry["runs"])
+        slabs = {s for r in item.dst_runs
+                 for s in range(r.first // self.slab_pages, (r.first + r.count - 1) // self.slab_pages + 1)}
         with self._lock:
             self._pending[key] = entry
             self._live[key] = entry
+            self._dirty |= slabs
 
     def forget(self, token: str, runs: list[specs.PageRun]) -> None:
         """These pages were given back: a "put" not yet written is dropped, a written one gets a
@@ -131,9 +135,11 @@ class NvmeTier:
                 self._frees.append({"op": "free", "token": token, "runs": [[r.first, r.count] for r in runs]})
 
     def sync(self) -> None:
-        """Make what was written durable: the slab data first, then the manifest lines naming it,
-        frees before puts, in one append. Called once per move request before it is answered (so a
-        block the directory commits is in the manifest) and after each free. If the append fails
+        """Make what was written durable: the data of the slabs written since the last sync first
+        (`fdatasync`: the slabs are allocated whole, so no metadata a read needs changes), then the
+        manifest lines naming it, frees before puts, in one append. Called once per move request
+        before it is answered (so a block the directory commits is in the manifest) and after each
+        free. If the append fails
         (a full disk) the manifest is cut back to where it was, nothing is lost from memory, and
         `KVStoreError("unavailable")` says why: the caller fails the moves it made; the frees are
         written by the next sync that succeeds."""
@@ -141,8 +147,9 @@ class NvmeTier:
             if not self._pending and not self._frees:
                 return
             try:
-                for fd in self.fds if self._pending else []:
-                    os.fsync(fd)
+                for slab in sorted(self._dirty) if self._pending else []:
+                    os.fdatasync(self.fds[slab])
+                    self._dirty.discard(slab)
             except OSError as exc:
                 raise KVStoreError("unavailable", f"cannot make the NVMe slabs durable: {exc.strerror}",
                                    path=str(self.directory)) from None
@@ -152,7 +159,7 @@ class NvmeTier:
                 view = memoryview(text)
                 while view:
                     view = view[os.write(self._manifest, view):]
-                os.fsync(self._manifest)
+                os.fdatasync(self._manifest)  # its new length is data a read needs: fdatasync writes it
             except OSError as exc:
                 os.ftruncate(self._manifest, end)  # never a torn line that would swallow the next one
                 raise KVStoreError("unavailable", f"cannot write the NVMe manifest: {exc.strerror}",

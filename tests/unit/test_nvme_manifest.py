@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
+from kvstore.worker import nvme
 from kvstore.worker.nvme import MANIFEST, NvmeTier
 
 PAGE = 4096
@@ -29,19 +30,26 @@ def ops(tmp_path) -> list[str]:
     return [line["op"] for line in lines[1:]]
 
 
-def test_a_put_line_is_written_after_the_slab_data_is_fsynced(tmp_path, monkeypatch):
+def test_a_put_line_is_written_after_the_slab_data_is_durable(tmp_path, monkeypatch):
+    monkeypatch.setattr(nvme, "SLAB_BYTES", 4 * PAGE)  # four slabs of four pages
     tier = NvmeTier(tmp_path, 16 * PAGE, PAGE)
     synced: list[int] = []
-    real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    real_fdatasync = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real_fdatasync(fd)))
     tier.record(item("t1", 3))
+    tier.record(item("t2", 9))
     assert ops(tmp_path) == []  # not before the data is durable
     tier.sync()
     manifest_fd = tier._manifest
-    assert synced.index(tier.fds[0]) < synced.index(manifest_fd)  # slab first, then the manifest
-    assert ops(tmp_path) == ["put"]
+    assert synced == [tier.fds[0], tier.fds[2], manifest_fd]  # the slabs written, then the manifest
+    assert ops(tmp_path) == ["put", "put"]
+    synced.clear()
+    tier.record(item("t3", 13))
+    tier.sync()
+    assert synced == [tier.fds[3], manifest_fd]  # only what was written since
     tier.close()
-    assert [s.hash for s in NvmeTier(tmp_path, 16 * PAGE, PAGE).survivors()] == [f"{3:032x}"]
+    assert sorted(s.hash for s in NvmeTier(tmp_path, 16 * PAGE, PAGE).survivors()) == \
+        [f"{n:032x}" for n in (3, 9, 13)]
 
 
 def test_a_block_freed_before_its_line_was_written_leaves_no_line(tmp_path):

@@ -31,6 +31,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from kvstore.core import tiers
+from kvstore.directory.db import direct
 from kvstore.directory.db.models import Block, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import VISIBLE
 
@@ -230,7 +231,9 @@ class Index:
         ids = sorted(block_ids)
         for start in range(0, len(ids), CHUNK):
             chunk = ids[start : start + CHUNK]
-            self._apply(session.execute(_rows_query().where(Block.id.in_(chunk))), set(chunk),
+            found = direct.rows(session, _RELOAD.format(direct.marks(len(VISIBLE)), direct.marks(len(chunk))),
+                                (*VISIBLE, *chunk))
+            self._apply([(*row[:9], direct.json_value(row[9])) for row in found], set(chunk),
                         notify=self.on_change is not None)
 
     def add(self, rows: list[tuple]) -> None:
@@ -342,6 +345,11 @@ def _flat(pages) -> tuple:
     if pages and isinstance(pages[0], (list, tuple)):
         return tuple(x for run in pages for x in run)
     return tuple(pages)
+
+
+_RELOAD = ("SELECT b.id, b.namespace_id, b.hash, b.parent, b.nbytes, b.checksum, r.id, r.tier_id, r.epoch, r.pages "
+           "FROM blocks b JOIN replicas r ON r.block_id = b.id "
+           "WHERE r.state IN ({}) AND b.checksum IS NOT NULL AND b.id IN ({})")  # _rows_query's, through the driver
 
 
 def _rows_query():

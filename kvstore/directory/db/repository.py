@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import NamedTuple
 
 from sqlalchemy import delete, func, select, tuple_
@@ -10,19 +9,15 @@ from sqlalchemy.orm import Session
 
 from kvstore.core.tiers import MEMORY
 from kvstore.directory.db.models import Block, Grant, HandoffRow, Lease, NamespaceRow, Replica, Tier, Worker
-from kvstore.directory.db.models.replica import MOVING, READY, VISIBLE, WRITING
-
-CHUNK = 500  # ids per IN list: PostgreSQL takes at most 65,535 parameters a statement
+from kvstore.directory.db import direct
+from kvstore.directory.db.direct import chunks, driver_many
+from kvstore.directory.db.models.replica import DELETING, MOVING, VISIBLE, WRITING
 
 
 def touched(session: Session, block_ids) -> None:
     """Block rows a bulk statement changed, for the lookup index to reload after the commit (ORM
     flushes are noticed without this)."""
     session.info.setdefault("touched_blocks", set()).update(block_ids)
-
-
-def chunks(values: list) -> list[list]:
-    return [values[i : i + CHUNK] for i in range(0, len(values), CHUNK)]
 
 
 def namespace(session: Session, namespace_id: str) -> NamespaceRow | None:
@@ -153,30 +148,11 @@ def record_hits(session: Session, hits: dict[int, tuple[float, int]]) -> None:
                     "WHERE id = ?", [(at, n, b) for b, (at, n) in hits.items()])
 
 
-def driver(session: Session, sql: str) -> tuple:
-    """The session's connection and `sql` (`?` placeholders) as its driver wants it, to run straight
-    through the driver: not compiled again, no parameters processed per row (SQLAlchemy Core costs
-    about ten microseconds a row). Pending ORM changes are flushed first, as `session.execute` would,
-    so the statement runs after them."""
-    session.flush()
-    connection = session.connection()
-    if connection.dialect.paramstyle in ("format", "pyformat"):
-        sql = sql.replace("?", "%s")
-    return connection, sql
-
-
-def driver_many(session: Session, sql: str, rows: list[tuple]) -> None:
-    """One statement for many rows (executemany) through the driver."""
-    if rows:
-        connection, sql = driver(session, sql)
-        connection.exec_driver_sql(sql, rows)
-
-
 def delete_orphan_blocks(session: Session, block_ids: list[int]) -> None:
     """Blocks whose last replica is gone leave the map."""
-    has_replica = select(Replica.id).where(Replica.block_id == Block.id).exists()
     for chunk in chunks(block_ids):
-        session.execute(delete(Block).where(Block.id.in_(chunk), ~has_replica))
+        direct.execute(session, f"DELETE FROM blocks WHERE id IN ({direct.marks(len(chunk))}) "
+                       "AND NOT EXISTS (SELECT 1 FROM replicas r WHERE r.block_id = blocks.id)", tuple(chunk))
 
 
 def pinned_by_token(session: Session, token: str) -> list[tuple[Replica, Block]]:
@@ -217,31 +193,60 @@ def delete_expired_leases(session: Session, now: float) -> int:
     return session.execute(delete(Lease).where(Lease.expires_at < now)).rowcount or 0
 
 
-def pinned_replica_ids(session: Session, replica_ids: list[int]) -> set[int]:
-    pinned: set[int] = set()
-    for chunk in chunks(replica_ids):
-        pinned.update(session.scalars(select(Lease.replica_id).where(Lease.replica_id.in_(chunk))))
-    return pinned
-
-
 def replicas_in_state(session: Session, state: str) -> list[tuple[Replica, Tier, Worker]]:
     query = (select(Replica, Tier, Worker).join(Tier, Replica.tier_id == Tier.id)
              .join(Worker, Tier.worker_id == Worker.id).where(Replica.state == state))
     return list(session.execute(query).tuples())
 
 
+class ReplicaRef(NamedTuple):
+    id: int
+    block_id: int
+    epoch: int
+    token: str
+    pages: list
+    reserved_bytes: int
+
+
+class TierRef(NamedTuple):
+    id: int
+    kind: str
+
+
+class WorkerRef(NamedTuple):
+    epoch: int
+    state: str
+    control_url: str
+
+
+def unpinned_deleting(session: Session) -> list[tuple[ReplicaRef, TierRef, WorkerRef]]:
+    """DELETING replicas no reader pins, with their tier and worker: plain rows, read through the
+    driver (every move and every load's end asks)."""
+    found = direct.rows(session, "SELECT r.id, r.block_id, r.epoch, r.token, r.pages, r.reserved_bytes, t.id, t.kind, "
+                 "w.epoch, w.state, w.control_url FROM replicas r JOIN tiers t ON t.id = r.tier_id "
+                 f"JOIN workers w ON w.id = t.worker_id WHERE r.state = '{DELETING}' "
+                 "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.replica_id = r.id)")
+    return [(ReplicaRef(*row[:4], direct.json_value(row[4]), row[5]), TierRef(*row[6:8]), WorkerRef(*row[8:]))
+            for row in found]
+
+
 def drop_replicas(session: Session, replica_ids: list[int]) -> None:
     for chunk in chunks(replica_ids):
-        session.execute(delete(Lease).where(Lease.replica_id.in_(chunk)))
-        gone = session.scalars(delete(Replica).where(Replica.id.in_(chunk)).returning(Replica.block_id)
-                               .execution_options(synchronize_session=False))
-        touched(session, gone)
+        ids = tuple(chunk)
+        direct.execute(session, f"DELETE FROM leases WHERE replica_id IN ({direct.marks(len(ids))})", ids)
+        touched(session, [b for b, in direct.rows(
+            session, f"DELETE FROM replicas WHERE id IN ({direct.marks(len(ids))}) RETURNING block_id", ids)])
 
 
 def add_used(session: Session, deltas: dict[int, int]) -> None:
-    """tier id -> bytes: one atomic `used_bytes = used_bytes + delta` per tier (no read-modify-write)."""
+    """tier id -> bytes: one atomic `used_bytes = used_bytes + delta` per tier (no read-modify-write).
+    A tier this session holds as an ORM object is expired, so it reads the new count next."""
     driver_many(session, "UPDATE tiers SET used_bytes = used_bytes + ? WHERE id = ?",
                 [(delta, tier_id) for tier_id, delta in deltas.items() if delta])
+    for tier_id, delta in deltas.items():
+        loaded = session.identity_map.get(session.identity_key(Tier, tier_id)) if delta else None
+        if loaded is not None:
+            session.expire(loaded, ["used_bytes"])
 
 
 def volatile_replicas_of_worker(session: Session, worker_id: int) -> list[tuple[Replica, Tier]]:
@@ -350,51 +355,3 @@ def recent_handoffs(session: Session, since: float, limit: int) -> list[HandoffR
     rows = list(session.scalars(select(HandoffRow).where(HandoffRow.committed_at >= since)
                                 .order_by(HandoffRow.committed_at.desc()).limit(limit)))
     return rows[::-1]
-
-
-ROWS_PER_INSERT = 500  # rows of one multi-row INSERT: 8 or 9 columns stay under every driver's parameter limit
-
-
-def rows(session: Session, sql: str, params: tuple = ()) -> list[tuple]:
-    connection, sql = driver(session, sql)
-    return list(connection.exec_driver_sql(sql, params))
-
-
-def marks(n: int) -> str:
-    return ", ".join("?" * n)
-
-
-def insert_blocks(session: Session, namespace_id: str, blocks: list[tuple], now: float) -> dict[str, int]:
-    """(hash, parent, depth, nbytes, checksum) rows, committed; returns hash -> id. A block row that is
-    already there (a replica of it is still being deleted) keeps its id and takes the new checksum."""
-    ids: dict[str, int] = {}
-    for start in range(0, len(blocks), ROWS_PER_INSERT):
-        chunk = blocks[start : start + ROWS_PER_INSERT]
-        values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, 0)"] * len(chunk))
-        params = tuple(x for h, p, d, n, c in chunk for x in (namespace_id, h, p, d, n, c, now, now))
-        ids.update((h, i) for i, h in rows(
-            session, "INSERT INTO blocks (namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
-            f"last_access, hit_count) VALUES {values} ON CONFLICT (namespace_id, hash) DO NOTHING RETURNING id, hash",
-            params))
-    there = [b for b in blocks if b[0] not in ids]
-    if there:
-        for chunk in chunks([b[0] for b in there]):
-            ids.update((h, i) for h, i in rows(
-                session, f"SELECT hash, id FROM blocks WHERE namespace_id = ? AND hash IN ({marks(len(chunk))})",
-                (namespace_id, *chunk)))
-        driver_many(session, "UPDATE blocks SET checksum = ? WHERE id = ?", [(b[4], ids[b[0]]) for b in there])
-    return ids
-
-
-def insert_replicas(session: Session, replicas: list[tuple]) -> dict[int, int]:
-    """(block id, tier id, epoch, token, pages, reserved bytes, created_at) rows, READY; returns block
-    id -> replica id."""
-    ids: dict[int, int] = {}
-    for start in range(0, len(replicas), ROWS_PER_INSERT):
-        chunk = replicas[start : start + ROWS_PER_INSERT]
-        values = ", ".join([f"(?, ?, ?, '{READY}', ?, ?, ?, NULL, ?)"] * len(chunk))
-        params = tuple(x for b, t, e, tok, pages, n, c in chunk for x in (b, t, e, tok, json.dumps(pages), n, c))
-        ids.update((b, i) for i, b in rows(
-            session, "INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, "
-            f"expires_at, created_at) VALUES {values} RETURNING id, block_id", params))
-    return ids

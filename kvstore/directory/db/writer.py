@@ -37,6 +37,7 @@ from sqlalchemy import delete, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvstore.core.errors import KVStoreError
+from kvstore.directory.db import direct
 from kvstore.directory.db.models import CommitMark
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class Writer:
             session.info.pop("committed")
             mark = secrets.token_hex(16)
             try:
-                session.add(CommitMark(id=mark, at=time.time()))
+                direct.driver_many(session, "INSERT INTO commit_marks (id, at) VALUES (?, ?)", [(mark, time.time())])
                 if self._before_commit is not None:
                     self._before_commit(session, touched, topology, namespaces, committed, handoffs)
             except BaseException as exc:

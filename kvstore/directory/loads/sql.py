@@ -10,7 +10,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from kvstore.directory.db.models.replica import DELETING, VISIBLE
-from kvstore.directory.db.repository import chunks, driver_many, marks, rows
+from kvstore.directory.db.direct import chunks, driver_many, marks, rows
 
 
 def pin(session: Session, replica_ids: list[int], token: str, holder: str, expires_at: float) -> set[int]:

@@ -38,9 +38,8 @@ from typing import NamedTuple
 
 from kvstore.core import moving, specs, tiers
 from kvstore.directory.moves import sql
-from kvstore.directory.db import repository as repo
+from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.db.models import Block, Replica
 from kvstore.directory.db.models.replica import DELETING, MOVING, READY, WRITING
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.workers.reclaim import Reclaim
@@ -71,8 +70,9 @@ class _Source(NamedTuple):
 
 class Moves:
     def __init__(self, write: Write, calls: WorkerCalls, reclaim: Reclaim, pools: PagePools, metrics: DirectoryMetrics,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, read: Write | None = None) -> None:
         self._write = write
+        self._read = read or write  # a job that only reads, off the writer
         self._calls = calls
         self._reclaim = reclaim
         self._pools = pools
@@ -95,8 +95,8 @@ class Moves:
         `timeout_s`: the move's deadline from now (default: the move timeout)."""
         if not replica_ids:
             return {}
-        found = self._write(lambda tx: _sources(tx, worker_id, source_tier_id, dest_kind, replica_ids,
-                                                dest_worker_id))
+        found = self._read(lambda tx: _sources(tx, worker_id, source_tier_id, dest_kind, replica_ids,
+                                               dest_worker_id))  # reserve checks the sources again
         if found is None or found.dest is None or not found.rows:
             return {}
         if found.peer is not None and (found.source[1], dest_kind) != ("dram", "dram"):
@@ -134,12 +134,11 @@ class Moves:
         """Destination replicas for the sources still readable; what was allocated and not used goes back."""
         dest_id, dest_kind, page_bytes = found.dest
         worker_epoch = found.dest_epoch  # the destination's pages and its replica's epoch
-        sources = sql.replicas_by_id(tx.session, [r for r, _, _ in found.rows])
-        blocks = repo.blocks_by_id(tx.session, [b for _, b, _ in found.rows])
-        plan, taken, used = [], set(), 0
-        for k, (replica_id, block_id, nbytes) in enumerate(found.rows):
-            source, block = sources.get(replica_id), blocks.get(block_id)
-            readable = source is not None and block is not None and block.checksum is not None and \
+        sources = sql.move_sources(tx.session, [r for r, _, _ in found.rows])
+        plan, taken, blocks, used = [], set(), set(), 0
+        for k, (replica_id, _, nbytes) in enumerate(found.rows):
+            source = sources.get(replica_id)
+            readable = source is not None and source.checksum is not None and source.block_id not in blocks and \
                 (source.state == READY or (not only_ready and source.state == MOVING))
             pages = runs[k] if runs is not None else None
             if not readable or (runs is not None and pages is None):
@@ -151,47 +150,48 @@ class Moves:
                 tx.on_rollback.append(lambda p=pairs: self._pools.free(dest_id, worker_epoch, p))
                 pages = [specs.PageRun(first=f, count=c) for f, c in pairs]
             taken.add(k)
+            blocks.add(source.block_id)  # one copy of a block per move
             pages = pages or []
             reserved = nbytes if dest_kind == "s3" else sum(r.count for r in pages) * page_bytes
-            dest = Replica(block_id=block_id, tier_id=dest_id, epoch=worker_epoch, state=WRITING, token=token,
-                           pages=[[r.first, r.count] for r in pages], reserved_bytes=reserved,
-                           expires_at=deadline + min(DEADLINE_SLACK_S, 3 * self._calls.move_timeout_s),
-                           created_at=source.created_at)
-            tx.session.add(dest)
             used += reserved
-            if source.state == READY:
-                source.state = MOVING
-            plan.append((source, block, pages, dest))
+            plan.append((replica_id, source, pages, reserved))
         unused = [(token, r) for k, r in enumerate(runs or []) if r is not None and k not in taken]
         tx.after_commit.append(self._calls.free_later(found.worker_url, unused))
+        expires_at = deadline + min(DEADLINE_SLACK_S, 3 * self._calls.move_timeout_s)
+        dest_ids = direct.insert_replicas(tx.session, [
+            (source.block_id, dest_id, worker_epoch, token, [[r.first, r.count] for r in pages], reserved,
+             source.created_at) for _, source, pages, reserved in plan], state=WRITING, expires_at=expires_at)
+        direct.set_states(tx.session, {replica_id: MOVING for replica_id, source, _, _ in plan
+                                       if source.state == READY})
         repo.add_used(tx.session, {dest_id: used})
-        tx.session.flush()
-        return [_Move(block.id, source.id, dest.id, _item(source, found.source[1], dest_kind, token, pages, block))
-                for source, block, pages, dest in plan]
+        repo.touched(tx.session, blocks)
+        return [_Move(source.block_id, replica_id, dest_ids[source.block_id],
+                      _item(source, found.source[1], dest_kind, token, pages)) for replica_id, source, pages, _ in plan]
 
     def _finish(self, tx: Tx, plan: list[_Move], result: moving.MoveResult, source_stays: bool) -> dict[int, int]:
-        done, dropped = {}, []
-        rows = sql.replicas_by_id(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
+        done, dropped, states = {}, [], {}
+        found = sql.states_of(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
         codes = result.codes or ["ok" if ok else "failed" for ok in result.ok]
         for move, code in zip(plan, codes):
-            source, dest = rows.get(move.source_id), rows.get(move.dest_id)
-            if code == "ok" and dest is not None and dest.state == WRITING:
-                dest.state, dest.expires_at = READY, None
+            source, dest = found.get(move.source_id), found.get(move.dest_id)
+            if code == "ok" and dest is not None and dest[0] == WRITING:
+                states[move.dest_id] = READY
                 if source is not None:
                     if not source_stays:
-                        source.state = DELETING
-                    elif source.state == MOVING:  # an evict or a failed checksum meanwhile: it stays DELETING
-                        source.state = READY
-                    done[source.id] = source.reserved_bytes
+                        states[move.source_id] = DELETING
+                    elif source[0] == MOVING:  # an evict or a failed checksum meanwhile: it stays DELETING
+                        states[move.source_id] = READY
+                    done[move.source_id] = source[1]
                 continue
             if code != "unreachable" and dest is not None:
-                dropped.append(dest.id)  # the worker answered: nothing writes those pages any more
+                dropped.append(move.dest_id)  # the worker answered: nothing writes those pages any more
             if source is not None and code == "source_corrupt":
-                source.state = DELETING  # the copy we read from is bad
+                states[move.source_id] = DELETING  # the copy we read from is bad
                 self._metrics.checksum_failures.inc()
-            elif source is not None and source.state == MOVING:
-                source.state = READY
-        tx.session.flush()
+            elif source is not None and source[0] == MOVING:
+                states[move.source_id] = READY
+        direct.set_states(tx.session, states)
+        repo.touched(tx.session, {m.block_id for m in plan})
         self._reclaim.drop(tx, repo.replica_rows(tx.session, dropped))
         self._reclaim.collect_deleting(tx)
         return done
@@ -255,10 +255,10 @@ def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replic
         if target is not worker and dest is not None else None
     return _Source(worker.control_url, worker.epoch, (source.id, source.kind),
                    (dest.id, dest.kind, dest.page_bytes) if dest is not None else None,
-                   [(r.id, b.id, b.nbytes) for r, b in pairs], target.epoch, target.control_url, peer)
+                   pairs, target.epoch, target.control_url, peer)
 
 
-def _item(replica: Replica, source_kind: str, dest_kind: str, token: str, runs, block: Block) -> moving.MoveItem:
-    return moving.MoveItem(src_kind=source_kind, src_runs=[specs.PageRun(first=f, count=c) for f, c in replica.pages],
-                          dst_kind=dest_kind, dst_runs=runs, dst_token=token, nbytes=block.nbytes,
-                          checksum=block.checksum, namespace_id=block.namespace_id, hash=block.hash)
+def _item(source: sql.MoveSource, source_kind: str, dest_kind: str, token: str, runs) -> moving.MoveItem:
+    return moving.MoveItem(src_kind=source_kind, src_runs=[specs.PageRun(first=f, count=c) for f, c in source.pages],
+                          dst_kind=dest_kind, dst_runs=runs, dst_token=token, nbytes=source.nbytes,
+                          checksum=source.checksum, namespace_id=source.namespace_id, hash=source.hash)

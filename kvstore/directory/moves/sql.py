@@ -1,41 +1,69 @@
-"""SQL only, for moving blocks between tiers and workers: victims, copies, write-through, replication."""
+"""SQL only, for moving blocks between tiers and workers: victims, copies, write-through, replication.
+
+A copy's own statements (its sources, their states) go straight through the driver, as saves do:
+a move handles a row per block.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from sqlalchemy import case, distinct, func, select
 from sqlalchemy.orm import Session, aliased
 
+from kvstore.directory.db.direct import chunks, json_value, marks, rows
 from kvstore.directory.db.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import MOVING, READY, VISIBLE, WRITING
-from kvstore.directory.db.repository import chunks, replicas_of
+
+
+class VictimReplica(NamedTuple):
+    id: int
+    reserved_bytes: int
+
+
+class VictimBlock(NamedTuple):
+    id: int
+    namespace_id: str
+    hash: str
+    parent: str | None
+    nbytes: int
+    last_access: float
+    depth: int
+    hit_count: int
+
+
+_VICTIMS = ("SELECT r.id, r.reserved_bytes, b.id, b.namespace_id, b.hash, b.parent, b.nbytes, b.last_access, b.depth, "
+            "b.hit_count{} FROM replicas r JOIN blocks b ON b.id = r.block_id "
+            f"WHERE r.tier_id = ? AND r.state = '{READY}'")
+_PINNED = "EXISTS (SELECT 1 FROM leases l WHERE l.replica_id = r.id)"
+
+
+def _victim(row) -> tuple[VictimReplica, VictimBlock]:
+    return VictimReplica(*row[:2]), VictimBlock(*row[2:10])
 
 
 def demotion_candidates(session: Session, tier_id: int, limit: int,
-                        namespace_id: str | None = None) -> list[tuple[Replica, Block]]:
+                        namespace_id: str | None = None) -> list[tuple[VictimReplica, VictimBlock]]:
     """READY, unpinned replicas of a tier, least recently used first (deeper blocks first on ties)."""
-    pinned = select(Lease.id).where(Lease.replica_id == Replica.id).exists()
-    query = (select(Replica, Block).join(Block, Replica.block_id == Block.id)
-             .where(Replica.tier_id == tier_id, Replica.state == READY, ~pinned)
-             .order_by(Block.last_access, Block.depth.desc()).limit(limit))
-    if namespace_id is not None:
-        query = query.where(Block.namespace_id == namespace_id)
-    return list(session.execute(query).tuples())
+    where, params = (" AND b.namespace_id = ?", (namespace_id,)) if namespace_id is not None else ("", ())
+    return [_victim(row) for row in rows(
+        session, _VICTIMS.format("") + f" AND NOT {_PINNED}{where} ORDER BY b.last_access, b.depth DESC LIMIT ?",
+        (tier_id, *params, limit))]
 
 
-def ready_replicas_of_tier(session: Session, tier_id: int) -> list[tuple[Replica, Block, bool]]:
+def ready_replicas_of_tier(session: Session, tier_id: int) -> list[tuple[VictimReplica, VictimBlock, bool]]:
     """Every READY replica of a tier with its block, and whether a reader pins it."""
-    pinned = select(Lease.id).where(Lease.replica_id == Replica.id).exists()
-    query = (select(Replica, Block, pinned).join(Block, Replica.block_id == Block.id)
-             .where(Replica.tier_id == tier_id, Replica.state == READY))
-    return list(session.execute(query).tuples())
+    return [(*_victim(row), bool(row[10])) for row in rows(session, _VICTIMS.format(f", {_PINNED}"), (tier_id,))]
 
 
 def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]:
     """Per block, the tier kinds holding a READY or MOVING replica."""
     kinds: dict[int, set[str]] = {}
-    for replica, tier, worker in replicas_of(session, block_ids):
-        if replica.state in VISIBLE:
-            kinds.setdefault(replica.block_id, set()).add(tier.kind)
+    for chunk in chunks(block_ids):
+        for block_id, kind in rows(
+                session, "SELECT r.block_id, t.kind FROM replicas r JOIN tiers t ON t.id = r.tier_id WHERE r.state IN "
+                f"({marks(len(VISIBLE))}) AND r.block_id IN ({marks(len(chunk))})", (*VISIBLE, *chunk)):
+            kinds.setdefault(block_id, set()).add(kind)
     return kinds
 
 
@@ -46,10 +74,37 @@ def move_destinations(session: Session) -> list[tuple[str, int]]:
     return [(token, worker_id) for token, worker_id in session.execute(query)]
 
 
-def replicas_by_id(session: Session, replica_ids: list[int]) -> dict[int, Replica]:
-    found: dict[int, Replica] = {}
+class MoveSource(NamedTuple):
+    """A replica a copy reads from, with what the copy needs of its block."""
+    state: str
+    pages: list
+    created_at: float
+    block_id: int
+    nbytes: int
+    checksum: str | None
+    namespace_id: str
+    hash: str
+
+
+def move_sources(session: Session, replica_ids: list[int]) -> dict[int, MoveSource]:
+    """replica id -> the replica and its block; missing ids are left out."""
+    found: dict[int, MoveSource] = {}
     for chunk in chunks(replica_ids):
-        found.update((r.id, r) for r in session.scalars(select(Replica).where(Replica.id.in_(chunk))))
+        for replica_id, state, pages, *rest in rows(
+                session, "SELECT r.id, r.state, r.pages, r.created_at, b.id, b.nbytes, b.checksum, b.namespace_id, "
+                f"b.hash FROM replicas r JOIN blocks b ON b.id = r.block_id WHERE r.id IN ({marks(len(chunk))})",
+                tuple(chunk)):
+            found[replica_id] = MoveSource(state, json_value(pages), *rest)
+    return found
+
+
+def states_of(session: Session, replica_ids: list[int]) -> dict[int, tuple[str, int]]:
+    """replica id -> (state, reserved bytes); missing ids are left out."""
+    found: dict[int, tuple[str, int]] = {}
+    for chunk in chunks(replica_ids):
+        found.update((i, (state, n)) for i, state, n in rows(
+            session, f"SELECT id, state, reserved_bytes FROM replicas WHERE id IN ({marks(len(chunk))})",
+            tuple(chunk)))
     return found
 
 
@@ -75,12 +130,14 @@ def write_through_candidates(session: Session, namespace_ids: list[str],
     return list(session.execute(query).tuples())
 
 
-def replica_block_pairs(session: Session, replica_ids: list[int]) -> list[tuple[Replica, Block]]:
-    """(replica, its block) for these ids, in the order given; missing ids are left out."""
-    found: dict[int, tuple[Replica, Block]] = {}
+def replica_block_pairs(session: Session, replica_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(replica id, its block's id, the block's bytes) for these ids, in the order given; missing ids
+    are left out."""
+    found: dict[int, tuple[int, int, int]] = {}
     for chunk in chunks(replica_ids):
-        query = select(Replica, Block).join(Block, Replica.block_id == Block.id).where(Replica.id.in_(chunk))
-        found.update((r.id, (r, b)) for r, b in session.execute(query).tuples())
+        found.update((row[0], row) for row in rows(
+            session, "SELECT r.id, b.id, b.nbytes FROM replicas r JOIN blocks b ON b.id = r.block_id "
+            f"WHERE r.id IN ({marks(len(chunk))})", tuple(chunk)))
     return [found[i] for i in replica_ids if i in found]
 
 
@@ -99,19 +156,19 @@ def keys_of(session: Session, block_ids) -> set[str]:
     return keys
 
 
-def ready_replicas_by_key(session: Session, tier_id: int, keys: list[str]) -> list[tuple[Replica, Block]]:
+def ready_replicas_by_key(session: Session, tier_id: int,
+                          keys: list[str]) -> list[tuple[VictimReplica, VictimBlock]]:
     """READY replicas on this tier of the blocks named `namespace/hash`, in the order of `keys`."""
     by_namespace: dict[str, list[str]] = {}
     for key in keys:
         namespace_id, _, block_hash = key.partition("/")
         by_namespace.setdefault(namespace_id, []).append(block_hash)
-    found: dict[str, tuple[Replica, Block]] = {}
+    found: dict[str, tuple[VictimReplica, VictimBlock]] = {}
     for namespace_id, hashes in by_namespace.items():
         for chunk in chunks(hashes):
-            query = (select(Replica, Block).join(Block, Replica.block_id == Block.id)
-                     .where(Replica.tier_id == tier_id, Replica.state == READY, Block.namespace_id == namespace_id,
-                            Block.hash.in_(chunk)))
-            found.update((f"{namespace_id}/{b.hash}", (r, b)) for r, b in session.execute(query).tuples())
+            found.update((f"{namespace_id}/{b.hash}", (r, b)) for r, b in map(_victim, rows(
+                session, _VICTIMS.format("") + f" AND b.namespace_id = ? AND b.hash IN ({marks(len(chunk))})",
+                (tier_id, namespace_id, *chunk))))
     return [found[k] for k in keys if k in found]
 
 

@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 from kvstore.core import tiers
 from kvstore.directory.moves import sql
-from kvstore.directory.db import repository as repo
+from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.index import Hit
-from kvstore.directory.db.models import Block, Replica, Tier
+from kvstore.directory.db.models import Tier
 from kvstore.directory.db.models.replica import DELETING
 from kvstore.directory.moves.move import Moves
 from kvstore.directory.tier_policies import TierPolicies, VictimRow, block_key
@@ -81,7 +81,7 @@ class Movement:
             if nbytes <= free:
                 return 0
             return max(nbytes - free, tier.used_bytes + nbytes - int(tier.low_watermark * tier.capacity_bytes))
-        short = self._write(shortfall)
+        short = self._read(shortfall)
         if short > 0:
             self._demote_tier(tier_id, worker_id, short, set(protected), limit=1 << 30)
 
@@ -103,7 +103,7 @@ class Movement:
         outcome = {"replicas": 0, "bytes": 0, "demoted": 0, "dropped": 0}
         total = 0
         while total < to_free and outcome["replicas"] < limit:  # rounds of at most MAX_MOVES_PER_ROUND
-            lower = self._write(lambda tx: _lower(tx, tier_id, worker_id))
+            lower = self._read(lambda tx: _lower(tx, tier_id, worker_id))
             if lower is not None and self.moves.backing_off(lower[0]):
                 break  # the tier below failed lately: keep the blocks where they are until it is retried
             round_limit = min(MAX_MOVES_PER_ROUND, limit - outcome["replicas"])
@@ -138,15 +138,15 @@ class Movement:
         copy = {r.id: block_key(b.namespace_id, b.hash) for r, b in victims
                 if lower is not None and lower.kind not in kinds.get(b.id, set()) and self._keep_below(lower, b)}
         drop = [r for r, _ in victims if r.id not in copy]
-        for replica in drop:  # the bottom tier, or a lower copy exists already
-            replica.state = DELETING
+        direct.set_states(tx.session, {r.id: DELETING for r in drop})  # the bottom tier, or a lower copy exists
+        repo.touched(tx.session, {b.id for r, b in victims if r.id not in copy})
         self._reclaim.collect_deleting(tx)
         return _Plan(copy, sum(b.nbytes for r, b in victims if r.id in copy), lower.kind if lower is not None else None,
                      len(drop),
                      sum(r.reserved_bytes for r in drop))
 
     def _victims(self, tx: Tx, tier: Tier, to_free: int, protected: set[int], namespace_id: str | None,
-                 limit: int, dry_run: bool = False) -> list[tuple[Replica, Block]]:
+                 limit: int, dry_run: bool = False) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
         """The tier's eviction policy names the victims; an operator's namespace eviction takes that
         namespace's blocks least recently used first."""
         if namespace_id is not None:
@@ -163,7 +163,7 @@ class Movement:
         return self._victims_from_policy(tx, tier, to_free, protected, limit)
 
     def _victims_from_policy(self, tx: Tx, tier: Tier, to_free: int, protected: set[int],
-                             limit: int) -> list[tuple[Replica, Block]]:
+                             limit: int) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
         """Ask the policy in batches and keep the keys the tier still holds READY and unpinned:
         the cost follows the victims, not the tier. A policy that runs dry is rebuilt once."""
         keep = sql.pinned_keys(tx.session, tier.id) | sql.keys_of(tx.session, protected)
@@ -184,7 +184,7 @@ class Movement:
                 freed += replica.reserved_bytes
         return chosen
 
-    def _keep_below(self, lower: Tier, block: Block) -> bool:
+    def _keep_below(self, lower: Tier, block: sql.VictimBlock) -> bool:
         """The lower tier's admission: is this victim worth keeping one tier down?"""
         return isinstance(self._policies.admit(lower, block_key(block.namespace_id, block.hash), block.nbytes), Admit)
 
@@ -261,7 +261,8 @@ def _above_low(tier: Tier, reserved: int) -> int:
     return max(0, tier.used_bytes + reserved - int(tier.low_watermark * (tier.capacity_bytes or 0)))
 
 
-def _enough(candidates: list[tuple[Replica, Block]], to_free: int) -> list[tuple[Replica, Block]]:
+def _enough(candidates: list[tuple[sql.VictimReplica, sql.VictimBlock]],
+            to_free: int) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
     chosen, freed = [], 0
     for replica, block in candidates:
         if freed >= to_free:

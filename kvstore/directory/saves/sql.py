@@ -1,17 +1,13 @@
 """The save path's own SQL. Its blocks and replicas are inserted by
-`db.repository.insert_blocks` / `insert_replicas`, straight through the database
-driver: complete_store runs them once per save, with one row per block:
-SQLAlchemy's per-row parameter processing and ORM loading cost more than
-SQLite itself (about 100 µs a block against 10). The statements are
-plain SQL that SQLite and PostgreSQL both take; `?` placeholders become `%s`
-for drivers that want them.
+`db.direct.insert_blocks` / `insert_replicas`, straight through the database
+driver (see there why), once per save with one row per block.
 """
 
 from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from kvstore.directory.db.repository import chunks, marks, rows
+from kvstore.directory.db.direct import chunks, marks, rows
 
 
 def depths(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, int]:

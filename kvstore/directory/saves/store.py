@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.saves import sql
-from kvstore.directory.db import repository as repo
+from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.index import Index, WorkerView
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.tier_policies import TierPolicies, block_key
@@ -254,9 +254,9 @@ class Store:
         depths = sql.depths(tx.session, r.namespace_id, outside) if outside else {}
         for block in blocks:  # parents come first in a chain
             depths[block.hash] = depths[block.parent] + 1 if block.parent in depths else 0
-        block_ids = repo.insert_blocks(tx.session, r.namespace_id, [
+        block_ids = direct.insert_blocks(tx.session, r.namespace_id, [
             (b.hash, b.parent, depths[b.hash], b.nbytes, checksums[b.hash]) for b in blocks], now)
-        replica_ids = repo.insert_replicas(tx.session, [
+        replica_ids = direct.insert_replicas(tx.session, [
             (block_ids[b.hash], r.tier_id, r.epoch, r.token, b.runs, r.bytes_of([b]), now) for b in blocks])
         repo.add_used(tx.session, {r.tier_id: r.bytes_of(blocks)})
         tx.committed([(block_ids[b.hash], r.namespace_id, b.hash, b.parent, b.nbytes, checksums[b.hash],

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
-from kvstore.directory.db import repository as repo
+from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.models import Tier, Worker
 from kvstore.directory.db.models.replica import WRITING
 from kvstore.directory.workers.credit import PagePools
@@ -180,13 +180,13 @@ class Membership:
     def _adopt(self, tx: Tx, worker: Worker, tier: Tier, survivor: specs.Survivor, now: float) -> None:
         blocks = repo.blocks_by_hash(tx.session, survivor.namespace_id, [survivor.hash])
         if survivor.hash not in blocks:
-            ids = repo.insert_blocks(tx.session, survivor.namespace_id, [
+            ids = direct.insert_blocks(tx.session, survivor.namespace_id, [
                 (survivor.hash, None, 0, survivor.nbytes, survivor.checksum)], now)
             block_id = ids[survivor.hash]
         else:
             block_id = blocks[survivor.hash].id
         pages = [[r.first, r.count] for r in survivor.runs]
-        repo.insert_replicas(tx.session, [(block_id, tier.id, worker.epoch, survivor.token, pages,
+        direct.insert_replicas(tx.session, [(block_id, tier.id, worker.epoch, survivor.token, pages,
                                            sum(r.count for r in survivor.runs) * tier.page_bytes, now)])
         repo.touched(tx.session, [block_id])
 

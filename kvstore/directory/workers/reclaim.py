@@ -1,6 +1,7 @@
 """Forgetting replicas, and giving their space back once the forgetting is committed.
 
-    reclaim.drop(tx, rows)          # rows: (replica, tier, worker); the replicas leave the map now
+    reclaim.drop(tx, rows)          # rows: (replica, tier, worker), ORM objects or db.repository's
+                                    # plain rows; the replicas leave the map now
     reclaim.collect_deleting(tx)    # DELETING replicas no reader pins any more are dropped
 
 A memory tier's pages go back to this directory's page pool; NVMe pages go
@@ -14,7 +15,6 @@ from __future__ import annotations
 from kvstore.core import tiers
 from kvstore.directory.db import repository as repo
 from kvstore.directory.db.models import Replica, Tier, Worker
-from kvstore.directory.db.models.replica import DELETING
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.workers.calls import WorkerCalls
 from kvstore.directory.db.writer import Tx
@@ -25,7 +25,8 @@ class Reclaim:
         self._calls = calls
         self._pools = pools
 
-    def drop(self, tx: Tx, rows: list[tuple[Replica, Tier, Worker]]) -> None:
+    def drop(self, tx: Tx, rows: list[tuple[Replica | repo.ReplicaRef, Tier | repo.TierRef,
+                                            Worker | repo.WorkerRef]]) -> None:
         if not rows:
             return
         frees: dict[str, list[tuple]] = {}
@@ -48,10 +49,7 @@ class Reclaim:
         repo.delete_orphan_blocks(tx.session, list({r.block_id for r, _, _ in rows}))
 
     def collect_deleting(self, tx: Tx) -> None:
-        tx.session.flush()
-        rows = repo.replicas_in_state(tx.session, DELETING)
-        pinned = repo.pinned_replica_ids(tx.session, [r.id for r, _, _ in rows])
-        self.drop(tx, [row for row in rows if row[0].id not in pinned])
+        self.drop(tx, repo.unpinned_deleting(tx.session))
 
 
 def _pool_free(pools: PagePools, tier_id: int, epoch: int, pages):
