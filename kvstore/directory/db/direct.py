@@ -4,6 +4,7 @@
     rows(session, sql, params) / execute(session, sql, params) / driver_many(session, sql, rows)
     insert_blocks / insert_replicas             # multi-row INSERTs ... RETURNING
     set_states(session, {replica id: state})
+    expire_loaded(session, model, ids)          # after a driver UPDATE of rows the ORM may hold
 
 Saves, loads and tier moves run their per-block statements here: SQLAlchemy's per-row parameter
 processing and ORM objects cost more than SQLite itself (about 100 µs a block against 10). The
@@ -21,6 +22,7 @@ from kvstore.directory.db.models import Replica
 from kvstore.directory.db.models.replica import READY
 
 CHUNK = 500  # ids per IN list: PostgreSQL takes at most 65,535 parameters a statement
+ROWS_PER_INSERT = 500  # rows of one multi-row INSERT: 8 or 9 columns stay under every driver's parameter limit
 
 
 def chunks(values: list) -> list[list]:
@@ -50,9 +52,6 @@ def driver_many(session: Session, sql: str, rows: list[tuple]) -> None:
     if rows:
         connection, sql = driver(session, sql)
         connection.exec_driver_sql(sql, rows)
-
-
-ROWS_PER_INSERT = 500  # rows of one multi-row INSERT: 8 or 9 columns stay under every driver's parameter limit
 
 
 def rows(session: Session, sql: str, params: tuple = ()) -> list[tuple]:
@@ -107,10 +106,16 @@ def set_states(session: Session, states: dict[int, str]) -> None:
     session holds as an ORM object is expired, so what it reads next is the new state."""
     driver_many(session, "UPDATE replicas SET state = ?, expires_at = NULL WHERE id = ?",
                 [(state, replica_id) for replica_id, state in states.items()])
-    for replica_id in states:
-        loaded = session.identity_map.get(session.identity_key(Replica, replica_id))
+    expire_loaded(session, Replica, states)
+
+
+def expire_loaded(session: Session, model, ids, attributes: list[str] | None = None) -> None:
+    """Rows of `model` the driver just changed: the ones this session holds as ORM objects are
+    expired (those `attributes`, or all), so what they read next is the database's."""
+    for key in ids:
+        loaded = session.identity_map.get(session.identity_key(model, key))
         if loaded is not None:
-            session.expire(loaded)
+            session.expire(loaded, attributes)
 
 
 def json_value(value):

@@ -243,10 +243,7 @@ def add_used(session: Session, deltas: dict[int, int]) -> None:
     A tier this session holds as an ORM object is expired, so it reads the new count next."""
     driver_many(session, "UPDATE tiers SET used_bytes = used_bytes + ? WHERE id = ?",
                 [(delta, tier_id) for tier_id, delta in deltas.items() if delta])
-    for tier_id, delta in deltas.items():
-        loaded = session.identity_map.get(session.identity_key(Tier, tier_id)) if delta else None
-        if loaded is not None:
-            session.expire(loaded, ["used_bytes"])
+    direct.expire_loaded(session, Tier, [tier_id for tier_id, delta in deltas.items() if delta], ["used_bytes"])
 
 
 def volatile_replicas_of_worker(session: Session, worker_id: int) -> list[tuple[Replica, Tier]]:

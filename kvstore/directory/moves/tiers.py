@@ -137,13 +137,13 @@ class Movement:
         kinds = sql.replica_kinds(tx.session, [b.id for _, b in victims])
         copy = {r.id: block_key(b.namespace_id, b.hash) for r, b in victims
                 if lower is not None and lower.kind not in kinds.get(b.id, set()) and self._keep_below(lower, b)}
-        drop = [r for r, _ in victims if r.id not in copy]
-        direct.set_states(tx.session, {r.id: DELETING for r in drop})  # the bottom tier, or a lower copy exists
-        repo.touched(tx.session, {b.id for r, b in victims if r.id not in copy})
+        drop = [(r, b) for r, b in victims if r.id not in copy]  # the bottom tier, or a lower copy exists
+        direct.set_states(tx.session, {r.id: DELETING for r, _ in drop})
+        repo.touched(tx.session, {b.id for _, b in drop})
         self._reclaim.collect_deleting(tx)
         return _Plan(copy, sum(b.nbytes for r, b in victims if r.id in copy), lower.kind if lower is not None else None,
                      len(drop),
-                     sum(r.reserved_bytes for r in drop))
+                     sum(r.reserved_bytes for r, _ in drop))
 
     def _victims(self, tx: Tx, tier: Tier, to_free: int, protected: set[int], namespace_id: str | None,
                  limit: int, dry_run: bool = False) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
