@@ -172,7 +172,7 @@ def _hang_up(arena: _Arena) -> None:
 class BlockCopier:
     def __init__(self, agent: Agent, peers: Peers, arenas: LocalArenas, timeout_s: float) -> None:
         self.agent, self.peers, self.arenas, self.timeout_s = agent, peers, arenas, timeout_s
-        self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstore-copy")
+        self.pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstore-copy")
 
     def copy_local(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]
                    ) -> tuple[list[bool], list[str], list[int]]:
@@ -189,7 +189,7 @@ class BlockCopier:
             t = loads.index(min(loads))
             shares[t].append(k)
             loads[t] += items[k][0].nbytes
-        futures = [self._pool.submit(lambda ks=ks: [(k, _copy_hashed(op, *items[k], arenas[k])) for k in ks])
+        futures = [self.pool.submit(lambda ks=ks: [(k, _copy_hashed(op, *items[k], arenas[k])) for k in ks])
                    for ks in shares if ks]
         for future in futures:
             for k, (ok, digest) in future.result():
@@ -197,7 +197,7 @@ class BlockCopier:
         return done, digests, [k for k, a in enumerate(arenas) if a is None]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
         self.arenas.close()
 
     def move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:

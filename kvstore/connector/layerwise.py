@@ -8,7 +8,8 @@ own, so attention over layer l can start while layers l+1.. are still on the wir
 The store's block layout is layer-major ([L][K,V][T][H][D]), so layer l of a block is one
 contiguous slice at l x layer_bytes; a layer's read is one request with a descriptor per block
 (split where the block's pages are), or, from the mapped arena of a worker on this host, plain
-copies, each block hashed layer by layer as its slices arrive. A poller thread stamps each layer's completion, which gives:
+copies on the copy threads, each block hashed in the arena beside them. A poller thread stamps
+each layer's completion, which gives:
 
     T_post        prepare_load + posting layer 0's read (the poller posts layers 1..)
     T_xfer[l]     post -> completion of layer l
@@ -30,8 +31,9 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.connector import layout
-from kvstore.connector.copies import HostMemory, copy_pages
-from kvstore.connector.page_checksums import CopyHashes
+from kvstore.connector.copies import HostMemory
+from kvstore.connector.layer_copies import copy_layer
+from kvstore.connector.page_checksums import ArenaHashes
 from kvstore.core import specs
 from kvstore.core.keys import checksum
 
@@ -90,18 +92,24 @@ class LayerClock:
         self.t_visible: list[float] = [0.0] * num_layers
         self._changed = threading.Condition()
         self._deadline = time.perf_counter() + timeout_s
-        if num_layers:
-            self._post(0)  # layer 0 now: the model needs it first; the rest are posted while it computes
-        self.t_post = time.perf_counter() - t0
-        T_POST.observe(self.t_post)
+        self._first_posted = threading.Event()
+        # started before layer 0's copies take the cores: a thread's start waits until it runs
         self._poller = threading.Thread(target=self._post_and_poll, name="kvstore-layer-poller", daemon=True)
         self._poller.start()
+        try:
+            if num_layers:
+                self._post(0)  # layer 0 now: the model needs it first; the rest are posted while it computes
+        finally:
+            self._first_posted.set()
+        self.t_post = time.perf_counter() - t0
+        T_POST.observe(self.t_post)
 
     def _post(self, layer: int) -> None:
         self.posted_at[layer] = time.perf_counter()
         self.transfers[layer] = self._post_fn(layer)
 
     def _post_and_poll(self) -> None:
+        self._first_posted.wait()
         for layer in range(1, len(self.transfers)):
             self._post(layer)
             self._poll_once()
@@ -163,22 +171,24 @@ class LayerwiseLoad:
         for i, hit in enumerate(self.hits):
             self._by_worker.setdefault((hit.location.worker, hit.location.epoch), []).append((i, hit))
         self._peers = {key: client.peers.agent_for(*key) for key in self._by_worker}
-        self._memory, self._hashes = HostMemory(), CopyHashes(list(range(len(self.hits))), self.namespace.num_layers)
+        self._memory, self._hashes = HostMemory(), ArenaHashes(list(range(len(self.hits))), self.namespace.num_layers)
         if self.hits:
             self._memory.add(int(self._raw.ctypes.data), self._raw.nbytes)
         self.clock = LayerClock(self.namespace.num_layers if self.hits else 0, self._post, t0)
 
     def _post(self, layer: int) -> list:
-        """Layer `layer` of every hit block: copied (and hashed) with the arena of a worker on this
-        host when it is mapped, one NIXL READ per worker otherwise."""
-        transfers, size = [], self.namespace.block_nbytes // self.namespace.num_layers
+        """Layer `layer` of every hit block: copied on the copy threads with the arena of a worker
+        on this host when it is mapped (and a share of the blocks hashed there), one NIXL READ per
+        worker otherwise."""
+        transfers, size, pool = [], self.namespace.block_nbytes // self.namespace.num_layers, self.client.copier.pool
         for key, group in self._by_worker.items():
             arena = self.client.copier.arenas.view(group[0][1].location)
             if arena is not None:
                 base = int(self._raw.ctypes.data) + layer * size
-                pages = [(base + i * self.namespace.block_nbytes, hit.location.runs, self._hashes.for_layer(i, layer))
-                         for i, hit in group]
-                transfers.append(copy_pages("READ", pages, layer * size, (layer + 1) * size, self._memory, arena))
+                self._hashes.copied([(i, hit.location.runs) for i, hit in group], layer, arena)
+                pages = [(base + i * self.namespace.block_nbytes, hit.location.runs) for i, hit in group]
+                transfers.append(copy_layer("READ", pages, layer * size, (layer + 1) * size, self._memory, arena, pool))
+                self._hashes.hash([i for i, _ in group[layer::self.namespace.num_layers]], pool)
                 continue
             self._hashes.spoil(i for i, _ in group)
             local, remote = layer_rows(self.namespace, group, self._raw, layer)

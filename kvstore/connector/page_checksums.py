@@ -4,12 +4,14 @@ of every layer, in layer order.
     block_checksums(caches, layer_names, block_ids) -> [hex]
     tail = LayerwiseChecksum(num_layers)   # one block, hashed a layer at a time as each arrives
     tail.add(index, page); tail.hexdigest() -> hex | None
-    hashes = CopyHashes(block_ids, num_layers)  # blocks hashed as their pages are copied, layer by layer
-    hashes.for_layer(block_id, layer) -> hasher | None; hashes.spoil(ids); hashes.hexdigest(block_id)
+    hashes = ArenaHashes(block_ids, num_layers)  # blocks copied with a mapped arena, hashed there
+    hashes.copied([(id, runs)], layer, arena); hashes.spoil(ids); hashes.hash(ids, pool); hashes.hexdigest(id)
     checksums(caches, layer_names, block_ids, hashes) -> [hex]   # hashes' where it has them, else gathered
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Executor, Future
 
 import torch
 import xxhash
@@ -34,8 +36,8 @@ def block_checksums(caches: dict[str, torch.Tensor], layer_names: list[str], blo
 
 
 def checksums(caches: dict[str, torch.Tensor], layer_names: list[str], block_ids: list[int],
-              hashes: CopyHashes | None) -> list[str]:
-    """Each block's checksum: taken while its pages were copied when `hashes` has it, else from the pages."""
+              hashes: ArenaHashes | None) -> list[str]:
+    """Each block's checksum: taken in the arena it was copied with when `hashes` has it, else from the pages."""
     sums = [hashes.hexdigest(b) if hashes is not None else None for b in block_ids]
     rest = iter(block_checksums(caches, layer_names, [b for b, s in zip(block_ids, sums) if s is None]))
     return [s if s is not None else next(rest) for s in sums]
@@ -59,28 +61,58 @@ class LayerwiseChecksum:
         return self._hash.hexdigest() if self._layers == self._num_layers else None
 
 
-class CopyHashes:
-    """Checksums of blocks whose pages are copied layer by layer (the same-host path): each page is
-    hashed right after its copy. A block has one only if every layer was hashed, in layer order,
-    once; otherwise its checksum is taken from the pages (`block_checksums`)."""
+class ArenaHashes:
+    """Checksums of blocks copied layer by layer with a worker's mapped arena (the same-host path),
+    taken in the arena, where a block is its runs one after the other: one xxh3 pass per block
+    (xxhash releases the GIL for it, a 64 KiB page at a time it does not), on the copy threads. A
+    load hashes the bytes it copies from (a lease keeps them unchanged), a save the bytes it
+    copied to, once every copy has ended. A block has a checksum here only if every layer went
+    through one arena, once each, in layer order; otherwise it is taken from the pages."""
 
     def __init__(self, block_ids: list[int], num_layers: int) -> None:
         self._num_layers = num_layers
         self._next = {block_id: 0 for block_id in block_ids}  # the layer expected next; -1: spoilt
-        self._hashers = {block_id: xxhash.xxh3_64() for block_id in block_ids}
+        self._where: dict[int, tuple[object, list[tuple[int, int]]]] = {}  # block id -> (arena, runs)
+        self._digests: dict[int, tuple[Future, int]] = {}  # block id -> (its share's hashes, its index there)
 
-    def for_layer(self, block_id: int, layer: int):
-        """The hasher to feed this block's page of `layer`, or None (the block then has no checksum here)."""
-        if self._next.get(block_id) != layer:
-            self.spoil([block_id])
-            return None
-        self._next[block_id] = layer + 1
-        return self._hashers[block_id]
+    def copied(self, blocks: list[tuple[int, list[tuple[int, int]]]], layer: int, arena) -> None:
+        """These (block id, runs) have their page of `layer` copied with `arena`, where they are `runs`."""
+        for block_id, runs in blocks:
+            if self._next.get(block_id) != layer or (layer and self._where[block_id][0] is not arena):
+                self._next[block_id] = -1
+                continue
+            if not layer:
+                self._where[block_id] = (arena, runs)
+            self._next[block_id] = layer + 1
 
     def spoil(self, block_ids) -> None:
         """These blocks' pages went another way (NIXL): no checksum from here."""
         for block_id in block_ids:
             self._next[block_id] = -1
 
+    def hash(self, block_ids, pool: Executor) -> None:
+        """Start hashing these blocks in their arena, as one task (a save: only once its copies ended)."""
+        share = [b for b in block_ids if b in self._where and b not in self._digests and self._next[b] != -1]
+        if share:
+            where = [self._where[b] for b in share]
+            future = pool.submit(lambda: [arena_digest(arena, runs) for arena, runs in where])
+            self._digests.update((b, (future, k)) for k, b in enumerate(share))
+
     def hexdigest(self, block_id: int) -> str | None:
-        return self._hashers[block_id].hexdigest() if self._next.get(block_id) == self._num_layers else None
+        if self._next.get(block_id) != self._num_layers:
+            return None
+        if block_id in self._digests:
+            future, k = self._digests[block_id]
+            return future.result()[k]
+        return arena_digest(*self._where[block_id])
+
+
+def arena_digest(arena, runs: list[tuple[int, int]]) -> str:
+    """xxh3_64 of a block's runs in a mapped arena ("" if one is outside it: never a stored checksum)."""
+    digest = xxhash.xxh3_64()
+    for addr, length in runs:
+        at = addr - arena.base_addr
+        if at < 0 or at + length > arena.array.size:
+            return ""
+        digest.update(arena.array[at:at + length])
+    return digest.hexdigest()

@@ -15,8 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from kvstore.connector import KVStoreClient
+from kvstore.client import DirectoryClient
+from kvstore.connector import KVStoreClient, Namespace
+from kvstore.connector.vllm.worker import BlockPlan, PagedKVWorker
+from kvstore.core.keys import block_hashes
 from tests.fault.prompts import NS, load, prompt, save
 from tests.helpers import wait_until
 from tests.stacks import ProcessStack
@@ -110,3 +114,43 @@ def test_a_folder_others_could_change_is_not_trusted_and_nixl_carries_the_blocks
         n, out = load(client, hashes)
         assert n == 4 and all(np.array_equal(a, b) for a, b in zip(out, blocks))
         assert mapped(client) == set()
+
+
+def test_the_paged_path_copies_with_the_arena_and_a_block_bad_there_fails_from_that_block_on(stack):
+    """vLLM's path: a layer's pages of every block copied with the mapped arena, each block
+    hashed there. A byte of block 2 changed in the arena after the save: the load reports blocks
+    2 and 3 for recompute, 0 and 1 arrive intact, and the bad replica is invalidated."""
+    ns = Namespace(model_id="paged-same-host", num_layers=3, num_kv_heads=2, head_dim=16, dtype="bfloat16",
+                   block_tokens=16, layout="layer_head_token_kvdim")
+    directory = DirectoryClient(stack.url)
+    namespace_id = directory.register_namespace(ns)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(ns.num_layers)]
+    pages = torch.randn((ns.num_layers, 16, 2, 16, 32)).to(torch.bfloat16)  # 16 block ids per layer
+    worker = PagedKVWorker(directory, names, (2, 16, 32), torch.bfloat16)
+    try:
+        worker.register({name: pages[i] for i, name in enumerate(names)})
+        hashes = [h.hex() for h in block_hashes(ns, list(range(64)))]
+        save = [BlockPlan("save", hashes, [0, 1, 2, 3])]
+        for name in names:
+            worker.save_layer(namespace_id, save, name)
+        worker.finish_step(namespace_id, save)
+        worker.flush({"save"})
+        assert directory.lookup(namespace_id, hashes).num_hit_blocks == 4
+
+        def load(req_id: str, block_ids: list[int]) -> set[int]:
+            worker.start_loads(namespace_id, [BlockPlan(req_id, hashes, block_ids)])
+            for name in names:
+                worker.wait_layer(name)
+            worker.finish_step(namespace_id, [])
+            return worker.take_load_errors()
+
+        assert load("intact", [4, 5, 6, 7]) == set() and torch.equal(pages[:, 4:8], pages[:, 0:4])
+        assert worker.posts["nixl"] == 0 and worker.posts["local"] == 2 * ns.num_layers  # a save and a load
+        location = directory.lookup(namespace_id, hashes, locations=True).blocks[2].location
+        arena = worker.arenas._arenas["w0"]
+        arena.array[location.runs[0][0] - arena.base_addr + 100] ^= 0xFF
+        assert load("bad", [8, 9, 10, 11]) == {10, 11}
+        assert torch.equal(pages[:, 8:10], pages[:, 0:2])
+        assert directory.lookup(namespace_id, hashes).num_hit_blocks == 2  # block 2's replica invalidated
+    finally:
+        worker.close()

@@ -1,16 +1,21 @@
-"""copy_pages and CopyHashes: a layer's pages copied between this process's registered memory and
-a mapped arena, each block hashed as its pages are copied (the vLLM connector's same-host path)."""
+"""A layer's pages copied between this process's registered memory and a mapped arena: copy_pages
+(page by page, each hashed as it is copied: SGLang's path) and copy_layer (strided batches on the
+copy threads: the vLLM connector's and layer-wise loads' path), and ArenaHashes (blocks hashed in
+the arena, where each is contiguous)."""
 
 from __future__ import annotations
 
 import mmap
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import xxhash
 
+from kvstore.connector import layer_copies
 from kvstore.connector.copies import HostMemory, _Arena, copy_pages
-from kvstore.connector.page_checksums import CopyHashes, block_checksums, checksums
+from kvstore.connector.layer_copies import copy_layer
+from kvstore.connector.page_checksums import ArenaHashes, arena_digest, block_checksums, checksums
 
 BASE = 1 << 40  # the arena's address in the worker's process: unrelated to where it is mapped here
 
@@ -50,7 +55,70 @@ def test_a_page_outside_the_arena_or_the_registered_memory_fails():
     assert copy_pages("READ", [(addr, [(BASE - 16, 16)], None)], 0, 16, memory, there).state == "failed"
 
 
-def test_blocks_hashed_as_their_pages_are_copied_match_the_checksum_of_their_pages():
+def test_a_layer_copied_in_strided_batches_on_the_pool_lands_where_a_page_by_page_copy_puts_it():
+    """Blocks 0-5 contiguous in the arena (one batch per layer), 6 split over two runs and 7 at
+    an odd place; pages of blocks 0-3 consecutive here, 4-7 scattered: written layer by layer
+    on two threads (INLINE_BYTES lowered so the pool is used), then read back the same way."""
+    layers, page = 3, 4096
+    memory, there = HostMemory(), arena(1 << 20)
+    pages = np.random.default_rng(7).integers(0, 255, (layers, 16, page), dtype=np.uint8)
+    back = np.zeros_like(pages)
+    for buffer in (pages, back):
+        memory.add(int(buffer.ctypes.data), buffer.nbytes)
+    block = layers * page
+    runs = {b: [(BASE + b * block, block)] for b in range(6)}
+    runs[6] = [(BASE + 6 * block, page + 100), (BASE + 100 * page, block - page - 100)]
+    runs[7] = [(BASE + 200 * page + 8, block)]
+    slots = [0, 1, 2, 3, 9, 5, 15, 11]  # where block b's pages are here
+    with ThreadPoolExecutor(2) as pool:
+        layer_copies.INLINE_BYTES, inline = 0, layer_copies.INLINE_BYTES
+        try:
+            for op, buffer in (("WRITE", pages), ("READ", back)):
+                for layer in range(layers):
+                    rows = [(int(buffer[layer, slots[b]].ctypes.data), runs[b]) for b in range(8)]
+                    copy = copy_layer(op, rows, layer * page, (layer + 1) * page, memory, there, pool)
+                    assert copy.wait(5) == "done" and copy.error is None
+        finally:
+            layer_copies.INLINE_BYTES = inline
+    for b in range(8):
+        stored = np.concatenate([there.array[a - BASE:a - BASE + n] for a, n in runs[b]])
+        assert (stored == pages[:, slots[b]].reshape(-1)).all()
+        assert arena_digest(there, runs[b]) == xxhash.xxh3_64_hexdigest(pages[:, slots[b]].tobytes())
+    assert (back[:, slots] == pages[:, slots]).all() and not np.delete(back, slots, axis=1).any()
+
+
+def test_a_layer_copy_with_a_page_outside_the_arena_or_the_registered_memory_copies_nothing():
+    pages = np.ones((4, 1024), dtype=np.uint8)
+    memory, there = HostMemory(), arena(4096)
+    memory.add(int(pages.ctypes.data), pages.nbytes)
+    rows = [(int(pages[k].ctypes.data), [(BASE + 1024 * k, 1024)]) for k in range(4)]
+    with ThreadPoolExecutor(2) as pool:
+        beyond = copy_layer("WRITE", rows[:3] + [(rows[3][0], [(BASE + 3584, 1024)])], 0, 1024, memory, there, pool)
+        unregistered = copy_layer("WRITE", rows[:3] + [(rows[3][0] + 512, rows[3][1])], 0, 1024, memory, there, pool)
+        below = copy_layer("READ", [(rows[0][0], [(BASE - 16, 1024)])], 0, 1024, memory, there, pool)
+    assert (beyond.poll(), unregistered.poll(), below.poll()) == ("failed",) * 3
+    assert "outside the mapped arena" in beyond.error and "registered memory" in unregistered.error
+    assert not there.array.any()
+
+
+def test_batches_cover_every_piece_once_at_steps_that_never_overlap():
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        sizes = rng.choice([4, 4, 4, 8], rng.integers(0, 12))
+        here = 1000 + np.cumsum([rng.choice([n, n, 2 * n, -n, 0, 3]) for n in sizes]).astype(np.int64)
+        at = 5000 + np.cumsum([rng.choice([n, n, 16, -8, 0]) for n in sizes]).astype(np.int64)
+        pieces = list(zip(here.tolist(), at.tolist(), sizes.tolist()))
+        batches = layer_copies._batches(here, at, sizes.astype(np.int64))
+        assert all(count == 1 or min(step_here, step_there) >= n for _, _, n, count, step_here, step_there in batches)
+        for threads in (1, 2, 3):
+            shares = layer_copies._shares(batches, threads)
+            assert [(h + k * sh, a + k * st, n) for share in shares for h, a, n, count, sh, st in share
+                    for k in range(count)] == pieces
+    steady = np.arange(256, dtype=np.int64)
+    assert len(layer_copies._batches(1000 + 64 * steady, 1024 * steady, np.full(256, 64))) == 1
+
+
+def test_blocks_hashed_in_the_arena_match_the_checksum_of_their_pages():
     layers, blocks = 3, 4
     caches = {f"l{i}": torch.randint(0, 255, (blocks, 2, 8, 16), dtype=torch.uint8) for i in range(layers)}
     names = list(caches)
@@ -58,22 +126,29 @@ def test_blocks_hashed_as_their_pages_are_copied_match_the_checksum_of_their_pag
     for t in caches.values():
         memory.add(t.data_ptr(), t.nbytes)
     page = caches["l0"][0].nbytes
-    hashes = CopyHashes([0, 1, 2], layers)  # block 3 is never copied; block 2 goes over NIXL at layer 1
-    for layer, name in enumerate(names):
-        copied = [(caches[name][b].data_ptr(), [(BASE + b * layers * page, layers * page)],
-                   hashes.for_layer(b, layer)) for b in ((0, 1) if layer == 1 else (0, 1, 2))]
-        if layer == 1:
-            hashes.spoil([2])
-        assert copy_pages("WRITE", copied, layer * page, (layer + 1) * page, memory, there).state == "done"
-    expected = block_checksums(caches, names, [0, 1, 2, 3])
-    assert [hashes.hexdigest(b) for b in (0, 1, 2, 3)] == expected[:2] + [None, None]
-    assert checksums(caches, names, [0, 1, 2, 3], hashes) == expected  # the missing ones taken from the pages
-    stored = there.array[:layers * page].tobytes()  # what block 0's arena holds is what was hashed
-    assert xxhash.xxh3_64_hexdigest(stored) == expected[0]
+    runs = {b: [(BASE + b * layers * page, layers * page)] for b in range(blocks)}
+    hashes = ArenaHashes([0, 1, 2], layers)  # block 3 is never copied; block 2 goes over NIXL at layer 1
+    with ThreadPoolExecutor(2) as pool:
+        for layer, name in enumerate(names):
+            copied = [(b, runs[b]) for b in ((0, 1) if layer == 1 else (0, 1, 2))]
+            if layer == 1:
+                hashes.spoil([2])
+            hashes.copied(copied, layer, there)
+            rows = [(caches[name][b].data_ptr(), r) for b, r in copied]
+            assert copy_layer("WRITE", rows, layer * page, (layer + 1) * page, memory, there, pool).wait(5) == "done"
+        hashes.hash([0, 1, 2, 3], pool)
+        expected = block_checksums(caches, names, [0, 1, 2, 3])
+        assert [hashes.hexdigest(b) for b in (0, 1, 2, 3)] == expected[:2] + [None, None]
+        assert checksums(caches, names, [0, 1, 2, 3], hashes) == expected  # the missing ones taken from the pages
+    there.array[5] ^= 1  # a byte of block 0 changed in the arena: its checksum there changes
+    assert ArenaHashes([0], 1).hexdigest(0) is None and arena_digest(there, runs[0]) != expected[0]
 
 
-def test_a_layer_hashed_out_of_order_or_twice_leaves_the_block_without_a_checksum():
-    hashes = CopyHashes([5, 6], 2)
-    assert hashes.for_layer(5, 1) is None and hashes.for_layer(5, 0) is None  # layer 1 before layer 0
-    assert hashes.for_layer(6, 0) is not None and hashes.for_layer(6, 0) is None  # a block id twice in a layer
-    assert hashes.for_layer(6, 1) is None and hashes.hexdigest(5) is None and hashes.hexdigest(6) is None
+def test_a_layer_out_of_order_twice_or_from_another_arena_leaves_the_block_without_a_checksum():
+    one, other = arena(4096), arena(4096)
+    hashes = ArenaHashes([5, 6, 7], 2)
+    hashes.copied([(5, [(BASE, 64)])], 1, one)  # layer 1 before layer 0
+    hashes.copied([(6, [(BASE, 64)]), (6, [(BASE, 64)])], 0, one)  # a block id twice in a layer
+    hashes.copied([(7, [(BASE, 64)])], 0, one)
+    hashes.copied([(7, [(BASE, 64)])], 1, other)  # the worker restarted between the layers
+    assert [hashes.hexdigest(b) for b in (5, 6, 7)] == [None, None, None]

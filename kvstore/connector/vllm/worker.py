@@ -24,15 +24,17 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
-from kvstore.connector.copies import HostMemory, LocalArenas, copy_pages
+from kvstore.connector.copies import COPY_THREADS, HostMemory, LocalArenas
+from kvstore.connector.layer_copies import copy_layer
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
-from kvstore.connector.page_checksums import CopyHashes, LayerwiseChecksum, checksums
+from kvstore.connector.page_checksums import ArenaHashes, LayerwiseChecksum, checksums
 from kvstore.connector.peers import Peers, own_hosts
 from kvstore.connector.renewal import Renewal
 from kvstore.connector.vllm.checks import checked_pages
@@ -65,7 +67,7 @@ class _Load:
     hits: list[specs.BlockHit]
     clock: LayerClock | None = None
     tail: LayerwiseChecksum | None = None  # a partial last block's, layer by layer as each arrives
-    hashes: CopyHashes | None = None  # blocks hashed as their pages were copied (same host)
+    hashes: ArenaHashes | None = None  # blocks copied with a mapped arena, hashed there (same host)
 
 
 @dataclass
@@ -89,6 +91,7 @@ class PagedKVWorker:
         self.peers = Peers(self.agent, directory)
         self.caches: dict[str, torch.Tensor] = {}
         self.arenas, self.memory = LocalArenas(), HostMemory()
+        self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstore-copy")  # same-host copies
         self.posts = {"local": 0, "nixl": 0}  # requests per layer and storage worker, by path
         self._load_errors: set[int] = set()
         self._sync: list[_Load] = []  # loads of this forward
@@ -114,9 +117,9 @@ class PagedKVWorker:
                 self.memory.add(addr, nbytes)
         self.caches = {name: kv_caches[name] for name in self.layer_names}
 
-    def _page(self, layer: str, block_id: int) -> tuple[int, int]:
-        page = self.caches[layer][block_id]
-        return page.data_ptr(), page.numel() * page.element_size()
+    def _page_nbytes(self, layer: str) -> int:
+        page = self.caches[layer][0]
+        return page.numel() * page.element_size()
 
     def _by_worker(self, items: list[tuple[int, specs.ReplicaLocation]]) -> list[tuple[str | None, list]]:
         """(peer agent name or None, [(block id, location)]) per storage worker."""
@@ -125,28 +128,29 @@ class PagedKVWorker:
             groups.setdefault((location.worker, location.epoch), []).append((block_id, location))
         return [(self.peers.agent_for(worker, epoch), group) for (worker, epoch), group in groups.items()]
 
-    def _post(self, op: str, layer_index: int, groups: list[tuple[str | None, list]], hashes: CopyHashes) -> list:
+    def _post(self, op: str, layer_index: int, groups: list[tuple[str | None, list]], hashes: ArenaHashes) -> list:
         """One request per storage worker moving this layer's page of every block: the page of
-        block id <-> bytes [l x page, (l+1) x page) of the stored block. Copied here (and hashed
-        into `hashes`) when the worker's arena is mapped and the pages are host memory, posted to
-        NIXL otherwise."""
-        layer = self.layer_names[layer_index]
-        mem = "VRAM" if self.caches[layer].is_cuda else "DRAM"
+        block id <-> bytes [l x page, (l+1) x page) of the stored block. Copied on the copy threads
+        when the worker's arena is mapped and the pages are host memory (a load also hashes a share
+        of its blocks in the arena, beside the copies), posted to NIXL otherwise."""
+        cache, page = self.caches[self.layer_names[layer_index]], self._page_nbytes(self.layer_names[layer_index])
+        base, step = cache.data_ptr(), cache.stride(0) * cache.element_size()  # block id b's page: base + b x step
+        start, end = layer_index * page, (layer_index + 1) * page
         transfers = []
         for peer, group in groups:
-            pages = [(self._page(layer, block_id), location.runs) for block_id, location in group]
-            page = pages[0][0][1]
-            near = mem == "DRAM" and all(location.tier == "dram" for _, location in group)
+            near = not cache.is_cuda and all(location.tier == "dram" for _, location in group)
             arena = self.arenas.view(group[0][1]) if near else None
             self.posts["local" if arena is not None else "nixl"] += 1
+            pages = [(base + block_id * step, location.runs) for block_id, location in group]
             if arena is not None:
-                transfers.append(copy_pages(op, [(addr, runs, hashes.for_layer(block_id, layer_index)) for
-                                                 ((addr, _), runs), (block_id, _) in zip(pages, group)],
-                                            layer_index * page, (layer_index + 1) * page, self.memory, arena))
+                hashes.copied([(block_id, location.runs) for block_id, location in group], layer_index, arena)
+                transfers.append(copy_layer(op, pages, start, end, self.memory, arena, self._pool))
+                if op == "READ":
+                    hashes.hash([block_id for block_id, _ in group[layer_index::len(self.layer_names)]], self._pool)
                 continue
             hashes.spoil(block_id for block_id, _ in group)
-            local, remote = slice_rows([(addr, runs) for (addr, _), runs in pages],
-                                       layer_index * page, (layer_index + 1) * page)
+            local, remote = slice_rows(pages, start, end)
+            mem = "VRAM" if cache.is_cuda else "DRAM"
             transfers.append(self.agent.submit(op, local, remote, peer, mem, "DRAM") if peer else None)
         return transfers
 
@@ -171,7 +175,7 @@ class PagedKVWorker:
             prepared = specs.LoadsPrepared(token=None, expires_at=None, chains=[[] for _ in plans])
         loads = []
         for plan, hits in zip(plans, prepared.chains):
-            load = _Load(plan, prepared.token, hits, hashes=CopyHashes(plan.block_ids, len(self.layer_names)))
+            load = _Load(plan, prepared.token, hits, hashes=ArenaHashes(plan.block_ids, len(self.layer_names)))
             if hits:
                 groups = self._by_worker(list(zip(plan.block_ids, (h.location for h in hits))))
                 load.clock = LayerClock(len(self.layer_names), lambda i, g=groups, h=load.hashes:
@@ -319,7 +323,7 @@ class PagedKVWorker:
                     self._saved.notify_all()
 
     def _reserve(self, namespace_id: str, plan: BlockPlan):
-        nbytes = sum(self._page(name, 0)[1] for name in self.layer_names)
+        nbytes = sum(self._page_nbytes(name) for name in self.layer_names)
         parents = [plan.parent] + plan.hashes[:-1]
         try:
             prepared = self.directory.prepare_store(specs.PrepareStore(
@@ -334,7 +338,7 @@ class PagedKVWorker:
     def _save(self, step: _SaveStep) -> None:
         reserved = [(plan, *r) for plan in step.plans if (r := self._reserve(step.namespace_id, plan)) and r[1]]
         groups = self._by_worker([(b, d.location) for _, _, admitted in reserved for b, d in admitted])
-        hashes = CopyHashes([b for _, _, admitted in reserved for b, _ in admitted], len(self.layer_names))
+        hashes = ArenaHashes([b for _, _, admitted in reserved for b, _ in admitted], len(self.layer_names))
         transfers, posted = [], 0
         with contextlib.ExitStack() as renewals:
             for _, prepared, _ in reserved:
@@ -355,6 +359,8 @@ class PagedKVWorker:
                     transfers += self._post("WRITE", index, groups, hashes)
             ok = posted == len(self.layer_names) and all(
                 t is not None and t.wait(self.timeout_s) == "done" for t in transfers)
+            if ok:  # the copies have ended: the arena holds what is hashed
+                hashes.hash([b for _, _, admitted in reserved for b, _ in admitted], self._pool)
             for plan, prepared, admitted in reserved:
                 good = ok and plan.req_id not in step.failed_loads
                 sums = checksums(self.caches, self.layer_names, [b for b, _ in admitted], hashes) if good \
@@ -387,6 +393,7 @@ class PagedKVWorker:
     def close(self) -> None:
         self._saves.put(None)
         self._saver.join(self.timeout_s * 2)
+        self._pool.shutdown(wait=True)
         self.peers.close()
         self.arenas.close()
         self.agent.close()

@@ -1,0 +1,151 @@
+"""One layer's pages of many stored blocks copied between this process's registered memory and a
+worker's mapped DRAM arena (the same-host path of the vLLM connector and of layer-wise loads).
+
+    copy = copy_layer(op, [(addr, runs), ...], start, end, memory, arena, pool)   # a transfer
+    copy.poll() / copy.wait(timeout_s) -> "pending" | "done" | "failed"          # as NIXL's
+
+Bytes [start, end) of each block (its `runs` in the arena, (addr, len) in the worker's address
+space) go to or come from this process's memory at `addr`. Pieces of equal size at constant
+steps on both sides (a layer's page of consecutive blocks: vLLM's pages one after the other,
+the blocks one after the other in the arena) become one strided numpy copy, and the batches are
+split by bytes across the pool's threads, which numpy lets copy without the GIL. Nothing is
+hashed here: the blocks are hashed where they are contiguous, in the arena
+(`page_checksums.ArenaHashes`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from concurrent.futures import Executor, Future
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from kvstore.connector.copies import COPY_THREADS, HostMemory, _Arena
+
+INLINE_BYTES = 1 << 20  # smaller copies run on the caller's thread: a hand-off to the pool costs more
+Batch = tuple[int, int, int, int, int, int]  # (addr here, offset in the arena, bytes, count, step here, step there)
+
+
+class PoolCopy:
+    """A copy running on the pool: what a NIXL `Transfer` answers. An empty one is done."""
+
+    def __init__(self, futures: list[Future], error: str | None = None) -> None:
+        self._futures, self._error = futures, error
+
+    @property
+    def error(self) -> str | None:
+        if self._error is None and self.poll() == "failed":
+            return next(str(f.exception()) for f in self._futures if f.exception() is not None)
+        return self._error
+
+    def poll(self) -> str:
+        if self._error is not None:
+            return "failed"
+        if not all(f.done() for f in self._futures):
+            return "pending"
+        return "done" if all(f.exception() is None for f in self._futures) else "failed"
+
+    def wait(self, timeout_s: float | None = None) -> str:
+        concurrent.futures.wait(self._futures, timeout_s)
+        return self.poll()
+
+
+def copy_layer(op: str, pages: list[tuple[int, list[tuple[int, int]]]], start: int, end: int,
+               memory: HostMemory, arena: _Arena, pool: Executor, threads: int = COPY_THREADS) -> PoolCopy:
+    """`op` "WRITE" copies here -> arena, "READ" arena -> here. A piece outside the registered
+    memory or the mapped arena fails the whole copy before anything is copied. Planned with numpy:
+    the thread posting a layer holds the GIL for little, so the copy threads are not kept waiting."""
+    here, at, n = _pieces(pages, start, end)
+    at -= arena.base_addr
+    if len(n) and (at.min() < 0 or (at + n).max() > arena.array.size):
+        return PoolCopy([], "a page outside the mapped arena")
+    views = []
+    for share in _shares(_batches(here, at, n), threads if int(n.sum()) >= INLINE_BYTES else 1):
+        pairs = []
+        for mine_at, there_at, size, count, step_here, step_there in share:
+            mine = memory.view(mine_at, (count - 1) * step_here + size)
+            if mine is None:
+                return PoolCopy([], "a page outside the registered memory")
+            theirs = arena.array[there_at:there_at + (count - 1) * step_there + size]
+            pairs.append((as_strided(mine, (count, size), (step_here, 1)),
+                          as_strided(theirs, (count, size), (step_there, 1))))
+        views.append([(t, m) if op == "WRITE" else (m, t) for m, t in pairs])  # (destination, source)
+    if len(views) <= 1:  # small, or one thread: here and now
+        done: Future = Future()
+        try:
+            done.set_result(_copy(views[0] if views else []))
+        except Exception as exc:  # noqa: BLE001 - the transfer's error, as the pool's would be
+            done.set_exception(exc)
+        return PoolCopy([done])
+    return PoolCopy([pool.submit(_copy, share) for share in views])
+
+
+def _copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for destination, source in pairs:
+        np.copyto(destination, source)
+
+
+def _pieces(pages, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(addr here, addr there, bytes) of bytes [start, end) of each block, split where its runs are."""
+    rows = []
+    for here, runs in pages:
+        offset = 0  # where the run starts within the block
+        for run_addr, run_len in runs:
+            rows.append((here, run_addr, run_len, offset))
+            offset += run_len
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    here, there, length, offset = np.array(rows, dtype=np.int64).T
+    lo, hi = np.maximum(start, offset), np.minimum(end, offset + length)
+    keep = lo < hi
+    lo, hi = lo[keep], hi[keep]
+    return here[keep] + lo - start, there[keep] + lo - offset[keep], hi - lo
+
+
+def _batches(here: np.ndarray, at: np.ndarray, n: np.ndarray) -> list[Batch]:
+    """Consecutive pieces of one size at constant, non-overlapping steps on both sides, as one
+    batch each. Edge i joins piece i to piece i + 1; a batch is a run of joinable edges with one
+    step, less an edge whose first piece already ended the batch before."""
+    if not len(n):
+        return []
+    step_here, step_there = np.diff(here), np.diff(at)
+    joins = (n[1:] == n[:-1]) & (step_here >= n[:-1]) & (step_there >= n[:-1])
+    same = np.zeros(len(joins), dtype=bool)  # edge i continues the run of edge i - 1
+    same[1:] = (step_here[1:] == step_here[:-1]) & (step_there[1:] == step_there[:-1]) & joins[:-1]
+    starts = np.flatnonzero(joins & ~same)  # first edge of each run
+    stops = np.flatnonzero(~joins | ~same)  # an edge that does not continue the run before it
+    out: list[Batch] = []
+    done = 0  # pieces [0, done) are in a batch
+
+    def single(k: int) -> Batch:
+        return (int(here[k]), int(at[k]), int(n[k]), 1, int(n[k]), int(n[k]))
+
+    for first in starts.tolist():
+        last = int(stops[np.searchsorted(stops, first, side="right")]) - 1 \
+            if stops.size and stops[-1] > first else len(joins) - 1
+        first = max(first, done)
+        if first > last:
+            continue
+        out += [single(k) for k in range(done, first)]
+        out.append((int(here[first]), int(at[first]), int(n[first]), last - first + 2,
+                    int(step_here[first]), int(step_there[first])))
+        done = last + 2
+    return out + [single(k) for k in range(done, len(n))]
+def _shares(batches: list[Batch], threads: int) -> list[list[Batch]]:
+    """The batches cut into `threads` shares of about equal bytes (a batch split by rows where needed)."""
+    total = sum(n * count for _, _, n, count, _, _ in batches)
+    shares: list[list[Batch]] = [[] for _ in range(max(1, threads))]
+    k, filled = 0, 0
+    for here, at, n, count, step_here, step_there in batches:
+        row = 0
+        while row < count:
+            if k == len(shares) - 1:
+                take = count - row
+            else:
+                take = min(count - row, max(1, -(-(total * (k + 1) // len(shares) - filled) // n)))
+            shares[k].append((here + row * step_here, at + row * step_there, n, take, step_here, step_there))
+            filled, row = filled + take * n, row + take
+            if k < len(shares) - 1 and filled * len(shares) >= total * (k + 1):
+                k += 1
+    return [share for share in shares if share]
