@@ -32,7 +32,7 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
-from kvstore.connector.copies import BlockCopier, LocalArenas, scatter
+from kvstore.connector.copies import BlockCopier, LocalArenas, Unpack, scatter
 from kvstore.connector.handoff import HandoffResult, wait_for_handoff
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
@@ -130,8 +130,9 @@ class KVStoreClient:
         With `wait_for`, first wait up to `timeout` seconds for that hand-off (`last_handoff` says
         how the wait ended).
 
-        Each staged chunk is unpacked straight into tensors sized for the whole prompt; a shorter
-        hit returns views of their first n tokens."""
+        Blocks go straight into tensors sized for the whole prompt: from a worker's mapped arena
+        in one transposing copy each (no staging copy), from the staging buffer otherwise; a
+        shorter hit returns views of their first n tokens."""
         hashes = block_hashes(self.namespace, token_ids)
         if wait_for is not None:
             self.last_handoff = wait_for_handoff(self.directory, self.namespace_id, wait_for,
@@ -144,11 +145,9 @@ class KVStoreClient:
         num_blocks = 0
         for first in range(0, len(hashes), self.slots):
             chunk = hashes[first : first + self.slots]
-            n = self.load_blocks(chunk, self._staging_views(len(chunk)))
-            if n:
-                raw = self.staging.view(0, n * self.namespace.block_nbytes)
-                layout.unpack(self.namespace, layout.block_view(self.namespace, raw), first, kv)
-                num_blocks += n
+            n = self.load_blocks(chunk, self._staging_views(len(chunk)), unpack=lambda k, raw, first=first:
+                                 layout.unpack_copies(self.namespace, raw, first + k, kv))
+            num_blocks += n
             if n < len(chunk):
                 break
         tokens = num_blocks * self.namespace.block_tokens
@@ -231,21 +230,24 @@ class KVStoreClient:
         self.last_refused = dict(Counter(reasons))
         return held, reasons[0] if reasons else None
 
-    def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> int:
+    def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], unpack: Unpack | None = None) -> int:
         """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified.
         A prefix larger than the memory tier is read in rounds, each staged from the tiers below
-        once the last was read. A directory that cannot be reached is a miss (0), it does not raise."""
+        once the last was read. A directory that cannot be reached is a miss (0), it does not raise.
+        With `unpack(k, bytes of blocks k..)` -> copies, every block read goes through those
+        copies: straight out of a mapped arena where it can, out of `blocks` otherwise."""
         assert len(hashes) == len(blocks), "one buffer per hash"
         verified = 0
         with _miss_if_unreachable("load"):
             while verified < len(hashes):
-                read, more = self._load_blocks(hashes[verified:], blocks[verified:])
+                shifted = unpack and (lambda k, raw, at=verified: unpack(at + k, raw))
+                read, more = self._load_blocks(hashes[verified:], blocks[verified:], shifted)
                 verified += read
                 if not read or not more:
                     break
         return verified
 
-    def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray]) -> tuple[int, int]:
+    def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], unpack: Unpack | None) -> tuple[int, int]:
         """One prepare + read + complete; (leading blocks verified, blocks stored after those that
         the memory tier could not take now: 0 unless every block read was verified)."""
         clock = _PhaseClock()
@@ -256,7 +258,7 @@ class KVStoreClient:
             self.last_timings = clock.finish()
             return 0, 0
         with self._renewal(prepared.token, prepared.expires_at):
-            done, digests = self._read_and_hash(hits, blocks, clock)
+            done, digests = self._read_and_hash(hits, blocks, clock, unpack)
         verified, reports = 0, []
         for i, hit in enumerate(hits):
             good = done[i] and digests[i] == hit.checksum
@@ -285,12 +287,17 @@ class KVStoreClient:
             scatter(far, written, clock.timed("checksum", hashing.result), done, sums)  # the wait beyond it
         return done, sums
 
-    def _read_and_hash(self, hits: list[specs.BlockHit], blocks: list[np.ndarray], clock: "_PhaseClock"):
+    def _read_and_hash(self, hits: list[specs.BlockHit], blocks: list[np.ndarray], clock: "_PhaseClock",
+                       unpack: Unpack | None = None):
         """Per block (read ok, xxh3_64 of what arrived). Same-host blocks are copied and hashed chunk
-        by chunk; the others are read over NIXL in groups of about READ_GROUP_BYTES, group k hashed
-        on the helper thread while group k+1 is read."""
+        by chunk (or, with `unpack`, read in place); the others are read over NIXL in groups of
+        about READ_GROUP_BYTES, group k hashed on the helper thread while group k+1 is read, and
+        then unpacked."""
         items = [(blocks[i], hit.location) for i, hit in enumerate(hits)]
-        done, digests, far = clock.timed("transfer", self.copier.copy_local, "READ", items)
+        if unpack is None:
+            done, digests, far = clock.timed("transfer", self.copier.copy_local, "READ", items)
+        else:
+            done, digests, far = clock.timed("transfer", self.copier.read_in_place, items, unpack)
         hashing = []
         for group in _groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
             ks = [far[g] for g in group]
@@ -298,6 +305,8 @@ class KVStoreClient:
             hashing.append((ks, read, self._hasher.submit(lambda ks=ks: [checksum(blocks[k]) for k in ks])))
         for ks, read, future in hashing:
             scatter(ks, read, clock.timed("checksum", future.result), done, digests)
+        if unpack is not None:
+            self.copier.unpack_buffers([(k, blocks[k]) for k in far if done[k]], unpack)
         return done, digests
 
     def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:

@@ -4,6 +4,7 @@ is mapped here (same host), a NIXL transfer otherwise.
     arenas = LocalArenas(folder, mode)               # "auto" (default), "off"
     copier = BlockCopier(agent, peers, arenas, timeout_s)
     done, digests, far = copier.copy_local("WRITE" | "READ", [(block, location), ...])  # same host, hashed
+    done, digests, far = copier.read_in_place(items, unpack)  # READ, transformed straight out of the arena
     copier.move("WRITE" | "READ", [items[k] for k in far]) -> [done, ...]             # NIXL
 
     memory = HostMemory(); memory.add(addr, nbytes)  # an engine's own buffers (vLLM's pages)
@@ -28,12 +29,14 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import xxhash
+from numpy.lib.stride_tricks import as_strided
 
 from kvstore.connector.peers import Peers
 from kvstore.core import specs
@@ -46,6 +49,8 @@ RETRY_S = 10.0  # a worker that could not be mapped is asked again after this lo
 HANDOVER_TIMEOUT_S = 2.0
 COPY_THREADS = 2  # same-host copies run on this many threads (numpy and xxhash release the GIL)
 CHUNK_BYTES = 256 << 10  # copied, then hashed while it is still in cache
+HASH_SHARE = 4  # blocks read in place are hashed this many to a task
+Unpack = Callable[[int, np.ndarray], list[Callable[[], None]]]  # (first item, its bytes and those after) -> copies
 
 
 @dataclass
@@ -196,6 +201,57 @@ class BlockCopier:
                 done[k], digests[k] = ok, digest
         return done, digests, [k for k, a in enumerate(arenas) if a is None]
 
+    def read_in_place(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], unpack: Unpack
+                      ) -> tuple[list[bool], list[str], list[int]]:
+        """Like copy_local("READ"), for a reader that transforms blocks as it copies them (the
+        tensor API's per-layer tensors): items whose block is one run of a mapped arena are not
+        copied to their buffer but read where they are, `unpack(k, bytes)` giving the copies out
+        of items k, k+1, .. that lie one after the other there. Those copies and each block's hash
+        in the arena run together on the copy threads. Returns as copy_local does."""
+        arenas = [self.arenas.view(location) for _, location in items]
+        done, digests, far = [False] * len(items), [""] * len(items), []
+        spans: list[list] = []  # [first item, count, arena, offset]: items one after the other in an arena
+        for k, ((buffer, location), arena) in enumerate(zip(items, arenas)):
+            if arena is None or len(location.runs) != 1:
+                far.append(k)
+                continue
+            (addr, length), = location.runs
+            at = addr - arena.base_addr
+            if at < 0 or at + length > arena.array.size or length != buffer.nbytes:
+                continue  # not in the arena mapped: NIXL would have failed too
+            last = spans[-1] if spans else None
+            if last and last[0] + last[1] == k and last[2] is arena and last[3] + last[1] * length == at:
+                last[1] += 1
+            else:
+                spans.append([k, 1, arena, at])
+        copies = [c for k, count, arena, at in spans
+                  for c in unpack(k, arena.array[at:at + count * items[k][0].nbytes])]
+        near = [k for k, count, _, _ in spans for k in range(k, k + count)]
+        hashes = [near[i:i + HASH_SHARE] for i in range(0, len(near), HASH_SHARE)]
+        futures = [self.pool.submit(copy) for copy in copies]
+        sums = [(ks, self.pool.submit(lambda ks=ks: [arena_digest(arenas[k], items[k][1].runs) for k in ks]))
+                for ks in hashes]
+        copied = all(future.exception() is None for future in futures)  # waits for each
+        for ks, future in sums:
+            for k, digest in zip(ks, future.result()):
+                done[k], digests[k] = copied, digest
+        return done, digests, far
+
+    def unpack_buffers(self, buffers: list[tuple[int, np.ndarray]], unpack: Unpack) -> None:
+        """read_in_place's copies for items NIXL read into their buffers, (index, buffer): one
+        set of copies per run of consecutive indices whose buffers follow each other in memory."""
+        runs: list[list] = []  # [first index, count, address, bytes, first buffer]
+        for k, buffer in buffers:
+            last = runs[-1] if runs else None
+            if last and last[0] + last[1] == k and last[2] + last[3] == buffer.ctypes.data:
+                last[1], last[3] = last[1] + 1, last[3] + buffer.nbytes
+            else:
+                runs.append([k, 1, buffer.ctypes.data, buffer.nbytes, buffer])
+        copies = [copy for k, _, _, nbytes, first in runs
+                  for copy in unpack(k, as_strided(first.reshape(-1).view(np.uint8), (nbytes,), (1,)))]
+        for future in [self.pool.submit(copy) for copy in copies]:
+            future.result()
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.arenas.close()
@@ -241,6 +297,17 @@ def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, ar
             digest.update(target)
         at += length
     return at == flat.size, digest.hexdigest()
+
+
+def arena_digest(arena: _Arena, runs: list[tuple[int, int]]) -> str:
+    """xxh3_64 of a block's runs in a mapped arena ("" if one is outside it: never a stored checksum)."""
+    digest = xxhash.xxh3_64()
+    for addr, length in runs:
+        at = addr - arena.base_addr
+        if at < 0 or at + length > arena.array.size:
+            return ""
+        digest.update(arena.array[at:at + length])
+    return digest.hexdigest()
 
 
 def rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndarray, np.ndarray]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -12,6 +15,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
                 "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+_SAME_SIZE = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16), 4: (np.int32, torch.int32)}  # numpy has no bf16
 
 
 def block_view(namespace: Namespace, raw: np.ndarray) -> torch.Tensor:
@@ -55,14 +59,30 @@ def pack(namespace: Namespace, kv: LayerKV, first_block: int, out: torch.Tensor)
             out[:, layer, which].copy_(src.permute(1, 2, 0, 3))
 
 
-def unpack(namespace: Namespace, blocks: torch.Tensor, first_block: int, kv: LayerKV) -> None:
-    """Copy `blocks` [n, L, 2, T, H, D] into token positions of the per-layer tensors `kv`."""
-    n, t = blocks.shape[0], namespace.block_tokens
-    start, end = first_block * t, (first_block + n) * t
+def unpack_copies(namespace: Namespace, raw: np.ndarray, first_block: int, kv: LayerKV) -> list[Callable[[], None]]:
+    """The copies that put whole blocks `raw` (bytes, the store's layout) into token positions
+    first_block x T .. of the per-layer tensors `kv`: one numpy copy per layer and K or V,
+    [n, T, H, D] -> [H, n x T, D]. numpy copies without the GIL, so they may run on several
+    threads; they are read straight out of a worker's mapped arena where they can be."""
+    n, t = raw.nbytes // namespace.block_nbytes, namespace.block_tokens
+    if not n:
+        return []
+    itemsize = TORCH_DTYPES[namespace.dtype].itemsize
+    blocks = raw[:n * namespace.block_nbytes].view(_SAME_SIZE[itemsize][0]).reshape(
+        n, namespace.num_layers, 2, t, namespace.num_kv_heads, namespace.head_dim)
+    copies = []
     for layer, pair in enumerate(kv):
         for which, tensor in enumerate(pair):
-            tensor[:, start:end, :] = blocks[:, layer, which].permute(2, 0, 1, 3).reshape(
-                namespace.num_kv_heads, n * t, namespace.head_dim)
+            here = tensor[:, first_block * t:(first_block + n) * t].view(_SAME_SIZE[itemsize][1]).numpy()
+            copies.append(partial(np.copyto, here.reshape(namespace.num_kv_heads, n, t, namespace.head_dim),
+                                  blocks[:, layer, which].transpose(2, 0, 1, 3)))
+    return copies
+
+
+def unpack(namespace: Namespace, raw: np.ndarray, first_block: int, kv: LayerKV) -> None:
+    """Copy whole blocks `raw` into token positions of the per-layer tensors `kv`, here and now."""
+    for copy in unpack_copies(namespace, raw, first_block, kv):
+        copy()
 
 
 def empty_kv(namespace: Namespace, num_tokens: int) -> LayerKV:

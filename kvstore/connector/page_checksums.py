@@ -16,6 +16,8 @@ from concurrent.futures import Executor, Future
 import torch
 import xxhash
 
+from kvstore.connector.copies import arena_digest
+
 CHECKSUM_GROUP = 256  # blocks whose pages of one layer are gathered at once
 
 
@@ -105,14 +107,3 @@ class ArenaHashes:
             future, k = self._digests[block_id]
             return future.result()[k]
         return arena_digest(*self._where[block_id])
-
-
-def arena_digest(arena, runs: list[tuple[int, int]]) -> str:
-    """xxh3_64 of a block's runs in a mapped arena ("" if one is outside it: never a stored checksum)."""
-    digest = xxhash.xxh3_64()
-    for addr, length in runs:
-        at = addr - arena.base_addr
-        if at < 0 or at + length > arena.array.size:
-            return ""
-        digest.update(arena.array[at:at + length])
-    return digest.hexdigest()

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import mmap
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
 import xxhash
 
 from kvstore.connector import layer_copies
-from kvstore.connector.copies import HostMemory, _Arena, copy_pages
+from kvstore.connector.copies import BlockCopier, HostMemory, _Arena, arena_digest, copy_pages
 from kvstore.connector.layer_copies import copy_layer
-from kvstore.connector.page_checksums import ArenaHashes, arena_digest, block_checksums, checksums
+from kvstore.connector.page_checksums import ArenaHashes, block_checksums, checksums
+from kvstore.core import specs
 
 BASE = 1 << 40  # the arena's address in the worker's process: unrelated to where it is mapped here
 
@@ -152,3 +154,46 @@ def test_a_layer_out_of_order_twice_or_from_another_arena_leaves_the_block_witho
     hashes.copied([(7, [(BASE, 64)])], 0, one)
     hashes.copied([(7, [(BASE, 64)])], 1, other)  # the worker restarted between the layers
     assert [hashes.hexdigest(b) for b in (5, 6, 7)] == [None, None, None]
+
+
+class _Arenas:
+    """LocalArenas' view: the arena of each location's worker, None for a worker on another host."""
+
+    def __init__(self, arenas: dict[str, _Arena]) -> None:
+        self.arenas = arenas
+
+    def view(self, location):
+        return self.arenas.get(location.worker)
+
+    def close(self) -> None:
+        pass
+
+
+def test_blocks_read_in_place_go_through_the_unpack_copies_one_span_per_run_of_neighbours_and_hashed_there():
+    """Blocks 0 and 1 follow each other in the arena (one span), 2 lies elsewhere in it, 3 is on
+    another host (NIXL's), 4 is outside the arena mapped (failed, never copied)."""
+    size, there = 1024, arena(1 << 16)
+    there.array[:] = np.random.default_rng(5).integers(0, 255, there.array.size, dtype=np.uint8)
+    where = {0: ("w0", 4096), 1: ("w0", 4096 + size), 2: ("w0", 20000), 3: ("far", 0), 4: ("w0", (1 << 16) - 512)}
+    items = [(np.zeros(size, np.uint8), specs.ReplicaLocation(worker=w, agent_name="a", epoch=1, tier="dram",
+                                                              runs=[(BASE + at, size)])) for w, at in where.values()]
+    out, spans = np.zeros((5, size), np.uint8), []
+
+    def unpack(k, raw):
+        spans.append((k, raw.nbytes))
+        return [partial(np.copyto, out[k:k + raw.nbytes // size], raw.reshape(-1, size))]
+
+    copier = BlockCopier(None, None, _Arenas({"w0": there}), 5.0)
+    try:
+        done, digests, far = copier.read_in_place(items, unpack)
+        assert (done, far, spans) == ([True, True, True, False, False], [3], [(0, 2 * size), (2, size)])
+        for k in (0, 1, 2):
+            stored = there.array[where[k][1]:where[k][1] + size]
+            assert (out[k] == stored).all() and digests[k] == xxhash.xxh3_64_hexdigest(stored)
+        assert not any(buffer.any() for buffer, _ in items) and not out[3:].any()  # nothing staged
+        staging = np.arange(4 * size, dtype=np.uint32).astype(np.uint8)  # what NIXL would have read
+        spans.clear()
+        copier.unpack_buffers([(0, staging[:size]), (1, staging[size:2 * size]), (3, staging[3 * size:])], unpack)
+        assert spans == [(0, 2 * size), (3, size)] and (out[[0, 1, 3]] == staging.reshape(4, size)[[0, 1, 3]]).all()
+    finally:
+        copier.close()

@@ -29,7 +29,7 @@ def test_pack_then_unpack_is_identity_and_touches_only_its_tokens():
     raw = np.zeros(2 * NS.block_nbytes, dtype=np.uint8)
     layout.pack(NS, kv, 1, layout.block_view(NS, raw))  # blocks 1 and 2
     out = [(torch.full((2, 15, 4), 7.0), torch.full((2, 15, 4), 7.0)) for _ in range(3)]
-    layout.unpack(NS, layout.block_view(NS, raw), 1, out)
+    layout.unpack(NS, raw, 1, out)
     for (k, v), (ok, ov) in zip(kv, out):
         assert torch.equal(ok[:, 5:], k[:, 5:]) and torch.equal(ov[:, 5:], v[:, 5:])
         assert (ok[:, :5] == 7).all() and (ov[:, :5] == 7).all()  # unmapped tokens untouched
@@ -41,7 +41,7 @@ def test_bfloat16_views_without_numpy_support():
     raw = np.zeros(ns.block_nbytes, dtype=np.uint8)
     layout.pack(ns, kv, 0, layout.block_view(ns, raw))
     out = layout.empty_kv(ns, 2)
-    layout.unpack(ns, layout.block_view(ns, raw), 0, out)
+    layout.unpack(ns, raw, 0, out)
     assert torch.equal(out[0][0], kv[0][0]) and torch.equal(out[0][1], kv[0][1])
 
 
