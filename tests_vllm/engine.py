@@ -57,13 +57,14 @@ EOS = 2
 
 
 def configs(url: str, hash_algo: str = "sha256", load_async: bool = False, max_batched_tokens: int = 256,
-            num_blocks: int = 64, role: str = "kv_both", extra: dict | None = None):
+            num_blocks: int = 64, role: str = "kv_both", extra: dict | None = None, kv_layout: str | None = None):
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connector.vllm",
                                 kv_role=role, kv_load_failure_policy="recompute",
                                 kv_connector_extra_config={"directory_url": url, "load_async": load_async,
                                                            **(extra or {})})
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo)
     cache.num_gpu_blocks = num_blocks
+    cache.kv_cache_layout = kv_layout  # as resolved by vLLM's engine core (None: not resolved)
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32", seed=0),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_batched_tokens,
@@ -108,12 +109,17 @@ class Engine:
         if args.tenant:
             extra["tenant"] = args.tenant
         self.vllm_config, kv_cache_config = configs(args.url, args.hash, args.load_async, args.max_batched_tokens,
-                                                    args.num_blocks, args.role, extra)
+                                                    args.num_blocks, args.role, extra, args.kv_layout)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=BLOCK)
         self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        backing = torch.zeros(LAYERS, args.num_blocks, HEADS, BLOCK, 2 * HEAD)  # one allocation, as vLLM does
+        # one allocation, as vLLM does; each layer seen as [blocks, heads, block size, K|V], stored as the
+        # layout says: heads outermost in a page (HND: LBHNC), or tokens (NHD: LBNHC)
+        if args.kv_layout == "LBNHC":
+            backing = torch.zeros(LAYERS, args.num_blocks, BLOCK, HEADS, 2 * HEAD).transpose(2, 3)
+        else:
+            backing = torch.zeros(LAYERS, args.num_blocks, HEADS, BLOCK, 2 * HEAD)
         self.kv = {name: backing[i] for i, name in enumerate(LAYER_NAMES)}
         self.worker.register_kv_caches(self.kv)
         if args.hold_blocks:  # another tenant holds these: this engine's requests get other block ids
@@ -385,6 +391,7 @@ def main() -> None:
     parser.add_argument("--prompt-seed-offset", type=int, default=0, help="request i gets prompt i + this")
     parser.add_argument("--tenant", default="", help="the namespace's tenant (another namespace)")
     parser.add_argument("--same-host", default="auto", choices=["auto", "off"], help="KVSTORE_SAME_HOST")
+    parser.add_argument("--kv-layout", choices=["LBHNC", "LBNHC"], help="vLLM's resolved KV cache layout")
     parser.add_argument("--finished-marker", default="", help="a file written when a request finishes")
     parser.add_argument("--followup", type=int, default=0,
                         help="the next turn: each prompt followed by the first N tokens this engine generates for it")

@@ -75,6 +75,13 @@ def test_kv_caches_the_store_cannot_describe_are_refused_at_start_up(groups, mes
             KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
 
 
+def test_a_kv_cache_layout_that_splits_pages_is_refused_at_start_up():
+    vllm_config, kv_cache_config = configs("http://127.0.0.1:1", kv_layout="LHBNC")
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(KVStoreError, match="splits a block's page"):
+            KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
+
+
 def test_each_tensor_parallel_rank_stores_its_shard_under_its_own_namespace(stack):
     from vllm.config import ParallelConfig
     from vllm.v1.core.kv_cache_utils import init_none_hash
@@ -140,6 +147,23 @@ def test_pages_copied_with_the_arena_and_moved_over_nixl_are_the_same_bytes(stac
     assert loaded["matched"] == [FULL_BLOCKS * BLOCK, False] and loaded["kv_exact"] and b["load_errors"] == []
     assert [e["posts"]["local"] > 0 for e in (a, b)] == [save == "auto", load == "auto"]
     assert [e["posts"]["nixl"] > 0 for e in (a, b)] == [save == "off", load == "off"]
+
+
+@pytest.mark.parametrize("load_path", ["auto", "off"])
+def test_nhd_pages_round_trip_in_their_own_namespace_and_never_meet_hnd_ones(stack, load_path):
+    """vLLM's NHD layout (LBNHC: a page's tokens outermost): saved and loaded with the arena, and
+    loaded over NIXL (its checksum then gathered from the pages, in their memory order); an HND
+    engine with the same model finds none of those blocks, and an NHD engine none of its."""
+    a = stack.engine("--kv-layout", "LBNHC")
+    assert a["posts"]["local"] > 0 and a["requests"]["req-0"]["kv_exact"]
+    b = stack.engine("--kv-layout", "LBNHC", "--same-host", load_path, "--hold-blocks", "30")
+    loaded = b["requests"]["req-0"]
+    assert loaded["matched"] == [FULL_BLOCKS * BLOCK, False] and loaded["kv_exact"] and b["load_errors"] == []
+    assert b["posts"] == ({"local": LAYERS, "nixl": 0} if load_path == "auto" else {"local": 0, "nixl": LAYERS})
+    hnd = stack.engine("--kv-layout", "LBHNC", "--prompt-seed-offset", "1")  # saves prompt 1 under HND
+    assert hnd["requests"]["req-0"]["matched"] == [0, False] and hnd["namespace_id"] != a["namespace_id"]
+    nhd = stack.engine("--kv-layout", "LBNHC", "--prompt-seed-offset", "1")
+    assert nhd["requests"]["req-0"]["matched"] == [0, False]
 
 
 def test_blocks_are_freed_only_after_their_saves_are_committed(stack):

@@ -1,5 +1,5 @@
 """Checksums of blocks in vLLM's paged KV buffer, as the store keeps them: xxh3_64 of a block's page
-of every layer, in layer order.
+of every layer, in layer order, each page's bytes as they lie in memory.
 
     block_checksums(caches, layer_names, block_ids) -> [hex]
     tail = LayerwiseChecksum(num_layers)   # one block, hashed a layer at a time as each arrives
@@ -30,11 +30,19 @@ def block_checksums(caches: dict[str, torch.Tensor], layer_names: list[str], blo
         hashers = [xxhash.xxh3_64() for _ in group]
         index = torch.tensor(group, device=caches[layer_names[0]].device)
         for layer in layer_names:
-            pages = caches[layer].index_select(0, index).cpu().reshape(len(group), -1).view(torch.uint8)
+            pages = in_memory_order(caches[layer]).index_select(0, index).cpu().reshape(len(group), -1)
+            pages = pages.view(torch.uint8)
             for hasher, page in zip(hashers, pages.numpy()):
                 hasher.update(page)
         out += [h.hexdigest() for h in hashers]
     return out
+
+
+def in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its dimensions in memory order (largest stride first; a page of vLLM's NHD layout is
+    a [heads, tokens, ..] view of [tokens, heads, ..] bytes): its contiguous copy is the bytes as
+    they lie in memory, which is what the store holds and hashes."""
+    return t.permute(*sorted(range(t.dim()), key=lambda d: -t.stride(d)))
 
 
 def checksums(caches: dict[str, torch.Tensor], layer_names: list[str], block_ids: list[int],
@@ -55,7 +63,7 @@ class LayerwiseChecksum:
     def add(self, index: int, page: torch.Tensor) -> None:
         """Layer `index`'s page; a layer out of order (one was skipped, or this one was seen) is not hashed."""
         if index == self._layers:
-            self._hash.update(page.cpu().reshape(-1).view(torch.uint8).numpy())
+            self._hash.update(in_memory_order(page).cpu().reshape(-1).view(torch.uint8).numpy())
             self._layers += 1
 
     def hexdigest(self) -> str | None:

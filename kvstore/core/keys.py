@@ -21,11 +21,13 @@ from kvstore.core.errors import KVStoreError
 
 HASH_SCHEME = "kvstore-xxh3_128-int32le-v1"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-# [L][K,V][T][H][D] (KVStoreClient), vLLM's per-layer pages [L][H][T][K|V] (connector.vllm), and
-# SGLang's host pages (connector.sglang): [K,V][T][L][H][D] (page_first), [K,V][L][T][H][D] (layer_first,
-# page_first_direct)
-LAYOUTS = ("layer_kv_token_head_dim", "layer_head_token_kvdim", "kv_token_layer_head_dim", "kv_layer_token_head_dim")
-RAW_LAYOUTS = LAYOUTS[2:]  # blocks moved as bytes by their connector (save_blocks / load_blocks), never packed here
+# [L][K,V][T][H][D] (KVStoreClient), vLLM's per-layer pages [L][H][T][K|V] (HND) and [L][T][H][K|V] (NHD)
+# (connector.vllm), and SGLang's host pages (connector.sglang): [K,V][T][L][H][D] (page_first),
+# [K,V][L][T][H][D] (layer_first, page_first_direct)
+LAYOUTS = ("layer_kv_token_head_dim", "layer_head_token_kvdim", "kv_token_layer_head_dim", "kv_layer_token_head_dim",
+           "layer_token_head_kvdim")
+RAW_LAYOUTS = ("kv_token_layer_head_dim", "kv_layer_token_head_dim")  # moved as bytes by their connector, never packed
+VLLM_LAYOUTS = ("layer_head_token_kvdim", "layer_token_head_kvdim")  # vLLM's pages: HND, NHD
 MAX_BLOCK_BYTES = 1 << 30  # one block's payload
 MAX_NAME_CHARS = 256  # model_id, model_revision, tenant
 DIMENSIONS = ("num_layers", "num_kv_heads", "head_dim", "block_tokens")

@@ -8,24 +8,41 @@ from typing import Any
 import torch
 
 from kvstore.core.errors import KVStoreError
+from kvstore.core.keys import VLLM_LAYOUTS
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
           torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
+def page_layout(kv_cache_layout: str | None) -> str:
+    """The store's name for the byte order of vLLM's pages under its resolved KV cache layout
+    (`cache_config.kv_cache_layout`, a `KVCacheLayout` name; None before vLLM resolved one: its
+    CPU backend's, head-major). A page must be one run of bytes; layouts that interleave layers
+    or blocks within a page are refused."""
+    order = {"LBHNC": "HND", "BLHNC": "HND", "HND": "HND", "LBNHC": "NHD", "BLNHC": "NHD", "NHD": "NHD",
+             None: "HND"}.get(kv_cache_layout)
+    if order is None:
+        raise KVStoreError("invalid", f"vLLM's KV cache layout {kv_cache_layout} splits a block's page of one "
+                           "layer into several runs; KVStoreConnector handles LBHNC, LBNHC, BLHNC and BLNHC")
+    return VLLM_LAYOUTS[0] if order == "HND" else VLLM_LAYOUTS[1]
+
+
 def checked_pages(kv_caches: dict[str, torch.Tensor], layer_names: list[str], page_shape: tuple[int, int, int],
-                  dtype: torch.dtype) -> dict[int, tuple[int, torch.device]]:
+                  dtype: torch.dtype, layout: str = VLLM_LAYOUTS[0]) -> dict[int, tuple[int, torch.device]]:
     """The allocations behind vLLM's pages, {address: (bytes, device)}; pages the namespace does not
-    describe are refused."""
+    describe are refused. Each layer is vLLM's logical view [blocks, heads, block_size, head +
+    head_v], a block's page one run of bytes: heads outermost (`layout` HND) or tokens (NHD)."""
     missing = [n for n in layer_names if n not in kv_caches]
     if missing:
         raise KVStoreError("invalid", f"register_kv_caches lacks layers {missing[:3]}")
     storages = {}
     for name in layer_names:
         t = kv_caches[name]
-        if t.dim() != 4 or not t[0].is_contiguous():
+        page = t[0] if t.dim() == 4 else None
+        if page is None or not (page if layout == VLLM_LAYOUTS[0] else page.transpose(0, 1)).is_contiguous():
             raise KVStoreError("invalid", f"layer {name}: expected [blocks, heads, block_size, head+head_v] "
-                               f"pages, got shape {tuple(t.shape)} strides {t.stride()}")
+                               f"pages, each one run of bytes in {layout} order, got shape {tuple(t.shape)} "
+                               f"strides {t.stride()}")
         if tuple(t.shape[1:]) != page_shape or t.dtype != dtype:
             raise KVStoreError("invalid", f"layer {name}: pages {tuple(t.shape[1:])} of {t.dtype} do not match "
                                f"the namespace: {page_shape} (kv heads, block size, 2 x head size) of {dtype}")

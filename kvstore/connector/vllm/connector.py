@@ -10,9 +10,11 @@ namespace records the hash algorithm, a fingerprint of NONE_HASH, the model, the
 the block size and the TP rank; the scheduler sends its id to the workers with each step.
 
 Blocks are stored in vLLM's own page layout, layer-major: block b = the pages kv[l][b] of every
-layer l, each [num_kv_heads, block_size, head_size + head_size_v] (`layer_head_token_kvdim`),
-so a layer's load or save is one NIXL request with one descriptor per block, straight between
-vLLM's paged buffer and the worker, with no staging copy.
+layer l, each [num_kv_heads, block_size, head_size + head_size_v] (`layer_head_token_kvdim`, vLLM's
+HND layouts LBHNC and BLHNC) or [block_size, num_kv_heads, ..] (`layer_token_head_kvdim`, NHD:
+LBNHC, BLNHC), bytes as they lie in memory; the layout is part of the namespace, so engines with
+different layouts never share blocks. A layer's load or save is one request per storage worker,
+straight between vLLM's paged buffer and the worker, with no staging copy.
 
 Scheduler side: `get_num_new_matched_tokens` (a lookup: full blocks beyond the local hit,
 leaving at least one prompt token to compute), `update_state_after_alloc`,
@@ -51,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 SupportsHMA)
 
 from kvstore.client import DirectoryClient
-from kvstore.connector.vllm.checks import DTYPES, check_kv_cache_config, tp_rank
+from kvstore.connector.vllm.checks import DTYPES, check_kv_cache_config, page_layout, tp_rank
 from kvstore.connector.vllm.handoff import HandoffRoles
 from kvstore.connector.vllm.stats import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.connector.vllm.worker import BlockPlan, PagedKVWorker
@@ -93,6 +95,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise KVStoreError("invalid", 'kv_connector_extra_config.hosts must be a list of host names or '
                                'addresses, e.g. ["10.0.0.7"]')
         self._spec = check_kv_cache_config(kv_cache_config)
+        page_layout(vllm_config.cache_config.kv_cache_layout)  # one the store can describe, if resolved already
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise KVStoreError("invalid", "KVStoreConnector does not handle pipeline parallelism yet "
                                f"(pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size})")
@@ -161,7 +164,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             model_id=str(model), model_revision=str(self.extra.get("model_revision", "")),
             tenant=str(self.extra.get("tenant", "")),
             num_layers=len(self._layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-            dtype=DTYPES[spec.dtype], block_tokens=self.block_size, layout="layer_head_token_kvdim",
+            dtype=DTYPES[spec.dtype], block_tokens=self.block_size,
+            layout=page_layout(self._vllm_config.cache_config.kv_cache_layout),
             tp_rank=0, tp_size=self._vllm_config.parallel_config.tensor_parallel_size,
             hash_scheme=f"vllm-{self.hash_algo}-none:{xxhash.xxh64_hexdigest(none_hash)}")
 
@@ -328,7 +332,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register(kv_caches)
+        self._worker.register(kv_caches, page_layout(self._vllm_config.cache_config.kv_cache_layout))
 
     def handle_preemptions(self, kv_connector_metadata: KVStoreConnectorMetadata) -> None:
         if kv_connector_metadata.preempted:

@@ -40,6 +40,7 @@ from kvstore.connector.renewal import Renewal
 from kvstore.connector.vllm.checks import checked_pages
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
+from kvstore.core.keys import VLLM_LAYOUTS
 from kvstore.transfer import Agent
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,9 @@ class PagedKVWorker:
         self._saver = threading.Thread(target=self._run_saves, name="kvstore-saver", daemon=True)
         self._saver.start()
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Register the allocation behind vLLM's pages once; refuse pages the namespace does not describe."""
-        storages = checked_pages(kv_caches, self.layer_names, self.page_shape, self.dtype)
+    def register(self, kv_caches: dict[str, torch.Tensor], layout: str = VLLM_LAYOUTS[0]) -> None:
+        """Register vLLM's pages' allocation once; refuse pages `layout` (HND, NHD) does not describe."""
+        storages = checked_pages(kv_caches, self.layer_names, self.page_shape, self.dtype, layout)
         for addr, (nbytes, device) in storages.items():  # vLLM backs every layer with one allocation
             if device.type == "cuda":
                 self.agent.register_vram(addr, nbytes, device.index or 0)  # GPU path, not run here
