@@ -31,7 +31,7 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.connector import layout
-from kvstore.connector.copies import HostMemory
+from kvstore.connector.copies import COPY_THREADS, HostMemory
 from kvstore.connector.layer_copies import copy_layer
 from kvstore.connector.page_checksums import ArenaHashes
 from kvstore.core import specs
@@ -118,19 +118,23 @@ class LayerClock:
 
     def _poll_once(self) -> bool:
         """Stamp the layers whose reads ended; True while some posted layer is still pending."""
-        pending, late = False, time.perf_counter() > self._deadline
-        for i, requests in enumerate(self.transfers):
-            if self.states[i] != "pending" or (not requests and self.posted_at[i] == 0.0):
-                continue
-            polled = [t.poll() if t else "failed" for t in requests]
-            state = "failed" if "failed" in polled else "pending" if "pending" in polled else "done"
-            if state == "pending" and not late:
-                pending = True
-                continue
-            with self._changed:
+        late = time.perf_counter() > self._deadline
+        return any([self._stamp(i, late) for i in range(len(self.transfers))])
+
+    def _stamp(self, i: int, late: bool = False) -> bool:
+        """Stamp layer i if its reads ended (or it is `late`); True while it is posted and pending."""
+        requests = self.transfers[i]
+        if self.states[i] != "pending" or (not requests and self.posted_at[i] == 0.0):
+            return False
+        polled = [t.poll() if t else "failed" for t in requests]
+        state = "failed" if "failed" in polled else "pending" if "pending" in polled else "done"
+        if state == "pending" and not late:
+            return True
+        with self._changed:
+            if self.states[i] == "pending":  # the waiter and the poller may both see it end
                 self.done_at[i], self.states[i] = time.perf_counter(), "failed" if state == "pending" else state
                 self._changed.notify_all()
-        return pending
+        return False
 
     def state(self) -> str:
         """"pending" while a layer is, else "failed" if any layer failed, else "done"."""
@@ -138,6 +142,7 @@ class LayerClock:
 
     def wait(self, layer: int) -> str:
         t0 = time.perf_counter()
+        self._stamp(layer)  # a layer already copied is not kept waiting for the poller's turn
         with self._changed:
             self._changed.wait_for(lambda: self.states[layer] != "pending", self.timeout_s)
         self.t_visible[layer] = time.perf_counter() - t0
@@ -187,7 +192,8 @@ class LayerwiseLoad:
                 base = int(self._raw.ctypes.data) + layer * size
                 self._hashes.copied([(i, hit.location.runs) for i, hit in group], layer, arena)
                 pages = [(base + i * self.namespace.block_nbytes, hit.location.runs) for i, hit in group]
-                transfers.append(copy_layer("READ", pages, layer * size, (layer + 1) * size, self._memory, arena, pool))
+                transfers.append(copy_layer("READ", pages, layer * size, (layer + 1) * size, self._memory, arena, pool,
+                                            1 if layer == 0 else COPY_THREADS))
                 self._hashes.hash([i for i, _ in group[layer::self.namespace.num_layers]], pool)
                 continue
             self._hashes.spoil(i for i, _ in group)

@@ -1,0 +1,46 @@
+"""LayerClock: each layer's reads posted (layer 0 on the caller's thread, the rest by its poller)
+and waited for on their own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvstore.connector.layerwise import LayerClock
+
+
+class Transfer:
+    def __init__(self, state: str = "pending") -> None:
+        self.state = state
+
+    def poll(self) -> str:
+        return self.state
+
+
+def test_layers_end_in_any_order_and_one_failed_read_fails_the_load():
+    transfers = [Transfer() for _ in range(3)]
+    clock = LayerClock(3, lambda layer: [transfers[layer]], time.perf_counter(), timeout_s=30)
+    transfers[2].state = "done"
+    assert clock.wait(2) == "done" and clock.state() == "pending"
+    transfers[1].state, transfers[0].state = "failed", "done"
+    assert (clock.wait(0), clock.wait(1)) == ("done", "failed")
+    assert clock.finish() is False and clock.state() == "failed"
+    assert all(t is not None and t >= 0 for t in clock.timings()["t_xfer_s"])
+
+
+def test_a_layer_already_read_is_not_kept_waiting_for_the_poller():
+    """Layer 0 was copied on the caller's thread; the poller is still busy posting layer 1 (here:
+    blocked). The waiter sees layer 0 ended itself; it does not wait for the poller's next round."""
+    posting = threading.Event()
+
+    def post(layer: int) -> list:
+        if layer == 1:
+            posting.wait(30)
+        return [Transfer("done")]
+
+    clock = LayerClock(2, post, time.perf_counter(), timeout_s=2)
+    try:
+        assert clock.wait(0) == "done" and not posting.is_set()
+    finally:
+        posting.set()
+    assert clock.wait(1) == "done" and clock.finish() is True
