@@ -12,9 +12,9 @@ hand-off ID once the save has; the decode engine calls `load(token_ids, wait_for
 which waits for that commit (it may start before the prefill engine has) and then loads what is
 there: after S seconds without one, that is a miss or a shorter prefix, never an exception.
 
-`save_blocks` / `load_blocks` are the same protocol for engines that keep KV in
-the store's block layout in memory they registered with `register_buffer`
-(zero copy); `save` / `load` pack and unpack through the staging buffer.
+`save_blocks` / `load_blocks` are the same protocol for engines that keep KV in the store's block
+layout in memory they registered with `register_buffer` (zero copy); `save` / `load` pack and
+unpack straight into and out of a mapped arena, through the staging buffer for NIXL.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
-from kvstore.connector.copies import BlockCopier, LocalArenas, Unpack, scatter
+from kvstore.connector.copies import BlockCopier, LocalArenas, Transform, reindexed, scatter
 from kvstore.connector.handoff import HandoffResult, wait_for_handoff
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
@@ -114,11 +114,8 @@ class KVStoreClient:
         held = 0
         for first in range(0, len(hashes), self.slots):
             chunk = hashes[first : first + self.slots]
-            views = self._staging_views(len(chunk))
-            layout.pack(self.namespace, kv, first, layout.block_view(self.namespace, self.staging.view(
-                0, len(chunk) * self.namespace.block_nbytes)))
-            parent = hashes[first - 1] if first else None
-            stored = self.save_blocks(chunk, views, parent=parent, hints=hints)
+            stored = self.save_blocks(chunk, self._staging_views(len(chunk)), hashes[first - 1] if first else None,
+                                      hints, layout.packer(self.namespace, kv, first))
             held += stored
             if stored < len(chunk):
                 break
@@ -145,8 +142,7 @@ class KVStoreClient:
         num_blocks = 0
         for first in range(0, len(hashes), self.slots):
             chunk = hashes[first : first + self.slots]
-            n = self.load_blocks(chunk, self._staging_views(len(chunk)), unpack=lambda k, raw, first=first:
-                                 layout.unpack_copies(self.namespace, raw, first + k, kv))
+            n = self.load_blocks(chunk, self._staging_views(len(chunk)), layout.unpacker(self.namespace, kv, first))
             num_blocks += n
             if n < len(chunk):
                 break
@@ -178,17 +174,19 @@ class KVStoreClient:
         self.agent.register_dram(addr, nbytes)
 
     def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None,
-                    hints: specs.RequestHints | dict | None = None) -> int:
+                    hints: specs.RequestHints | dict | None = None, pack: Transform | None = None) -> int:
         """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held.
         A chain larger than the memory tier is saved in rounds: what a round commits may move down
         while the next is placed. Why blocks were not stored: `last_refused` (reason -> blocks).
-        A directory that cannot be reached stores nothing (0), it does not raise."""
+        A directory that cannot be reached stores nothing (0), it does not raise. `pack(k, bytes of
+        blocks k..)` -> copies: they make the blocks, in a mapped arena where they can, else in `blocks`."""
         assert len(hashes) == len(blocks), "one buffer per hash"
         self.last_refused, held = {}, 0
         with _miss_if_unreachable("save"):
             while held < len(hashes):  # each round stores at least one block more, or ends the save
+                shifted = pack and (lambda k, raw, at=held: pack(at + k, raw))
                 stored, refused = self._save_blocks(hashes[held:], blocks[held:], hashes[held - 1] if held else parent,
-                                                    _request_hints(hints))
+                                                    _request_hints(hints), shifted)
                 held += stored
                 if not stored or refused != "no_space":
                     break
@@ -197,7 +195,7 @@ class KVStoreClient:
         return held
 
     def _save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None,
-                     hints: specs.RequestHints | None) -> tuple[int, str | None]:
+                     hints: specs.RequestHints | None, pack: Transform | None) -> tuple[int, str | None]:
         """One prepare + write + complete; (leading blocks now held, why the next one is not)."""
         clock = _PhaseClock()
         parents = [parent] + hashes[:-1]
@@ -209,7 +207,8 @@ class KVStoreClient:
         ok: dict[int, bool] = {}
         if admitted:
             with self._renewal(prepared.token, prepared.expires_at):
-                done, sums = self._write_hashed([(blocks[i], d.location) for i, d in admitted], clock)
+                done, sums = self._write_hashed([(blocks[i], d.location) for i, d in admitted], clock,
+                                                pack and reindexed(pack, [i for i, _ in admitted], blocks[0].nbytes))
             ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
             reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[k])
                        for k, (i, d) in enumerate(admitted)]
@@ -230,12 +229,11 @@ class KVStoreClient:
         self.last_refused = dict(Counter(reasons))
         return held, reasons[0] if reasons else None
 
-    def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], unpack: Unpack | None = None) -> int:
+    def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], unpack: Transform | None = None) -> int:
         """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified.
         A prefix larger than the memory tier is read in rounds, each staged from the tiers below
         once the last was read. A directory that cannot be reached is a miss (0), it does not raise.
-        With `unpack(k, bytes of blocks k..)` -> copies, every block read goes through those
-        copies: straight out of a mapped arena where it can, out of `blocks` otherwise."""
+        `unpack(k, bytes of blocks k..)` -> copies: they take the blocks, out of a mapped arena where they can."""
         assert len(hashes) == len(blocks), "one buffer per hash"
         verified = 0
         with _miss_if_unreachable("load"):
@@ -247,7 +245,7 @@ class KVStoreClient:
                     break
         return verified
 
-    def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], unpack: Unpack | None) -> tuple[int, int]:
+    def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], unpack: Transform | None) -> tuple[int, int]:
         """One prepare + read + complete; (leading blocks verified, blocks stored after those that
         the memory tier could not take now: 0 unless every block read was verified)."""
         clock = _PhaseClock()
@@ -277,10 +275,15 @@ class KVStoreClient:
         ttl_s = (expires_at - time.time()) if expires_at is not None else 0.0
         return Renewal(self.directory, token if self.renew_leases and ttl_s > 0 else None, ttl_s)
 
-    def _write_hashed(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], clock: "_PhaseClock"):
-        """Per item (written, xxh3_64 of its bytes): same-host items copied and hashed chunk by chunk;
-        the others hashed on the helper thread while NIXL (which releases the GIL) writes them."""
-        done, sums, far = clock.timed("transfer", self.copier.copy_local, "WRITE", items)
+    def _write_hashed(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], clock: "_PhaseClock",
+                      pack: Transform | None = None):
+        """Per item (written, xxh3_64 of its bytes): same-host items copied and hashed chunk by chunk
+        (or packed in place); the others (packed first) hashed on the helper thread while NIXL writes."""
+        if pack is None:
+            done, sums, far = clock.timed("transfer", self.copier.copy_local, "WRITE", items)
+        else:
+            done, sums, far = clock.timed("transfer", self.copier.in_place, "WRITE", items, pack)
+            self.copier.transform_buffers([(k, items[k][0]) for k in far], pack)
         if far:
             hashing = self._hasher.submit(lambda: [checksum(items[k][0]) for k in far])
             written = clock.timed("transfer", self._move, "WRITE", [items[k] for k in far])
@@ -288,7 +291,7 @@ class KVStoreClient:
         return done, sums
 
     def _read_and_hash(self, hits: list[specs.BlockHit], blocks: list[np.ndarray], clock: "_PhaseClock",
-                       unpack: Unpack | None = None):
+                       unpack: Transform | None = None):
         """Per block (read ok, xxh3_64 of what arrived). Same-host blocks are copied and hashed chunk
         by chunk (or, with `unpack`, read in place); the others are read over NIXL in groups of
         about READ_GROUP_BYTES, group k hashed on the helper thread while group k+1 is read, and
@@ -297,7 +300,7 @@ class KVStoreClient:
         if unpack is None:
             done, digests, far = clock.timed("transfer", self.copier.copy_local, "READ", items)
         else:
-            done, digests, far = clock.timed("transfer", self.copier.read_in_place, items, unpack)
+            done, digests, far = clock.timed("transfer", self.copier.in_place, "READ", items, unpack)
         hashing = []
         for group in _groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
             ks = [far[g] for g in group]
@@ -306,7 +309,7 @@ class KVStoreClient:
         for ks, read, future in hashing:
             scatter(ks, read, clock.timed("checksum", future.result), done, digests)
         if unpack is not None:
-            self.copier.unpack_buffers([(k, blocks[k]) for k in far if done[k]], unpack)
+            self.copier.transform_buffers([(k, blocks[k]) for k in far if done[k]], unpack)
         return done, digests
 
     def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:

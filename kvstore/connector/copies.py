@@ -4,7 +4,7 @@ is mapped here (same host), a NIXL transfer otherwise.
     arenas = LocalArenas(folder, mode)               # "auto" (default), "off"
     copier = BlockCopier(agent, peers, arenas, timeout_s)
     done, digests, far = copier.copy_local("WRITE" | "READ", [(block, location), ...])  # same host, hashed
-    done, digests, far = copier.read_in_place(items, unpack)  # READ, transformed straight out of the arena
+    done, digests, far = copier.in_place(op, items, transform)  # transformed straight into or out of the arena
     copier.move("WRITE" | "READ", [items[k] for k in far]) -> [done, ...]             # NIXL
 
     memory = HostMemory(); memory.add(addr, nbytes)  # an engine's own buffers (vLLM's pages)
@@ -50,7 +50,7 @@ HANDOVER_TIMEOUT_S = 2.0
 COPY_THREADS = 2  # same-host copies run on this many threads (numpy and xxhash release the GIL)
 CHUNK_BYTES = 256 << 10  # copied, then hashed while it is still in cache
 HASH_SHARE = 4  # blocks read in place are hashed this many to a task
-Unpack = Callable[[int, np.ndarray], list[Callable[[], None]]]  # (first item, its bytes and those after) -> copies
+Transform = Callable[[int, np.ndarray], list[Callable[[], None]]]  # (first item, its bytes and those after) -> copies
 
 
 @dataclass
@@ -201,13 +201,14 @@ class BlockCopier:
                 done[k], digests[k] = ok, digest
         return done, digests, [k for k, a in enumerate(arenas) if a is None]
 
-    def read_in_place(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], unpack: Unpack
-                      ) -> tuple[list[bool], list[str], list[int]]:
-        """Like copy_local("READ"), for a reader that transforms blocks as it copies them (the
-        tensor API's per-layer tensors): items whose block is one run of a mapped arena are not
-        copied to their buffer but read where they are, `unpack(k, bytes)` giving the copies out
-        of items k, k+1, .. that lie one after the other there. Those copies and each block's hash
-        in the arena run together on the copy threads. Returns as copy_local does."""
+    def in_place(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]], transform: Transform
+                 ) -> tuple[list[bool], list[str], list[int]]:
+        """Like copy_local, for a caller that transforms blocks as it copies them (the tensor API's
+        per-layer tensors <-> the store's layout): items whose block is one run of a mapped arena
+        skip their buffer, `transform(k, bytes)` giving the copies into ("WRITE") or out of
+        ("READ") items k, k+1, .. that lie one after the other there. The copies run on the copy
+        threads, and each block is hashed in the arena: beside the copies for a READ (they only
+        read it), once they have ended for a WRITE. Returns as copy_local does."""
         arenas = [self.arenas.view(location) for _, location in items]
         done, digests, far = [False] * len(items), [""] * len(items), []
         spans: list[list] = []  # [first item, count, arena, offset]: items one after the other in an arena
@@ -225,21 +226,22 @@ class BlockCopier:
             else:
                 spans.append([k, 1, arena, at])
         copies = [c for k, count, arena, at in spans
-                  for c in unpack(k, arena.array[at:at + count * items[k][0].nbytes])]
-        near = [k for k, count, _, _ in spans for k in range(k, k + count)]
-        hashes = [near[i:i + HASH_SHARE] for i in range(0, len(near), HASH_SHARE)]
+                  for c in transform(k, arena.array[at:at + count * items[k][0].nbytes])]
         futures = [self.pool.submit(copy) for copy in copies]
+        copied = op == "READ" or all(future.exception() is None for future in futures)  # waits for each
+        near = [k for k, count, _, _ in spans for k in range(k, k + count)]
         sums = [(ks, self.pool.submit(lambda ks=ks: [arena_digest(arenas[k], items[k][1].runs) for k in ks]))
-                for ks in hashes]
-        copied = all(future.exception() is None for future in futures)  # waits for each
+                for ks in (near[i:i + HASH_SHARE] for i in range(0, len(near), HASH_SHARE))]
+        copied = copied and all(future.exception() is None for future in futures)
         for ks, future in sums:
             for k, digest in zip(ks, future.result()):
                 done[k], digests[k] = copied, digest
         return done, digests, far
 
-    def unpack_buffers(self, buffers: list[tuple[int, np.ndarray]], unpack: Unpack) -> None:
-        """read_in_place's copies for items NIXL read into their buffers, (index, buffer): one
-        set of copies per run of consecutive indices whose buffers follow each other in memory."""
+    def transform_buffers(self, buffers: list[tuple[int, np.ndarray]], transform: Transform) -> None:
+        """in_place's copies for items that go through their buffers, (index, buffer) (NIXL's: packed
+        before it writes them, unpacked after it read them), on the copy threads: one set of copies
+        per run of consecutive indices whose buffers follow each other in memory."""
         runs: list[list] = []  # [first index, count, address, bytes, first buffer]
         for k, buffer in buffers:
             last = runs[-1] if runs else None
@@ -248,7 +250,7 @@ class BlockCopier:
             else:
                 runs.append([k, 1, buffer.ctypes.data, buffer.nbytes, buffer])
         copies = [copy for k, _, _, nbytes, first in runs
-                  for copy in unpack(k, as_strided(first.reshape(-1).view(np.uint8), (nbytes,), (1,)))]
+                  for copy in transform(k, as_strided(first.reshape(-1).view(np.uint8), (nbytes,), (1,)))]
         for future in [self.pool.submit(copy) for copy in copies]:
             future.result()
 
@@ -297,6 +299,17 @@ def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, ar
             digest.update(target)
         at += length
     return at == flat.size, digest.hexdigest()
+
+
+def reindexed(transform: Transform, index: list[int], nbytes: int) -> Transform:
+    """`transform` of blocks for items numbered apart from them (item k is block index[k]): items
+    whose blocks do not follow one another are transformed block by block."""
+    def run(k: int, raw: np.ndarray) -> list:
+        n = raw.nbytes // nbytes
+        if index[k + n - 1] - index[k] == n - 1:
+            return transform(index[k], raw)
+        return [c for j in range(n) for c in transform(index[k + j], raw[j * nbytes:(j + 1) * nbytes])]
+    return run
 
 
 def arena_digest(arena: _Arena, runs: list[tuple[int, int]]) -> str:

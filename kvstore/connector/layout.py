@@ -49,14 +49,38 @@ def check_kv(namespace: Namespace, kv: LayerKV, seq_len: int) -> None:
                                    f"the namespace says {namespace.dtype}")
 
 
-def pack(namespace: Namespace, kv: LayerKV, first_block: int, out: torch.Tensor) -> None:
-    """Copy blocks first_block .. first_block+len(out) of `kv` into `out` [n, L, 2, T, H, D]."""
-    n, t = out.shape[0], namespace.block_tokens
-    start, end = first_block * t, (first_block + n) * t
-    for layer, pair in enumerate(kv):
+def pack_copies(namespace: Namespace, kv: LayerKV, first_block: int, raw: np.ndarray) -> list[Callable[[], None]]:
+    """The copies that put blocks first_block .. of `kv` into whole blocks `raw` (bytes, the store's
+    layout), one per layer and K or V: [H, n x T, D] -> [n, T, H, D]. numpy copies without the GIL,
+    so they may run on several threads, straight into a worker's mapped arena where they can;
+    tensors on a GPU are copied by PyTorch."""
+    blocks, n, t = _blocks(namespace, raw)
+    copies = []
+    for layer, pair in enumerate(kv if n else []):
         for which, tensor in enumerate(pair):
-            src = tensor[:, start:end, :].reshape(namespace.num_kv_heads, n, t, namespace.head_dim)
-            out[:, layer, which].copy_(src.permute(1, 2, 0, 3))
+            theirs = tensor.detach()[:, first_block * t:(first_block + n) * t]
+            if theirs.device.type != "cpu":
+                out = torch.from_numpy(blocks[:, layer, which]).view(theirs.dtype)
+                copies.append(partial(out.copy_, theirs.reshape(namespace.num_kv_heads, n, t, -1).permute(1, 2, 0, 3)))
+                continue
+            theirs = theirs.view(_SAME_SIZE[theirs.element_size()][1]).numpy().reshape(
+                namespace.num_kv_heads, n, t, namespace.head_dim)
+            copies.append(partial(np.copyto, blocks[:, layer, which], theirs.transpose(1, 2, 0, 3)))
+    return copies
+
+
+def pack(namespace: Namespace, kv: LayerKV, first_block: int, raw: np.ndarray) -> None:
+    """Copy blocks first_block .. of `kv` into whole blocks `raw`, here and now."""
+    for copy in pack_copies(namespace, kv, first_block, raw):
+        copy()
+
+
+def _blocks(namespace: Namespace, raw: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """Whole blocks `raw` seen as [n, L, 2, T, H, D] of an integer type of the dtype's size; n; T."""
+    n, t = raw.nbytes // namespace.block_nbytes, namespace.block_tokens
+    itemsize = TORCH_DTYPES[namespace.dtype].itemsize
+    return raw[:n * namespace.block_nbytes].view(_SAME_SIZE[itemsize][0]).reshape(
+        n, namespace.num_layers, 2, t, namespace.num_kv_heads, namespace.head_dim), n, t
 
 
 def unpack_copies(namespace: Namespace, raw: np.ndarray, first_block: int, kv: LayerKV) -> list[Callable[[], None]]:
@@ -64,12 +88,10 @@ def unpack_copies(namespace: Namespace, raw: np.ndarray, first_block: int, kv: L
     first_block x T .. of the per-layer tensors `kv`: one numpy copy per layer and K or V,
     [n, T, H, D] -> [H, n x T, D]. numpy copies without the GIL, so they may run on several
     threads; they are read straight out of a worker's mapped arena where they can be."""
-    n, t = raw.nbytes // namespace.block_nbytes, namespace.block_tokens
+    blocks, n, t = _blocks(namespace, raw)
     if not n:
         return []
     itemsize = TORCH_DTYPES[namespace.dtype].itemsize
-    blocks = raw[:n * namespace.block_nbytes].view(_SAME_SIZE[itemsize][0]).reshape(
-        n, namespace.num_layers, 2, t, namespace.num_kv_heads, namespace.head_dim)
     copies = []
     for layer, pair in enumerate(kv):
         for which, tensor in enumerate(pair):
@@ -83,6 +105,16 @@ def unpack(namespace: Namespace, raw: np.ndarray, first_block: int, kv: LayerKV)
     """Copy whole blocks `raw` into token positions of the per-layer tensors `kv`, here and now."""
     for copy in unpack_copies(namespace, raw, first_block, kv):
         copy()
+
+
+def packer(namespace: Namespace, kv: LayerKV, first_block: int) -> Callable:
+    """(k, bytes of blocks first_block + k ..) -> the copies that pack them from `kv`."""
+    return lambda k, raw: pack_copies(namespace, kv, first_block + k, raw)
+
+
+def unpacker(namespace: Namespace, kv: LayerKV, first_block: int) -> Callable:
+    """(k, bytes of blocks first_block + k ..) -> the copies that unpack them into `kv`."""
+    return lambda k, raw: unpack_copies(namespace, raw, first_block + k, kv)
 
 
 def empty_kv(namespace: Namespace, num_tokens: int) -> LayerKV:

@@ -58,7 +58,7 @@ def client_for(args, model) -> KVStoreClient:
     if args.slow_s:  # every transfer, over NIXL or copied into a same-host arena
         client._move = slowed(client._move, args.slow_s)
         client.copier.copy_local = slowed(client.copier.copy_local, args.slow_s)
-        client.copier.read_in_place = slowed(client.copier.read_in_place, args.slow_s)
+        client.copier.in_place = slowed(client.copier.in_place, args.slow_s)
     return client
 
 

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from kvstore.connector import layer_copies
-from kvstore.connector.copies import BlockCopier, HostMemory, _Arena, arena_digest, copy_pages
+from kvstore.connector.copies import BlockCopier, HostMemory, _Arena, arena_digest, copy_pages, reindexed
 from kvstore.connector.layer_copies import copy_layer
 from kvstore.connector.page_checksums import ArenaHashes, block_checksums, checksums
 from kvstore.core import specs
@@ -185,7 +185,7 @@ def test_blocks_read_in_place_go_through_the_unpack_copies_one_span_per_run_of_n
 
     copier = BlockCopier(None, None, _Arenas({"w0": there}), 5.0)
     try:
-        done, digests, far = copier.read_in_place(items, unpack)
+        done, digests, far = copier.in_place("READ", items, unpack)
         assert (done, far, spans) == ([True, True, True, False, False], [3], [(0, 2 * size), (2, size)])
         for k in (0, 1, 2):
             stored = there.array[where[k][1]:where[k][1] + size]
@@ -193,7 +193,38 @@ def test_blocks_read_in_place_go_through_the_unpack_copies_one_span_per_run_of_n
         assert not any(buffer.any() for buffer, _ in items) and not out[3:].any()  # nothing staged
         staging = np.arange(4 * size, dtype=np.uint32).astype(np.uint8)  # what NIXL would have read
         spans.clear()
-        copier.unpack_buffers([(0, staging[:size]), (1, staging[size:2 * size]), (3, staging[3 * size:])], unpack)
+        copier.transform_buffers([(0, staging[:size]), (1, staging[size:2 * size]), (3, staging[3 * size:])], unpack)
         assert spans == [(0, 2 * size), (3, size)] and (out[[0, 1, 3]] == staging.reshape(4, size)[[0, 1, 3]]).all()
     finally:
         copier.close()
+
+
+def test_blocks_packed_in_place_are_hashed_in_the_arena_once_written_and_far_ones_packed_into_their_buffers():
+    size, there = 1024, arena(1 << 16)
+    where = {0: ("w0", 8192), 1: ("w0", 8192 + size), 2: ("far", 0)}
+    items = [(np.zeros(size, np.uint8), specs.ReplicaLocation(worker=w, agent_name="a", epoch=1, tier="dram",
+                                                              runs=[(BASE + at, size)])) for w, at in where.values()]
+    source = np.random.default_rng(9).integers(0, 255, (3, size), dtype=np.uint8)
+
+    def pack(k, raw):
+        return [partial(np.copyto, raw.reshape(-1, size), source[k:k + raw.nbytes // size])]
+
+    copier = BlockCopier(None, None, _Arenas({"w0": there}), 5.0)
+    try:
+        done, digests, far = copier.in_place("WRITE", items, pack)
+        assert (done, far) == ([True, True, False], [2])
+        assert (there.array[8192:8192 + 2 * size] == source[:2].reshape(-1)).all()
+        assert digests[:2] == [xxhash.xxh3_64_hexdigest(source[k].tobytes()) for k in (0, 1)]
+        assert not items[0][0].any() and not items[2][0].any()  # nothing staged yet
+        copier.transform_buffers([(2, items[2][0])], pack)  # what NIXL will write
+        assert (items[2][0] == source[2]).all()
+    finally:
+        copier.close()
+
+
+def test_a_transform_over_items_apart_from_their_blocks_goes_block_by_block_where_they_do_not_follow():
+    calls = []
+    run = reindexed(lambda k, raw: calls.append((k, raw.nbytes)) or [], [0, 1, 3, 4], 16)
+    run(0, np.zeros(32, np.uint8))  # items 0, 1: blocks 0, 1
+    run(1, np.zeros(32, np.uint8))  # items 1, 2: blocks 1, 3
+    assert calls == [(0, 32), (1, 16), (3, 16)]
