@@ -152,18 +152,23 @@ def test_pages_copied_with_the_arena_and_moved_over_nixl_are_the_same_bytes(stac
 @pytest.mark.parametrize("load_path", ["auto", "off"])
 def test_nhd_pages_round_trip_in_their_own_namespace_and_never_meet_hnd_ones(stack, load_path):
     """vLLM's NHD layout (LBNHC: a page's tokens outermost): saved and loaded with the arena, and
-    loaded over NIXL (its checksum then gathered from the pages, in their memory order); an HND
-    engine with the same model finds none of those blocks, and an NHD engine none of its."""
+    loaded over NIXL (its checksum then gathered from the pages, in their memory order). An HND
+    engine with the same model finds none of the NHD engine's blocks, nor it any of the HND one's."""
     a = stack.engine("--kv-layout", "LBNHC")
     assert a["posts"]["local"] > 0 and a["requests"]["req-0"]["kv_exact"]
     b = stack.engine("--kv-layout", "LBNHC", "--same-host", load_path, "--hold-blocks", "30")
     loaded = b["requests"]["req-0"]
     assert loaded["matched"] == [FULL_BLOCKS * BLOCK, False] and loaded["kv_exact"] and b["load_errors"] == []
     assert b["posts"] == ({"local": LAYERS, "nixl": 0} if load_path == "auto" else {"local": 0, "nixl": LAYERS})
-    hnd = stack.engine("--kv-layout", "LBHNC", "--prompt-seed-offset", "1")  # saves prompt 1 under HND
-    assert hnd["requests"]["req-0"]["matched"] == [0, False] and hnd["namespace_id"] != a["namespace_id"]
-    nhd = stack.engine("--kv-layout", "LBNHC", "--prompt-seed-offset", "1")
-    assert nhd["requests"]["req-0"]["matched"] == [0, False]
+    if load_path == "auto":  # the namespaces apart, both ways
+        hnd = stack.engine("--kv-layout", "LBHNC")  # prompt 0, which the NHD engines hold: a miss here
+        assert hnd["requests"]["req-0"]["matched"] == [0, False] and hnd["namespace_id"] != a["namespace_id"]
+        assert hnd["requests"]["req-0"]["kv_exact"]  # and saved, under HND
+        again = stack.engine("--kv-layout", "LBHNC", "--hold-blocks", "30")
+        assert again["requests"]["req-0"]["matched"] == [FULL_BLOCKS * BLOCK, False]  # HND's own copy hits
+        hnd_1 = stack.engine("--kv-layout", "LBHNC", "--prompt-seed-offset", "1")  # saves prompt 1 under HND
+        nhd_1 = stack.engine("--kv-layout", "LBNHC", "--prompt-seed-offset", "1")
+        assert hnd_1["requests"]["req-0"]["kv_exact"] and nhd_1["requests"]["req-0"]["matched"] == [0, False]
 
 
 def test_blocks_are_freed_only_after_their_saves_are_committed(stack):

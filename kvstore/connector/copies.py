@@ -7,8 +7,6 @@ is mapped here (same host), a NIXL transfer otherwise.
     done, digests, far = copier.in_place(op, items, transform)  # transformed straight into or out of the arena
     copier.move("WRITE" | "READ", [items[k] for k in far]) -> [done, ...]             # NIXL
 
-    memory = HostMemory(); memory.add(addr, nbytes)  # an engine's own buffers (vLLM's pages)
-    copy_pages(op, [(addr, runs, hasher), ...], start, end, memory, arena) -> LocalCopy  # a layer's pages
 
 A worker on this host hands its arena over a Unix socket (`<folder>/<worker name>.sock`, see
 kvstore.worker.sharing); a location is copied directly only when its worker, agent and epoch are
@@ -19,8 +17,6 @@ RETRY_S, and NIXL carries its blocks meanwhile. `KVSTORE_SAME_HOST=off` forces N
 
 from __future__ import annotations
 
-import bisect
-import ctypes
 import fcntl
 import json
 import logging
@@ -206,28 +202,33 @@ class BlockCopier:
         """Like copy_local, for a caller that transforms blocks as it copies them (the tensor API's
         per-layer tensors <-> the store's layout): items whose block is one run of a mapped arena
         skip their buffer, `transform(k, bytes)` giving the copies into ("WRITE") or out of
-        ("READ") items k, k+1, .. that lie one after the other there. The copies run on the copy
+        ("READ") items k, k+1, .. that lie one after the other there; a block in several runs
+        goes through its buffer (copied as copy_local does, transformed there). The copies run on the copy
         threads, and each block is hashed in the arena: beside the copies for a READ (they only
         read it), once they have ended for a WRITE. Returns as copy_local does."""
         arenas = [self.arenas.view(location) for _, location in items]
-        done, digests, far = [False] * len(items), [""] * len(items), []
+        done, digests, far, staged = [False] * len(items), [""] * len(items), [], []
         spans: list[list] = []  # [first item, count, arena, offset]: items one after the other in an arena
         for k, ((buffer, location), arena) in enumerate(zip(items, arenas)):
             if arena is None or len(location.runs) != 1:
-                far.append(k)
+                (far if arena is None else staged).append(k)  # a block in several runs goes through its buffer
                 continue
             (addr, length), = location.runs
             at = addr - arena.base_addr
             if at < 0 or at + length > arena.array.size or length != buffer.nbytes:
                 continue  # not in the arena mapped: NIXL would have failed too
             last = spans[-1] if spans else None
-            if last and last[0] + last[1] == k and last[2] is arena and last[3] + last[1] * length == at:
+            if last and last[0] + last[1] == k and last[2] is arena and last[3] + last[1] * length == at \
+                    and items[last[0]][0].nbytes == length:
                 last[1] += 1
             else:
                 spans.append([k, 1, arena, at])
+        if op == "WRITE":
+            self.transform_buffers([(k, items[k][0]) for k in staged], transform)
         copies = [c for k, count, arena, at in spans
                   for c in transform(k, arena.array[at:at + count * items[k][0].nbytes])]
         futures = [self.pool.submit(copy) for copy in copies]
+        through = [(k, self.pool.submit(_copy_hashed, op, *items[k], arenas[k])) for k in staged]
         copied = op == "READ" or all(future.exception() is None for future in futures)  # waits for each
         near = [k for k, count, _, _ in spans for k in range(k, k + count)]
         sums = [(ks, self.pool.submit(lambda ks=ks: [arena_digest(arenas[k], items[k][1].runs) for k in ks]))
@@ -236,6 +237,10 @@ class BlockCopier:
         for ks, future in sums:
             for k, digest in zip(ks, future.result()):
                 done[k], digests[k] = copied, digest
+        for k, future in through:
+            done[k], digests[k] = future.result()
+        if op == "READ":
+            self.transform_buffers([(k, items[k][0]) for k, _ in through if done[k]], transform)
         return done, digests, far
 
     def transform_buffers(self, buffers: list[tuple[int, np.ndarray]], transform: Transform) -> None:
@@ -340,61 +345,3 @@ def scatter(indices: list[int], oks: list[bool], sums: list[str], done: list[boo
     """Results of a part of the items written back into the whole's lists."""
     for k, ok, digest in zip(indices, oks, sums):
         done[k], digests[k] = ok, digest
-
-
-class HostMemory:
-    """This process's buffers that descriptor rows may point into, as numpy views (an engine's
-    registered pages): `view(addr, n)` is bytes [addr, addr + n) of the buffer holding them."""
-
-    def __init__(self) -> None:
-        self._bases: list[int] = []
-        self._arrays: list[np.ndarray] = []
-
-    def add(self, addr: int, nbytes: int) -> None:
-        k = bisect.bisect(self._bases, addr)
-        self._bases.insert(k, addr)
-        self._arrays.insert(k, np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr)))
-
-    def view(self, addr: int, n: int) -> np.ndarray | None:
-        k = bisect.bisect(self._bases, addr) - 1
-        if k < 0 or addr + n > self._bases[k] + self._arrays[k].size:
-            return None
-        offset = addr - self._bases[k]
-        return self._arrays[k][offset:offset + n]
-
-
-class LocalCopy:
-    """A transfer that already ended on the caller's thread: what a NIXL `Transfer` answers."""
-
-    def __init__(self, ok: bool, error: str | None = None) -> None:
-        self.state, self.error = ("done", None) if ok else ("failed", error)
-
-    def poll(self) -> str:
-        return self.state
-
-    def wait(self, timeout_s: float | None = None) -> str:
-        return self.state
-
-
-def copy_pages(op: str, pages: list[tuple[int, list[tuple[int, int]], object]], start: int, end: int,
-               memory: HostMemory, arena: _Arena) -> LocalCopy:
-    """Bytes [start, end) of stored blocks, each in its `runs` (addr, len) of a mapped arena, copied
-    with this process's memory from `addr` on: "WRITE" here -> there, "READ" there -> here. Per
-    block (addr, runs, hasher or None): one copy per piece of a run, and the hasher fed each piece
-    right after it is copied, while it is in cache. On the caller's thread: xxhash holds the GIL
-    for a page, and a second thread measured no faster here."""
-    for here, runs, hasher in pages:
-        offset = 0  # where the current run starts within the block
-        for run_addr, run_len in runs:
-            lo, hi = max(start, offset), min(end, offset + run_len)
-            if lo < hi:
-                mine, at = memory.view(here + lo - start, hi - lo), run_addr + lo - offset - arena.base_addr
-                if mine is None or at < 0 or at + hi - lo > arena.array.size:
-                    return LocalCopy(False, "a page outside the registered memory or the mapped arena")
-                theirs = arena.array[at:at + hi - lo]
-                target = theirs if op == "WRITE" else mine
-                np.copyto(target, mine if op == "WRITE" else theirs)
-                if hasher is not None:
-                    hasher.update(target)
-            offset += run_len
-    return LocalCopy(True)

@@ -31,8 +31,8 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.connector import layout
-from kvstore.connector.copies import COPY_THREADS, HostMemory
-from kvstore.connector.layer_copies import copy_layer
+from kvstore.connector.copies import COPY_THREADS
+from kvstore.connector.layer_copies import HostMemory, copy_layer
 from kvstore.connector.page_checksums import ArenaHashes
 from kvstore.core import specs
 from kvstore.core.keys import checksum
@@ -81,24 +81,29 @@ class LayerClock:
         clock.wait(l)                      # "done" | "failed" once layer l ended
         clock.finish()                     # every layer ended: True if all of them are "done"
 
-    A layer still pending after `timeout_s` counts as failed."""
+    A layer still pending after `timeout_s` counts as failed. Transfers are polled by one thread
+    at a time (NIXL's are not safe to poll from two). `finish` also waits for copies on this
+    host's copy threads that outlived their layer: they write into the caller's memory."""
 
     def __init__(self, num_layers: int, post: Callable[[int], list], t0: float, timeout_s: float = 60.0) -> None:
         self._post_fn, self.timeout_s = post, timeout_s
-        self.transfers: list[list] = [[] for _ in range(num_layers)]
+        self.transfers: list[list | None] = [None] * num_layers  # None until the layer's post returned
         self.posted_at: list[float] = [0.0] * num_layers
         self.done_at: list[float | None] = [None] * num_layers
         self.states: list[str] = ["pending"] * num_layers
         self.t_visible: list[float] = [0.0] * num_layers
-        self._changed = threading.Condition()
+        self._changed, self._polling = threading.Condition(), threading.Lock()
         self._deadline = time.perf_counter() + timeout_s
-        self._first_posted = threading.Event()
+        self._first_posted, self._aborted = threading.Event(), False
         # started before layer 0's copies take the cores: a thread's start waits until it runs
         self._poller = threading.Thread(target=self._post_and_poll, name="kvstore-layer-poller", daemon=True)
         self._poller.start()
         try:
             if num_layers:
                 self._post(0)  # layer 0 now: the model needs it first; the rest are posted while it computes
+        except BaseException:
+            self._aborted = True  # the caller sees the error; nothing more is posted for this load
+            raise
         finally:
             self._first_posted.set()
         self.t_post = time.perf_counter() - t0
@@ -110,6 +115,8 @@ class LayerClock:
 
     def _post_and_poll(self) -> None:
         self._first_posted.wait()
+        if self._aborted:
+            return
         for layer in range(1, len(self.transfers)):
             self._post(layer)
             self._poll_once()
@@ -124,9 +131,10 @@ class LayerClock:
     def _stamp(self, i: int, late: bool = False) -> bool:
         """Stamp layer i if its reads ended (or it is `late`); True while it is posted and pending."""
         requests = self.transfers[i]
-        if self.states[i] != "pending" or (not requests and self.posted_at[i] == 0.0):
+        if self.states[i] != "pending" or requests is None:
             return False
-        polled = [t.poll() if t else "failed" for t in requests]
+        with self._polling:
+            polled = [t.poll() if t else "failed" for t in requests]
         state = "failed" if "failed" in polled else "pending" if "pending" in polled else "done"
         if state == "pending" and not late:
             return True
@@ -151,6 +159,11 @@ class LayerClock:
 
     def finish(self) -> bool:
         self._poller.join()  # it returns once every layer is posted and has ended (or timed out)
+        for requests in self.transfers:
+            for transfer in requests or ():
+                settle = getattr(transfer, "settle", None)  # a copy on this host's copy threads
+                if settle is not None:
+                    settle()
         for layer, done in enumerate(self.done_at):
             if done is not None:
                 T_XFER.observe(done - self.posted_at[layer])

@@ -34,7 +34,7 @@ import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvstore.connector.client import KVStoreClient
-from kvstore.connector.copies import HostMemory, copy_pages
+from kvstore.connector.layer_copies import HostMemory, copy_pages
 from kvstore.connector.layout import TORCH_DTYPES
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError

@@ -14,8 +14,8 @@ import torch
 import xxhash
 
 from kvstore.connector import layer_copies
-from kvstore.connector.copies import BlockCopier, HostMemory, _Arena, arena_digest, copy_pages, reindexed
-from kvstore.connector.layer_copies import copy_layer
+from kvstore.connector.copies import BlockCopier, _Arena, arena_digest, reindexed
+from kvstore.connector.layer_copies import HostMemory, copy_layer, copy_pages
 from kvstore.connector.page_checksums import ArenaHashes, block_checksums, checksums
 from kvstore.core import specs
 
@@ -228,3 +228,24 @@ def test_a_transform_over_items_apart_from_their_blocks_goes_block_by_block_wher
     run(0, np.zeros(32, np.uint8))  # items 0, 1: blocks 0, 1
     run(1, np.zeros(32, np.uint8))  # items 1, 2: blocks 1, 3
     assert calls == [(0, 32), (1, 16), (3, 16)]
+
+
+def test_a_block_in_several_runs_of_a_mapped_arena_goes_through_its_buffer_both_ways():
+    size, there = 1024, arena(1 << 16)
+    runs = [(BASE + 30000, 300), (BASE + 10000, size - 300)]  # the block's two runs, out of order
+    item = (np.zeros(size, np.uint8), specs.ReplicaLocation(worker="w0", agent_name="a", epoch=1, tier="dram",
+                                                            runs=runs))
+    source = np.random.default_rng(11).integers(0, 255, size, dtype=np.uint8)
+    out = np.zeros(size, np.uint8)
+    copier = BlockCopier(None, None, _Arenas({"w0": there}), 5.0)
+    try:
+        done, digests, far = copier.in_place("WRITE", [item], lambda k, raw: [partial(np.copyto, raw, source)])
+        stored = np.concatenate([there.array[30000:30300], there.array[10000:10000 + size - 300]])
+        assert (done, far) == ([True], []) and (stored == source).all()
+        assert digests == [xxhash.xxh3_64_hexdigest(source.tobytes())]
+        item[0][:] = 0
+        done, digests, far = copier.in_place("READ", [item], lambda k, raw: [partial(np.copyto, out, raw)])
+        assert (done, far) == ([True], []) and (out == source).all()
+        assert digests == [xxhash.xxh3_64_hexdigest(source.tobytes())]
+    finally:
+        copier.close()

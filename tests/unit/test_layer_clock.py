@@ -44,3 +44,25 @@ def test_a_layer_already_read_is_not_kept_waiting_for_the_poller():
     finally:
         posting.set()
     assert clock.wait(1) == "done" and clock.finish() is True
+
+
+def test_a_layer_whose_post_has_not_returned_is_not_taken_for_arrived():
+    """The forward waits for layer 1 while the poller is still inside its post (a NIXL submit, or an
+    inline copy): the layer has no transfers yet, which must not read as "all of them ended"."""
+    posting, entered = threading.Event(), threading.Event()
+    transfer = Transfer("pending")
+
+    def post(layer: int) -> list:
+        if layer == 1:
+            entered.set()
+            posting.wait(30)
+            return [transfer]
+        return [Transfer("done")]
+
+    clock = LayerClock(2, post, time.perf_counter(), timeout_s=0.5)
+    try:
+        assert entered.wait(30)  # the poller is inside layer 1's post
+        assert clock.wait(1) == "pending" and not posting.is_set()  # given up on, never "done"
+    finally:
+        posting.set()
+    assert clock.finish() is False and clock.states[1] == "failed"  # still pending at its deadline

@@ -31,8 +31,8 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
-from kvstore.connector.copies import COPY_THREADS, HostMemory, LocalArenas
-from kvstore.connector.layer_copies import copy_layer
+from kvstore.connector.copies import COPY_THREADS, LocalArenas
+from kvstore.connector.layer_copies import HostMemory, PoolCopy, copy_layer
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
 from kvstore.connector.page_checksums import ArenaHashes, LayerwiseChecksum, checksums
 from kvstore.connector.peers import Peers, own_hosts
@@ -130,10 +130,9 @@ class PagedKVWorker:
         return [(self.peers.agent_for(worker, epoch), group) for (worker, epoch), group in groups.items()]
 
     def _post(self, op: str, layer_index: int, groups: list[tuple[str | None, list]], hashes: ArenaHashes) -> list:
-        """One request per storage worker moving this layer's page of every block: the page of
-        block id <-> bytes [l x page, (l+1) x page) of the stored block. Copied on the copy threads
-        when the worker's arena is mapped and the pages are host memory (a load also hashes a share
-        of its blocks in the arena, beside the copies), posted to NIXL otherwise."""
+        """One request per storage worker moving this layer's page of every block (block id <-> bytes
+        [l x page, (l+1) x page) of the stored block): on the copy threads when the worker's arena is
+        mapped and the pages are host memory (a load also hashes a share of its blocks there), else NIXL."""
         cache, page = self.caches[self.layer_names[layer_index]], self._page_nbytes(self.layer_names[layer_index])
         base, step = cache.data_ptr(), cache.stride(0) * cache.element_size()  # block id b's page: base + b x step
         start, end = layer_index * page, (layer_index + 1) * page
@@ -358,8 +357,9 @@ class PagedKVWorker:
                 posted += 1
                 if groups:
                     transfers += self._post("WRITE", index, groups, hashes)
-            ok = posted == len(self.layer_names) and all(
-                t is not None and t.wait(self.timeout_s) == "done" for t in transfers)
+            ok = posted == len(self.layer_names) and all(t and t.wait(self.timeout_s) == "done" for t in transfers)
+            for late in [t for t in transfers if isinstance(t, PoolCopy)]:  # none may write once the pages go
+                late.settle()
             if ok:  # the copies have ended: the arena holds what is hashed
                 hashes.hash([b for _, _, admitted in reserved for b, _ in admitted], self._pool)
             for plan, prepared, admitted in reserved:
