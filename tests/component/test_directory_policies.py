@@ -32,6 +32,7 @@ def test_a_full_tier_of_pinned_blocks_throttles_writers(database_url, control):
     with directory_stack(make_settings(database_url, admission="backpressure"), control) as s:
         complete(s, prepare(s, chain(16)))
         load = s.client.prepare_load(specs.PrepareLoad(namespace_id=s.namespace_id, hashes=chain(16)))
+        assert len(load.blocks) == 16  # every page of the tier pinned (the premise of what follows)
         decision = prepare(s, chain(1, start=900)).blocks[0]
         assert (decision.status, decision.reason, decision.retry_after_s) == ("rejected", "throttled", 1.0)
         s.client.complete_load(specs.CompleteLoad(token=load.token))
