@@ -22,6 +22,7 @@ import json
 import logging
 import mmap
 import os
+import concurrent.futures
 import socket
 import threading
 import time
@@ -207,33 +208,28 @@ class BlockCopier:
         threads, and each block is hashed in the arena: beside the copies for a READ (they only
         read it), once they have ended for a WRITE. Returns as copy_local does."""
         arenas = [self.arenas.view(location) for _, location in items]
-        done, digests, far, staged = [False] * len(items), [""] * len(items), [], []
-        spans: list[list] = []  # [first item, count, arena, offset]: items one after the other in an arena
+        far, staged, in_arena = [], [], []  # in_arena: (item, arena, offset, bytes) of one-run blocks
         for k, ((buffer, location), arena) in enumerate(zip(items, arenas)):
             if arena is None or len(location.runs) != 1:
                 (far if arena is None else staged).append(k)  # a block in several runs goes through its buffer
                 continue
             (addr, length), = location.runs
             at = addr - arena.base_addr
-            if at < 0 or at + length > arena.array.size or length != buffer.nbytes:
-                continue  # not in the arena mapped: NIXL would have failed too
-            last = spans[-1] if spans else None
-            if last and last[0] + last[1] == k and last[2] is arena and last[3] + last[1] * length == at \
-                    and items[last[0]][0].nbytes == length:
-                last[1] += 1
-            else:
-                spans.append([k, 1, arena, at])
+            if 0 <= at and at + length <= arena.array.size and length == buffer.nbytes:  # else NIXL would fail too
+                in_arena.append((k, arena, at, length))
+        spans = _neighbours(in_arena)
         if op == "WRITE":
             self.transform_buffers([(k, items[k][0]) for k in staged], transform)
-        copies = [c for k, count, arena, at in spans
-                  for c in transform(k, arena.array[at:at + count * items[k][0].nbytes])]
-        futures = [self.pool.submit(copy) for copy in copies]
+        futures = [self.pool.submit(copy) for k, arena, at, nbytes in spans
+                   for copy in transform(k, arena.array[at:at + nbytes])]
         through = [(k, self.pool.submit(_copy_hashed, op, *items[k], arenas[k])) for k in staged]
-        copied = op == "READ" or all(future.exception() is None for future in futures)  # waits for each
-        near = [k for k, count, _, _ in spans for k in range(k, k + count)]
+        if op == "WRITE":  # a block is hashed once written; a READ's hashes run beside its copies
+            concurrent.futures.wait(futures)
+        near = [k for k, _, _, _ in in_arena]
         sums = [(ks, self.pool.submit(lambda ks=ks: [arena_digest(arenas[k], items[k][1].runs) for k in ks]))
                 for ks in (near[i:i + HASH_SHARE] for i in range(0, len(near), HASH_SHARE))]
-        copied = copied and all(future.exception() is None for future in futures)
+        copied = all(future.exception() is None for future in futures)  # waits for each
+        done, digests = [False] * len(items), [""] * len(items)
         for ks, future in sums:
             for k, digest in zip(ks, future.result()):
                 done[k], digests[k] = copied, digest
@@ -247,15 +243,10 @@ class BlockCopier:
         """in_place's copies for items that go through their buffers, (index, buffer) (NIXL's: packed
         before it writes them, unpacked after it read them), on the copy threads: one set of copies
         per run of consecutive indices whose buffers follow each other in memory."""
-        runs: list[list] = []  # [first index, count, address, bytes, first buffer]
-        for k, buffer in buffers:
-            last = runs[-1] if runs else None
-            if last and last[0] + last[1] == k and last[2] + last[3] == buffer.ctypes.data:
-                last[1], last[3] = last[1] + 1, last[3] + buffer.nbytes
-            else:
-                runs.append([k, 1, buffer.ctypes.data, buffer.nbytes, buffer])
-        copies = [copy for k, _, _, nbytes, first in runs
-                  for copy in transform(k, as_strided(first.reshape(-1).view(np.uint8), (nbytes,), (1,)))]
+        first = dict(buffers)
+        runs = _neighbours([(k, None, buffer.ctypes.data, buffer.nbytes) for k, buffer in buffers])
+        copies = [copy for k, _, _, nbytes in runs
+                  for copy in transform(k, as_strided(first[k].reshape(-1).view(np.uint8), (nbytes,), (1,)))]
         for future in [self.pool.submit(copy) for copy in copies]:
             future.result()
 
@@ -304,6 +295,20 @@ def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, ar
             digest.update(target)
         at += length
     return at == flat.size, digest.hexdigest()
+
+
+def _neighbours(entries: list[tuple[int, object, int, int]]) -> list[tuple[int, object, int, int]]:
+    """(index, where, at, bytes) entries joined into (first index, where, at, bytes of them all) per run
+    of consecutive indices of one size, in one `where`, each starting where the one before ends."""
+    runs: list[list] = []
+    for k, where, at, nbytes in entries:
+        last = runs[-1] if runs else None
+        if last and last[0] + last[3] // nbytes == k and last[1] is where and last[2] + last[3] == at \
+                and last[4] == nbytes:
+            last[3] += nbytes
+        else:
+            runs.append([k, where, at, nbytes, nbytes])
+    return [(k, where, at, total) for k, where, at, total, _ in runs]
 
 
 def reindexed(transform: Transform, index: list[int], nbytes: int) -> Transform:

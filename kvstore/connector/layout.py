@@ -69,12 +69,6 @@ def pack_copies(namespace: Namespace, kv: LayerKV, first_block: int, raw: np.nda
     return copies
 
 
-def pack(namespace: Namespace, kv: LayerKV, first_block: int, raw: np.ndarray) -> None:
-    """Copy blocks first_block .. of `kv` into whole blocks `raw`, here and now."""
-    for copy in pack_copies(namespace, kv, first_block, raw):
-        copy()
-
-
 def _blocks(namespace: Namespace, raw: np.ndarray) -> tuple[np.ndarray, int, int]:
     """Whole blocks `raw` seen as [n, L, 2, T, H, D] of an integer type of the dtype's size; n; T."""
     n, t = raw.nbytes // namespace.block_nbytes, namespace.block_tokens
@@ -99,12 +93,6 @@ def unpack_copies(namespace: Namespace, raw: np.ndarray, first_block: int, kv: L
             copies.append(partial(np.copyto, here.reshape(namespace.num_kv_heads, n, t, namespace.head_dim),
                                   blocks[:, layer, which].transpose(2, 0, 1, 3)))
     return copies
-
-
-def unpack(namespace: Namespace, raw: np.ndarray, first_block: int, kv: LayerKV) -> None:
-    """Copy whole blocks `raw` into token positions of the per-layer tensors `kv`, here and now."""
-    for copy in unpack_copies(namespace, raw, first_block, kv):
-        copy()
 
 
 def packer(namespace: Namespace, kv: LayerKV, first_block: int) -> Callable:

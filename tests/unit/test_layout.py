@@ -9,6 +9,11 @@ from kvstore.core.keys import Namespace
 NS = Namespace(model_id="m", num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", block_tokens=5)
 
 
+def run(copies) -> None:
+    for copy in copies:
+        copy()
+
+
 def random_kv(seq):
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(2, seq, 4, generator=g), torch.randn(2, seq, 4, generator=g)) for _ in range(3)]
@@ -18,7 +23,7 @@ def test_pack_puts_layer_kv_token_head_dim_in_order():
     kv = random_kv(10)
     raw = np.zeros(2 * NS.block_nbytes, dtype=np.uint8)
     blocks = layout.block_view(NS, raw)
-    layout.pack(NS, kv, 0, raw)
+    run(layout.pack_copies(NS, kv, 0, raw))
     # block 1, layer 2, V, token 3, head 1 == V[head 1, token 5+3]
     assert torch.equal(blocks[1, 2, 1, 3, 1], kv[2][1][1, 8])
     assert torch.equal(blocks[0, 0, 0, :, 0], kv[0][0][0, 0:5])
@@ -27,9 +32,9 @@ def test_pack_puts_layer_kv_token_head_dim_in_order():
 def test_pack_then_unpack_is_identity_and_touches_only_its_tokens():
     kv = random_kv(15)
     raw = np.zeros(2 * NS.block_nbytes, dtype=np.uint8)
-    layout.pack(NS, kv, 1, raw)  # blocks 1 and 2
+    run(layout.pack_copies(NS, kv, 1, raw))  # blocks 1 and 2
     out = [(torch.full((2, 15, 4), 7.0), torch.full((2, 15, 4), 7.0)) for _ in range(3)]
-    layout.unpack(NS, raw, 1, out)
+    run(layout.unpack_copies(NS, raw, 1, out))
     for (k, v), (ok, ov) in zip(kv, out):
         assert torch.equal(ok[:, 5:], k[:, 5:]) and torch.equal(ov[:, 5:], v[:, 5:])
         assert (ok[:, :5] == 7).all() and (ov[:, :5] == 7).all()  # unmapped tokens untouched
@@ -39,9 +44,9 @@ def test_bfloat16_views_without_numpy_support():
     ns = Namespace(model_id="m", num_layers=1, num_kv_heads=1, head_dim=2, dtype="bfloat16", block_tokens=2)
     kv = [(torch.randn(1, 2, 2).bfloat16(), torch.randn(1, 2, 2).bfloat16())]
     raw = np.zeros(ns.block_nbytes, dtype=np.uint8)
-    layout.pack(ns, kv, 0, raw)
+    run(layout.pack_copies(ns, kv, 0, raw))
     out = layout.empty_kv(ns, 2)
-    layout.unpack(ns, raw, 0, out)
+    run(layout.unpack_copies(ns, raw, 0, out))
     assert torch.equal(out[0][0], kv[0][0]) and torch.equal(out[0][1], kv[0][1])
 
 
