@@ -1,6 +1,6 @@
 """Tier moves through the store vs the raw paths, side by side in one run.
 
-    python bench/tiers.py [--sizes 1MiB,4MiB] [--batch-bytes 32MiB] [--repeats 3] [--json OUT]
+    python bench/tiers.py [--sizes 1MiB,4MiB] [--batch-bytes 32MiB] [--repeats 3] [--nvme-direct auto] [--json OUT]
 
 NVMe: the store's demotion (DRAM -> NVMe, `POST /v1/admin/evict`: directory plan,
 worker checksum + NIXL POSIX WRITE + manifest) and promotion (NVMe -> DRAM inside
@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--batch-bytes", default="32MiB")
     parser.add_argument("--s3-batch-bytes", default="8MiB", help="moto is slow: fewer bytes for S3")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nvme-direct", default="auto", choices=("auto", "on", "off"),
+                        help="the worker's NVMe slabs with O_DIRECT (auto, its default) or through the page cache")
     parser.add_argument("--json", default="bench/out/tiers.json")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -140,7 +142,8 @@ def main() -> None:
         s3 = MotoServer(tmp / "moto.log").start()
         s3.client().create_bucket(Bucket="bench")
         stack_args = ("--nvme-bytes", format_size(4 * batch).replace(" ", ""), "--nvme-dir", str(tmp / "nvme"),
-                      "--s3-bucket", "bench", "--s3-endpoint", s3.url, "--bounce-bytes", "64MiB")
+                      "--s3-bucket", "bench", "--s3-endpoint", s3.url, "--bounce-bytes", "64MiB",
+                      *(("--nvme-direct", args.nvme_direct) if args.nvme_direct != "auto" else ()))
         try:
             pids: dict[str, int] = {}
             with local_stack(dram_bytes=format_size(4 * batch).replace(" ", ""), worker_args=stack_args,
@@ -160,16 +163,17 @@ def main() -> None:
             s3.stop()
     print()
     print_table(["block", "demote->NVMe", "raw POSIX W aio/uring", "raw W+fdatasync", "O_DIRECT W+fds/R",
-                 "promote<-NVMe", "raw POSIX R aio/uring", "demote/raw W", "demote/raw W+fds", "promote/raw R",
-                 "directory CPU share demote/promote"],
+                 "promote<-NVMe", "raw POSIX R aio/uring", "demote/raw W+fds", "demote/O_DIRECT W+fds",
+                 "promote/O_DIRECT R", "promote/raw R", "directory CPU share demote/promote"],
                 [[format_size(r["block_bytes"]), r["nvme_store"]["demote_gbps"],
                   f'{r["posix_aio"]["write_gbps"]:.2f}/{r["posix_uring"]["write_gbps"]:.2f}',
                   r["posix_aio"]["write_sync_gbps"],
                   f'{r["posix_direct"]["write_sync_gbps"]:.2f}/{r["posix_direct"]["read_gbps"]:.2f}',
                   r["nvme_store"]["promote_gbps"],
                   f'{r["posix_aio"]["read_gbps"]:.2f}/{r["posix_uring"]["read_gbps"]:.2f}',
-                  r["nvme_store"]["demote_gbps"] / r["posix_aio"]["write_gbps"],
                   r["nvme_store"]["demote_gbps"] / r["posix_aio"]["write_sync_gbps"],
+                  r["nvme_store"]["demote_gbps"] / r["posix_direct"]["write_sync_gbps"],
+                  r["nvme_store"]["promote_gbps"] / r["posix_direct"]["read_gbps"],
                   r["nvme_store"]["promote_gbps"] / r["posix_aio"]["read_gbps"],
                   f'{r["nvme_store"]["directory_share_demote"]:.0%}/{r["nvme_store"]["directory_share_promote"]:.0%}']
                  for r in results])
@@ -182,11 +186,13 @@ def main() -> None:
                   r["s3_store"]["promote_gbps"] / r["s3_raw"]["obj_read_gbps"],
                   f'{r["s3_store"]["directory_share_demote"]:.0%}/{r["s3_store"]["directory_share_promote"]:.0%}']
                  for r in results])
-    print("(GB/s, medians; ratios against the aio queue, the worker's default, through the page cache as the\n"
-          " worker's slabs are; W+fdatasync: the write and an fdatasync of the file, as the store syncs slab data\n"
-          " before its manifest line; O_DIRECT: the same file access bypassing the page cache; directory CPU\n"
-          " share: the directory process's CPU time over the moves' wall time, all repeats)")
+    print(f"(GB/s, medians; the worker's slabs: --nvme-direct {args.nvme_direct}; raw paths with the aio queue, the\n"
+          " worker's default: through the page cache, or O_DIRECT (bypassing it) as the worker's slabs are by\n"
+          " default; W+fdatasync: the write and an fdatasync of the file, as the store syncs slab data before its\n"
+          " manifest line; directory CPU share: the directory process's CPU time over the moves' wall time, all\n"
+          " repeats)")
     write_json(args.json, {"benchmark": "tiers", "machine": machine(), "batch_bytes": batch,
+                           "nvme_direct": args.nvme_direct,
                            "s3_batch_bytes": s3_batch, "repeats": args.repeats, "results": results})
     os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it
 

@@ -48,9 +48,9 @@ DIRECTORY_FLAGS = {
     "ca_file": "ca_file", "advertise_url": "advertise_url"}
 WORKER_FLAGS = {name: name for name in (
     "directory_url", "name", "host", "port", "dram_bytes", "page_bytes", "hbm_bytes", "hbm_device", "nvme_bytes",
-    "nvme_dir", "posix_queue", "gds", "s3_bucket", "s3_endpoint", "s3_prefix", "s3_region", "s3_virtual_addressing",
-    "bounce_bytes", "token", "ca_file", "tls_cert", "tls_key", "open_metrics", "metrics_token", "advertise_host",
-    "arena_dir")}
+    "nvme_dir", "nvme_direct", "posix_queue", "gds", "s3_bucket", "s3_endpoint", "s3_prefix", "s3_region",
+    "s3_virtual_addressing", "bounce_bytes", "token", "ca_file", "tls_cert", "tls_key", "open_metrics",
+    "metrics_token", "advertise_host", "arena_dir")}
 
 
 def settings_from(cls, flags: dict, names: dict):
@@ -247,6 +247,8 @@ def worker_serve(
         hbm_device: Annotated[int | None, typer.Option(help="CUDA device of the HBM tier [0]")] = None,
         nvme_bytes: Annotated[str | None, typer.Option(help="NVMe tier size; 0 = none [0]")] = None,
         nvme_dir: Annotated[Path | None, typer.Option(help="slab files and manifest [var/nvme]")] = None,
+        nvme_direct: Annotated[str | None, typer.Option(help="NVMe slabs with O_DIRECT: auto (where the "
+                                                        "filesystem takes it), on or off [auto]")] = None,
         posix_queue: Annotated[str | None, typer.Option(help="aio or uring [aio]")] = None,
         gds: Annotated[str | None, typer.Option(help="HBM <-> NVMe via GDS_MT: auto, on or off [auto]")] = None,
         s3_bucket: Annotated[str | None, typer.Option(help="S3 tier bucket; none = no S3 tier")] = None,

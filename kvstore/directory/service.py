@@ -79,7 +79,7 @@ class DirectoryService:
         self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s, ca_file=settings.ca_file)
         reclaim = Reclaim(self.calls, self.pools)
         self.reservations = Reservations()
-        moves = Moves(write, self.calls, reclaim, self.pools, metrics, clock, read=self.writer.read)
+        moves = Moves(write, self.calls, reclaim, self.pools, metrics, self.index, clock, read=self.writer.read)
         orphans = Orphans(write, moves, self.calls, reclaim)
         self.movement = Movement(write, moves, reclaim, self.pools, self.policies, self.reservations.reserved_bytes,
                                  promote_timeout_s=min(settings.move_timeout_s, settings.lease_ttl_s),
@@ -322,8 +322,9 @@ class DirectoryService:
     # ---- operators ------------------------------------------------------------------------
 
     def evict_tier(self, req: specs.EvictRequest) -> specs.Evicted:
-        targets = self.writer.run(lambda tx: [(t.id, w.id) for t, w in repo.active_tiers(tx.session, req.tier)
-                                              if req.worker is None or w.name == req.worker])
+        workers = self.index.workers  # the topology as of the last commit: no job to read it
+        targets = sorted((t.id, t.worker_id) for t in self.index.tiers.values() if t.kind == req.tier and
+                         workers[t.worker_id].state == "active" and req.worker in (None, workers[t.worker_id].name))
         if req.worker is not None and not targets:
             raise KVStoreError("not_found", f"no active worker {req.worker!r} with a {req.tier} tier",
                                worker=req.worker, tier=req.tier)

@@ -12,6 +12,7 @@ Calls, in the order they happen:
     t.poll() / t.wait(timeout)                    # "done" | "pending" | "failed"
     agent.notifications()                         # on the peer: {sender: [message, ...]}
     agent.remove_peer(peer); agent.close()
+    local, remote = paired(local_rows, remote_rows)  # both lists cut at the union of their boundaries
 
 Pitfalls handled here: the Python binding makes the
 UCX progress thread busy-poll a core, so we give it a 1 ms delay; agents are
@@ -302,3 +303,23 @@ def _with_dev(rows: np.ndarray) -> np.ndarray:
     out = np.zeros((rows.shape[0], 3), dtype=np.uint64)
     out[:, :2] = rows
     return out
+
+
+def paired(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split two descriptor lists of equal total length at the union of their boundaries,
+    so descriptor i of one has the length of descriptor i of the other."""
+    out_l, out_r = [], []
+    i = j = 0
+    l_off = r_off = 0
+    while i < len(local) and j < len(remote):
+        length = min(int(local[i][1]) - l_off, int(remote[j][1]) - r_off)
+        out_l.append((int(local[i][0]) + l_off, length) + tuple(int(x) for x in local[i][2:]))
+        out_r.append((int(remote[j][0]) + r_off, length) + tuple(int(x) for x in remote[j][2:]))
+        l_off += length
+        r_off += length
+        if l_off == int(local[i][1]):
+            i, l_off = i + 1, 0
+        if r_off == int(remote[j][1]):
+            j, r_off = j + 1, 0
+    assert i == len(local) and j == len(remote), "descriptor lists differ in total length"
+    return np.array(out_l, dtype=np.uint64), np.array(out_r, dtype=np.uint64)

@@ -12,13 +12,14 @@ never become a replica.
     dram -> s3     OBJ WRITE (one PUT; scattered pages are first gathered into
                    contiguous DRAM pages, since OBJ writes whole objects at offset 0)
     s3 -> dram     OBJ READ (ranged GETs; promotion)
-    nvme -> s3     through the bounce buffer (registered once)
+    nvme -> s3     through the bounce buffer (registered once): one POSIX READ into it, one OBJ WRITE
     hbm <-> dram   UCX on VRAM, loopback (GPU path, never run here)
     hbm <-> nvme   GDS_MT (cuFile), VRAM <-> slab file, when the worker has it (GPU path, never run here)
     dram -> a peer's dram   UCX WRITE into another worker's arena (the request names the peer: its
                    agent metadata and arena); the directory has the peer check what arrived
 
-All blocks of one route in a request travel in one NIXL request.
+All blocks of one route in a request travel in one NIXL request (two for NVMe -> S3). What
+each route does for one block is `routes.py`.
 """
 
 from __future__ import annotations
@@ -34,33 +35,22 @@ import xxhash
 
 from kvstore.core import moving, specs
 from kvstore.core.memory import HostBuffer
-from kvstore.transfer import Agent
+from kvstore.transfer import Agent, paired
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.fencing import MoveFence
 from kvstore.worker.hbm import HbmArena
 from kvstore.worker.metrics import WorkerMetrics
 from kvstore.worker.nvme import NvmeTier
+from kvstore.worker.routes import Refused, Routes, SourceCorrupt
 from kvstore.worker.s3 import S3Tier
 
 log = logging.getLogger(__name__)
-ROUTES = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram"), ("nvme", "s3"),
-          ("hbm", "dram"), ("dram", "hbm")}  # the hbm routes are GPU paths (UCX on VRAM)
 MAX_WAIT_S = 300.0  # one NIXL request between two tiers, at most (or until the move's deadline)
 _request = threading.local()  # the move request this thread serves: its deadline and tokens
-
-
-class SourceCorrupt(str):
-    """A move's error saying the source replica failed its checksum: that replica is bad."""
-
-
-class Refused(str):
-    """A move's error found before any byte moved: the request cannot be served here as it is."""
-
-
 BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
 
 
-class Mover:
+class Mover(Routes):
     def __init__(self, agent: Agent, arena: HostBuffer, page_bytes: int, nvme: NvmeTier | None,
                  s3: S3Tier | None, bounce_bytes: int, hbm: HbmArena | None = None, gds: bool = False,
                  metrics: WorkerMetrics | None = None, fence: MoveFence | None = None) -> None:
@@ -107,7 +97,7 @@ class Mover:
             peer = req.peer
             try:
                 name = self._peer(peer)
-                pairs = [_paired(self.dram_rows(req.items[i].src_runs, req.items[i].nbytes),
+                pairs = [paired(self.dram_rows(req.items[i].src_runs, req.items[i].nbytes),
                                  np.array(specs.page_spans(peer.base_addr, peer.page_bytes, req.items[i].dst_runs,
                                                            req.items[i].nbytes), dtype=np.uint64)) for i in todo]
                 error = self._post("WRITE", np.concatenate([p[0] for p in pairs]),
@@ -150,6 +140,8 @@ class Mover:
             started = time.perf_counter()
             if route in BATCHED and self._can(route) and len(indices) > 1:
                 errors.update(self._batch(route, [(i, req.items[i]) for i in indices]))
+            elif route == ("nvme", "s3") and self._can(route) and len(indices) > 1:
+                errors.update(self._nvme_to_s3_batch([(i, req.items[i]) for i in indices]))
             else:
                 errors.update((i, self._move_one(req.items[i])) for i in indices)
             self.metrics.move_seconds.labels("_".join(route)).observe(time.perf_counter() - started)
@@ -221,124 +213,12 @@ class Mover:
     def _route_rows(self, route: tuple[str, str], item: moving.MoveItem):
         dram_runs = item.src_runs if route[0] == "dram" else item.dst_runs
         other_runs = item.dst_runs if route[0] == "dram" else item.src_runs
-        dram = self.dram_rows(dram_runs, item.nbytes)
         if "nvme" in route:
-            local, remote = _paired(dram, self.nvme.rows(other_runs, item.nbytes))
+            nbytes = self.nvme.io_bytes(item.nbytes)
+            local, remote = paired(self.dram_rows(dram_runs, nbytes), self.nvme.rows(other_runs, nbytes))
             return local, remote, "FILE"
+        dram = self.dram_rows(dram_runs, item.nbytes)
         return dram, self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, dram), "OBJ"
-
-    def _can(self, route: tuple[str, str]) -> bool:
-        present = {"dram": True, "nvme": self.nvme is not None, "s3": self.s3 is not None,
-                   "hbm": self.hbm is not None}
-        if route in (("hbm", "nvme"), ("nvme", "hbm")):
-            return self.gds
-        return route in ROUTES and present[route[0]] and present[route[1]]
-
-    def _move_one(self, item: moving.MoveItem) -> str | None:
-        route = (item.src_kind, item.dst_kind)
-        if not self._can(route):
-            return Refused(f"this worker cannot move {item.src_kind} -> {item.dst_kind}")
-        return getattr(self, "_" + "_to_".join(route))(item)
-
-    def _hbm_to_dram(self, item: moving.MoveItem) -> str | None:  # GPU path
-        if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
-            return SourceCorrupt("checksum mismatch in HBM before demotion")
-        local, remote = _paired(self.dram_rows(item.dst_runs, item.nbytes), self.hbm.rows(item.src_runs, item.nbytes))
-        error = self._post("READ", local, remote, "VRAM")
-        if error:
-            return error
-        return None if self.dram_checksum(item.dst_runs, item.nbytes) == item.checksum else \
-            "checksum mismatch after copying from HBM"
-
-    def _dram_to_hbm(self, item: moving.MoveItem) -> str | None:  # GPU path
-        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-            return SourceCorrupt("checksum mismatch in DRAM before promotion")
-        local, remote = _paired(self.dram_rows(item.src_runs, item.nbytes), self.hbm.rows(item.dst_runs, item.nbytes))
-        error = self._post("WRITE", local, remote, "VRAM")
-        if error:
-            return error
-        return None if self.hbm.checksum(item.dst_runs, item.nbytes) == item.checksum else \
-            "checksum mismatch after copying to HBM"
-
-    def _hbm_to_nvme(self, item: moving.MoveItem) -> str | None:  # GPU path (GDS)
-        if self.hbm.checksum(item.src_runs, item.nbytes) != item.checksum:
-            return SourceCorrupt("checksum mismatch in HBM before demotion")
-        local, remote = _paired(self.hbm.rows(item.src_runs, item.nbytes), self.nvme.rows(item.dst_runs, item.nbytes))
-        error = self._post("WRITE", local, remote, "FILE", local_mem="VRAM")
-        if error is None:
-            self.nvme.record(item)
-        return error
-
-    def _nvme_to_hbm(self, item: moving.MoveItem) -> str | None:  # GPU path (GDS)
-        local, remote = _paired(self.hbm.rows(item.dst_runs, item.nbytes), self.nvme.rows(item.src_runs, item.nbytes))
-        error = self._post("READ", local, remote, "FILE", local_mem="VRAM")
-        if error is None and self.hbm.checksum(item.dst_runs, item.nbytes) != item.checksum:
-            return SourceCorrupt("checksum mismatch after reading from NVMe")
-        return error
-
-    def _dram_to_nvme(self, item: moving.MoveItem) -> str | None:
-        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-            return SourceCorrupt("checksum mismatch in DRAM before demotion")
-        error = self._file("WRITE", item.src_runs, item.dst_runs, item.nbytes)
-        if error is None:
-            self.nvme.record(item)
-        return error
-
-    def _nvme_to_dram(self, item: moving.MoveItem) -> str | None:
-        error = self._file("READ", item.dst_runs, item.src_runs, item.nbytes)
-        if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
-            return SourceCorrupt("checksum mismatch after reading from NVMe")
-        return error
-
-    def _dram_to_s3(self, item: moving.MoveItem) -> str | None:
-        if self.dram_checksum(item.src_runs, item.nbytes) != item.checksum:
-            return SourceCorrupt("checksum mismatch in DRAM before demotion")
-        if len(item.src_runs) == 1:
-            return self._object("WRITE", self.dram_rows(item.src_runs, item.nbytes), item)
-
-        def gathered(runs):  # OBJ writes whole objects from one region: gather scattered pages first
-            rows = self.dram_rows(runs, item.nbytes, self.bounce)
-            at = int(rows[0][0]) - self.bounce.addr
-            for addr, length in self.dram_rows(item.src_runs, item.nbytes):
-                self.bounce.array[at : at + int(length)] = self.arena.view(int(addr) - self.arena.addr, int(length))
-                at += int(length)
-            return self._object("WRITE", rows, item)
-        return self._through_bounce(item, gathered)
-
-    def _s3_to_dram(self, item: moving.MoveItem) -> str | None:
-        error = self._object("READ", self.dram_rows(item.dst_runs, item.nbytes), item)
-        if error is None and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
-            return SourceCorrupt("checksum mismatch after reading from S3")
-        return error
-
-    def _nvme_to_s3(self, item: moving.MoveItem) -> str | None:
-        def copy(runs):
-            rows = self.dram_rows(runs, item.nbytes, self.bounce)
-            error = self._file_rows("READ", rows, item.src_runs, item.nbytes)
-            if error is None and self.dram_checksum(runs, item.nbytes, self.bounce) != item.checksum:
-                return SourceCorrupt("checksum mismatch after reading from NVMe")
-            return error or self._object("WRITE", rows, item)
-        return self._through_bounce(item, copy)
-
-    def _through_bounce(self, item: moving.MoveItem, copy) -> str | None:
-        token = f"bounce-{item.dst_token}-{item.hash}"
-        runs = self.bounce_pages.allocate(token, item.nbytes, contiguous=True)
-        if runs is None:
-            return f"the {self.bounce.nbytes}-byte bounce buffer cannot hold a {item.nbytes}-byte block now"
-        try:
-            return copy(runs)
-        finally:
-            self.bounce_pages.free(token, runs)
-
-    def _file(self, op: str, dram_runs, nvme_runs, nbytes: int) -> str | None:
-        return self._file_rows(op, self.dram_rows(dram_runs, nbytes), nvme_runs, nbytes)
-
-    def _file_rows(self, op: str, dram_rows: np.ndarray, nvme_runs, nbytes: int) -> str | None:
-        return self._post(op, *_paired(dram_rows, self.nvme.rows(nvme_runs, nbytes)), "FILE")
-
-    def _object(self, op: str, local: np.ndarray, item: moving.MoveItem) -> str | None:
-        remote = self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, local)
-        return self._post(op, local, remote, "OBJ")
 
     def _post(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str,
               local_mem: str = "DRAM", peer: str | None = None) -> str | None:
@@ -379,22 +259,3 @@ class Mover:
             hasher.update(buffer.view(int(addr) - buffer.addr, int(length)))
         return hasher.hexdigest()
 
-
-def _paired(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Split two descriptor lists of equal total length at the union of their boundaries,
-    so descriptor i of one has the length of descriptor i of the other."""
-    out_l, out_r = [], []
-    i = j = 0
-    l_off = r_off = 0
-    while i < len(local) and j < len(remote):
-        length = min(int(local[i][1]) - l_off, int(remote[j][1]) - r_off)
-        out_l.append((int(local[i][0]) + l_off, length) + tuple(int(x) for x in local[i][2:]))
-        out_r.append((int(remote[j][0]) + r_off, length) + tuple(int(x) for x in remote[j][2:]))
-        l_off += length
-        r_off += length
-        if l_off == int(local[i][1]):
-            i, l_off = i + 1, 0
-        if r_off == int(remote[j][1]):
-            j, r_off = j + 1, 0
-    assert i == len(local) and j == len(remote), "descriptor lists differ in total length"
-    return np.array(out_l, dtype=np.uint64), np.array(out_r, dtype=np.uint64)

@@ -1,7 +1,8 @@
 """The NVMe tier: slab files pre-allocated once, registered with NIXL once, split into pages.
 
-    tier = NvmeTier(directory, total_bytes, page_bytes)   # posix_fallocate + open + manifest replay
+    tier = NvmeTier(directory, total_bytes, page_bytes, direct="auto")   # open + posix_fallocate + replay
     tier.register(agent)                                  # FILE registrations (fd mode), once
+    tier.io_bytes(nbytes) -> bytes a transfer moves       # nbytes, rounded up to DIRECT_ALIGN with O_DIRECT
     tier.rows(runs, nbytes) -> (offset, len, fd) rows     # descriptors of a block's pages
     tier.record(item) / tier.forget(token, runs)          # the manifest, written with the data
     tier.sync()                                           # ... and made durable before answering
@@ -13,6 +14,13 @@ back. Replaying it after a crash yields the blocks whose bytes were written;
 the directory keeps those it still knows and the connector verifies every
 byte by checksum anyway.
 
+Slabs are opened with O_DIRECT where the filesystem takes it (`direct`): the
+page cache would hold a second copy of what the DRAM tier just let go, and
+push it out. O_DIRECT needs every buffer, offset and length aligned to the
+device's blocks: pages are whole multiples of `DIRECT_ALIGN` (the worker
+checks its page size), arenas are mmap'd, and a transfer moves a block's bytes
+rounded up to `DIRECT_ALIGN`, within its last page on both sides.
+
 Its first line records the page size the slabs were split with; pages are
 numbered in it, so a directory keeps that page size whatever the setting says
 later (a manifest without that line predates it: its page size is
@@ -21,6 +29,7 @@ later (a manifest without that line predates it: its page size is
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -37,10 +46,13 @@ log = logging.getLogger(__name__)
 SLAB_BYTES = 1 << 30
 LEGACY_PAGE_BYTES = 64 << 10  # the page size of every tier before manifests recorded theirs
 MANIFEST = "manifest.jsonl"
+DIRECT_ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (a 4 KiB-sector drive's)
+DIRECT_MODES = ("auto", "on", "off")  # O_DIRECT where the filesystem takes it / or refuse to start / never
 
 
 class NvmeTier:
-    def __init__(self, directory: Path, total_bytes: int, page_bytes: int, legacy_page_bytes: int | None = None) -> None:
+    def __init__(self, directory: Path, total_bytes: int, page_bytes: int, legacy_page_bytes: int | None = None,
+                 direct: str = "off") -> None:
         self.directory = Path(directory)
         recorded, written_down = _recorded_page_bytes(self.directory / MANIFEST, legacy_page_bytes or page_bytes)
         if recorded is not None and recorded != page_bytes:
@@ -54,6 +66,7 @@ class NvmeTier:
             raise KVStoreError("invalid", "the NVMe tier must hold at least one page",
                                nvme_bytes=total_bytes, page_bytes=page_bytes)
         self.slab_pages = min(slab_pages, num_pages)
+        self.direct = _direct_wanted(direct, page_bytes)
         self.allocator = PageAllocator(num_pages, page_bytes)
         self.fds = [self._open_slab(i, min(self.slab_pages, num_pages - i * self.slab_pages))
                     for i in range(-(-num_pages // self.slab_pages))]
@@ -73,16 +86,35 @@ class NvmeTier:
     def capacity_bytes(self) -> int:
         return self.allocator.num_pages * self.page_bytes
 
+    def io_bytes(self, nbytes: int) -> int:
+        """The bytes a transfer of an `nbytes` block moves: O_DIRECT moves whole aligned sectors."""
+        return -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN if self.direct else nbytes
+
     def _open_slab(self, index: int, pages: int) -> int:
         path = self.directory / f"slab-{index:04d}.bin"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_direct(path) if self.direct else os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             os.posix_fallocate(fd, 0, pages * self.page_bytes)
         except OSError as exc:
             raise KVStoreError("unavailable", f"cannot prepare NVMe slab {path}: {exc.strerror}",
                                path=str(path)) from None
         return fd
+
+    def _open_direct(self, path: Path) -> int:
+        """The slab opened with O_DIRECT; with "auto", without it if the filesystem refuses (tmpfs)."""
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            if self.direct == "on":
+                raise KVStoreError("invalid", f"the filesystem of {self.directory} refuses O_DIRECT (nvme_direct "
+                                   "is on): use another folder or nvme_direct auto", path=str(path)) from None
+            log.warning("the filesystem of %s refuses O_DIRECT: NVMe slabs go through the page cache",
+                        self.directory)
+            self.direct = None
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
     def _open_manifest(self) -> int:
         try:
@@ -234,6 +266,20 @@ class NvmeTier:
         os.close(self._manifest)
         for fd in self.fds:
             os.close(fd)
+
+
+def _direct_wanted(direct: str, page_bytes: int) -> str | None:
+    """"on" or "auto" when slabs are to be opened with O_DIRECT, None when not."""
+    if direct not in DIRECT_MODES:
+        raise KVStoreError("invalid", f"nvme_direct must be one of {', '.join(DIRECT_MODES)}", nvme_direct=direct)
+    if direct != "off" and page_bytes % DIRECT_ALIGN:
+        if direct == "on":
+            raise KVStoreError("invalid", f"O_DIRECT needs NVMe pages in multiples of {DIRECT_ALIGN} bytes",
+                               page_bytes=page_bytes)
+        log.warning("NVMe pages of %d bytes are not multiples of %d: slabs go through the page cache", page_bytes,
+                    DIRECT_ALIGN)
+        return None
+    return None if direct == "off" else direct
 
 
 def _recorded_page_bytes(path: Path, legacy_page_bytes: int) -> tuple[int | None, bool]:

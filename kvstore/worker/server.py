@@ -27,7 +27,7 @@ from kvstore.worker.metrics import WorkerMetrics
 from kvstore.worker.hbm import HbmArena
 from kvstore.worker.fencing import MoveFence
 from kvstore.worker.mover import Mover
-from kvstore.worker.nvme import LEGACY_PAGE_BYTES, NvmeTier
+from kvstore.worker.nvme import DIRECT_ALIGN, LEGACY_PAGE_BYTES, NvmeTier
 from kvstore.worker.sharing import ArenaShare
 from kvstore.worker.s3 import S3Tier
 from kvstore.worker.settings import WorkerSettings
@@ -47,7 +47,8 @@ class StorageWorker:
             if settings.hbm_bytes else None
         # a manifest from before pages sizes were recorded was written with the page size set, or the old default
         legacy = settings.page_bytes if "page_bytes" in settings.model_fields_set else LEGACY_PAGE_BYTES
-        self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes, legacy) \
+        direct = settings.nvme_direct if settings.page_bytes % DIRECT_ALIGN == 0 else "off"  # DRAM's pages too
+        self.nvme = NvmeTier(settings.nvme_dir, settings.nvme_bytes, settings.page_bytes, legacy, direct) \
             if settings.nvme_bytes else None
         self.s3 = S3Tier(settings.s3_endpoint, settings.s3_bucket, settings.s3_prefix, settings.s3_region,
                          settings.s3_virtual_addressing) if settings.s3_bucket else None
@@ -137,9 +138,9 @@ class StorageWorker:
                  self.control.url, self.agent.name, ",".join(self.agent.backends),
                  format_size(self.arena.nbytes), self.allocator.num_pages, format_size(self.settings.page_bytes))
         if self.nvme:
-            log.info("NVMe tier: %s in %d slab file(s) under %s, %d blocks survived",
+            log.info("NVMe tier: %s in %d slab file(s) under %s (%s), %d blocks survived",
                      format_size(self.nvme.capacity_bytes), len(self.nvme.fds), self.settings.nvme_dir,
-                     len(self.nvme.survivors()))
+                     "O_DIRECT" if self.nvme.direct else "page cache", len(self.nvme.survivors()))
         if self.s3:
             log.info("S3 tier: bucket %s, prefix %s, endpoint %s", self.s3.bucket, self.s3.prefix,
                      self.s3.endpoint or "AWS")

@@ -35,6 +35,9 @@ class WorkerSettings(BaseSettings):
     hbm_device: int = Field(0, ge=0, description="CUDA device of the HBM tier")
     nvme_bytes: int = Field(0, ge=0, description="NVMe tier size in slab files; 0 = no NVMe tier")
     nvme_dir: Path = Field(Path("var/nvme"), description="where the slab files and their manifest live")
+    nvme_direct: Literal["auto", "on", "off"] = Field("auto", description="NVMe slabs opened with O_DIRECT (no "
+                                                      "second copy in the page cache): auto = where the filesystem "
+                                                      "takes it, on = refuse to start otherwise, off = never")
     posix_queue: Literal["aio", "uring"] = Field("aio", description="NIXL POSIX backend queue")
     gds: Literal["auto", "on", "off"] = Field("auto", description="HBM <-> NVMe through GDS_MT when both tiers exist: "
                                               "auto = if cuFile loads, on = refuse to start without it")
@@ -75,6 +78,12 @@ class WorkerSettings(BaseSettings):
         if self.host in ("0.0.0.0", "::", "") and self.advertise_host is None:
             raise ValueError(f"host {self.host!r} binds every address, but the directory needs one to call: "
                              "add advertise_host (--advertise-host)")
+        return self
+
+    @model_validator(mode="after")
+    def _direct_pages(self) -> "WorkerSettings":
+        if self.nvme_direct == "on" and self.page_bytes % 4096:
+            raise ValueError(f"nvme_direct on needs page_bytes in multiples of 4096 (O_DIRECT), not {self.page_bytes}")
         return self
 
     @field_validator("arena_dir", mode="before")

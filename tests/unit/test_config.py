@@ -36,7 +36,7 @@ SAMPLES = {
         "dram_bytes": (2 << 20, 3 << 20, 4 << 20), "page_bytes": (8192, 16384, 32768),
         "hbm_bytes": (1 << 20, 2 << 20, 3 << 20), "hbm_device": (1, 2, 3),
         "nvme_bytes": (1 << 20, 2 << 20, 3 << 20), "nvme_dir": (Path("/n1"), Path("/n2"), Path("/n3")),
-        "posix_queue": ("uring", "aio", "uring"), "gds": ("on", "off", "on"),
+        "nvme_direct": ("on", "off", "on"), "posix_queue": ("uring", "aio", "uring"), "gds": ("on", "off", "on"),
         "s3_bucket": ("bucket-a", "bucket-b", "bucket-c"), "s3_endpoint": ("http://s1", "http://s2", "http://s3"),
         "s3_prefix": ("p1", "p2", "p3"), "s3_region": ("eu-west-1", "eu-west-2", "eu-west-3"),
         "s3_virtual_addressing": (True, False, True), "bounce_bytes": (2 << 20, 3 << 20, 4 << 20),

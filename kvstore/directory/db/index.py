@@ -3,6 +3,7 @@
     index.rebuild(session)                   # at start, from SQL; `ready` is False until then
     index.reload(session, block_ids)         # after a commit that touched these blocks
     index.reload_topology(session)           # after a commit that touched workers or tiers
+    index.workers / index.tiers / index.tiers_of(worker_id)   # that topology: {id: view}, {kind: TierView}
     index.follow_commit(sessions, touched, topology, committed)   # the writer's after-commit: all three
     index.lookup(namespace_id, hashes) -> [Hit]   # leading blocks with a readable replica; no lock, no SQL
     index.count(namespace_id, hashes) -> (hits, {kind: hits}, [(kind, n)])   # the same, without locations
@@ -58,6 +59,7 @@ class WorkerView(NamedTuple):
     epoch: int
     state: str
     control_url: str = ""
+    backends: tuple[str, ...] = ()
 
 
 class ReplicaView(NamedTuple):
@@ -97,6 +99,7 @@ class Index:
         self._by_id: dict[int, Entry] = {}
         self.tiers: dict[int, TierView] = {}
         self.workers: dict[int, WorkerView] = {}
+        self._own: dict[int, dict[str, TierView]] = {}  # worker id -> its tiers by kind
         self._counts: Counter = Counter()  # block id -> hits since the last drain, deepest first seen first
         self._hits: dict[int, Entry] = {}  # block id -> its entry when last hit
         self._readable: dict[int, tuple] = {}  # tier id -> (tier, worker, the epoch a replica needs or None)
@@ -265,9 +268,10 @@ class Index:
                            [tier_id], [])
 
     def reload_topology(self, session: Session) -> None:
-        workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state, w.control_url)
+        workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state, w.control_url,
+                                    tuple(w.backends or ()))
                    for w in session.execute(select(Worker.id, Worker.name, Worker.agent_name, Worker.epoch,
-                                                   Worker.state, Worker.control_url))}
+                                                   Worker.state, Worker.control_url, Worker.backends))}
         self.set_topology(workers, {t.id: TierView(*t) for t in session.execute(
             select(Tier.id, Tier.worker_id, Tier.kind, Tier.page_bytes, Tier.base_addr, Tier.capacity_bytes))})
 
@@ -279,8 +283,15 @@ class Index:
             worker = workers[tier.worker_id]
             if tier.kind == "s3" or worker.state != "dead":
                 readable[tier.id] = (tier, worker, worker.epoch if tier.kind in tiers.MEMORY else None)
-        self.workers, self.tiers, self._readable = workers, tiers_, readable
+        own: dict[int, dict[str, TierView]] = {}
+        for tier in tiers_.values():
+            own.setdefault(tier.worker_id, {})[tier.kind] = tier
+        self.workers, self.tiers, self._readable, self._own = workers, tiers_, readable, own
         self._readable_homes = {(tier_id, epoch) for tier_id, (_, _, epoch) in readable.items()}
+
+    def tiers_of(self, worker_id: int) -> dict[str, TierView]:
+        """A worker's tiers by kind, as of the last commit (moves read topology here, not from SQL)."""
+        return self._own.get(worker_id, {})
 
     def _home(self, replica: ReplicaView) -> tuple[int, int | None]:
         """(tier id, the epoch it was written in if its tier is memory, else None), one shared tuple

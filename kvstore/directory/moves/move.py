@@ -39,6 +39,7 @@ from typing import NamedTuple
 from kvstore.core import moving, specs, tiers
 from kvstore.directory.moves import sql
 from kvstore.directory.db import direct, repository as repo
+from kvstore.directory.db.index import Index
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.db.models.replica import DELETING, MOVING, READY, WRITING
 from kvstore.directory.workers.credit import PagePools
@@ -70,8 +71,9 @@ class _Source(NamedTuple):
 
 class Moves:
     def __init__(self, write: Write, calls: WorkerCalls, reclaim: Reclaim, pools: PagePools, metrics: DirectoryMetrics,
-                 clock: Callable[[], float] = time.time, read: Write | None = None) -> None:
+                 topology: Index, clock: Callable[[], float] = time.time, read: Write | None = None) -> None:
         self._write = write
+        self.topology = topology  # workers and tiers as of the last commit: no SQL to find them
         self._read = read or write  # a job that only reads, off the writer
         self._calls = calls
         self._reclaim = reclaim
@@ -95,8 +97,7 @@ class Moves:
         `timeout_s`: the move's deadline from now (default: the move timeout)."""
         if not replica_ids:
             return {}
-        found = self._read(lambda tx: _sources(tx, worker_id, source_tier_id, dest_kind, replica_ids,
-                                               dest_worker_id))  # reserve checks the sources again
+        found = self._sources(worker_id, source_tier_id, dest_kind, replica_ids, dest_worker_id)
         if found is None or found.dest is None or not found.rows:
             return {}
         if found.peer is not None and (found.source[1], dest_kind) != ("dram", "dram"):
@@ -129,6 +130,25 @@ class Moves:
         log.debug("copied %d of %d blocks %s in %.1f ms", len(done), len(plan), route,
                   (time.perf_counter() - t0) * 1e3)
         return done
+
+    def _sources(self, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int],
+                 dest_worker_id: int | None) -> _Source | None:
+        """Where the copy runs and lands, from the topology; the replicas' blocks from SQL (the
+        reservation checks the sources again)."""
+        workers = self.topology.workers
+        worker, source = workers.get(worker_id), self.topology.tiers.get(source_tier_id)
+        target = workers.get(dest_worker_id) if dest_worker_id is not None else worker
+        if worker is None or source is None or target is None or (target.id != worker.id and target.state != "active"):
+            return None
+        dest = self.topology.tiers_of(target.id).get(dest_kind)
+        to_peer = target.id != worker.id and dest is not None
+        pairs, metadata = self._read(lambda tx: (sql.replica_block_pairs(tx.session, replica_ids), repo.worker(
+            tx.session, target.id).agent_metadata if to_peer else None))
+        peer = moving.Peer(agent_name=target.agent_name, agent_metadata=base64.b64encode(metadata).decode(),
+                           base_addr=dest.base_addr, page_bytes=dest.page_bytes) if to_peer else None
+        return _Source(worker.control_url, worker.epoch, (source.id, source.kind),
+                       (dest.id, dest.kind, dest.page_bytes) if dest is not None else None,
+                       pairs, target.epoch, target.control_url, peer)
 
     def _reserve(self, tx: Tx, found: _Source, token: str, runs, deadline: float, only_ready: bool) -> list[_Move]:
         """Destination replicas for the sources still readable; what was allocated and not used goes back."""
@@ -163,8 +183,7 @@ class Moves:
              source.created_at) for _, source, pages, reserved in plan], state=WRITING, expires_at=expires_at)
         direct.set_states(tx.session, {replica_id: MOVING for replica_id, source, _, _ in plan
                                        if source.state == READY})
-        repo.add_used(tx.session, {dest_id: used})
-        repo.touched(tx.session, blocks)
+        repo.add_used(tx.session, {dest_id: used})  # no block to reload: a MOVING source reads as READY did
         return [_Move(source.block_id, replica_id, dest_ids[source.block_id],
                       _item(source, found.source[1], dest_kind, token, pages)) for replica_id, source, pages, _ in plan]
 
@@ -239,23 +258,6 @@ def move_executor(token: str) -> int | None:
     """The id of the worker executing the move of `token`; None if the token does not say."""
     parts = token.split("-")
     return int(parts[1]) if len(parts) == 3 and parts[0] == "move" and parts[1].isdigit() else None
-
-
-def _sources(tx: Tx, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int],
-             dest_worker_id: int | None = None) -> _Source | None:
-    worker = repo.worker(tx.session, worker_id)
-    source = repo.tier(tx.session, source_tier_id)
-    target = repo.worker(tx.session, dest_worker_id) if dest_worker_id is not None else worker
-    if worker is None or source is None or target is None or (target is not worker and target.state != "active"):
-        return None
-    dest = repo.tiers_of(tx.session, target.id).get(dest_kind)
-    pairs = sql.replica_block_pairs(tx.session, replica_ids)
-    peer = moving.Peer(agent_name=target.agent_name, agent_metadata=base64.b64encode(target.agent_metadata).decode(),
-                      base_addr=dest.base_addr, page_bytes=dest.page_bytes) \
-        if target is not worker and dest is not None else None
-    return _Source(worker.control_url, worker.epoch, (source.id, source.kind),
-                   (dest.id, dest.kind, dest.page_bytes) if dest is not None else None,
-                   pairs, target.epoch, target.control_url, peer)
 
 
 def _item(source: sql.MoveSource, source_kind: str, dest_kind: str, token: str, runs) -> moving.MoveItem:

@@ -130,6 +130,12 @@ def write_through_candidates(session: Session, namespace_ids: list[str],
     return list(session.execute(query).tuples())
 
 
+def tier_fill(session: Session, tier_id: int) -> tuple[int | None, int, float] | None:
+    """(capacity bytes, used bytes, low watermark) of a tier, None if it is gone."""
+    found = rows(session, "SELECT capacity_bytes, used_bytes, low_watermark FROM tiers WHERE id = ?", (tier_id,))
+    return tuple(found[0]) if found else None
+
+
 def replica_block_pairs(session: Session, replica_ids: list[int]) -> list[tuple[int, int, int]]:
     """(replica id, its block's id, the block's bytes) for these ids, in the order given; missing ids
     are left out."""

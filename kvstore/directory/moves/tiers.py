@@ -23,7 +23,7 @@ from typing import NamedTuple
 from kvstore.core import tiers
 from kvstore.directory.moves import sql
 from kvstore.directory.db import direct, repository as repo
-from kvstore.directory.db.index import Hit
+from kvstore.directory.db.index import Hit, Index
 from kvstore.directory.db.models import Tier
 from kvstore.directory.db.models.replica import DELETING
 from kvstore.directory.moves.move import Moves
@@ -51,6 +51,7 @@ class Movement:
                  reserved_bytes: Callable[[int], int] = lambda tier_id: 0, promote_timeout_s: float | None = None,
                  read: Write | None = None) -> None:
         self._write = write
+        self._topology: Index = moves.topology  # workers and tiers as of the last commit
         self._read = read or write  # a job that only reads, off the writer
         self._promote_timeout_s = promote_timeout_s  # a reader waits on a promotion: no longer than its lease
         self._reserved = reserved_bytes  # tier id -> bytes that saves hold reserved (not in SQL yet)
@@ -72,15 +73,20 @@ class Movement:
     def make_room(self, tier_id: int, worker_id: int, nbytes: int, protected: set[int] = frozenset()) -> None:
         """Before placing `nbytes` on a tier: demote enough that they fit, down to the low watermark
         when that asks for more; blocks in `protected` (being loaded) stay."""
+        tier, worker = self._topology.tiers.get(tier_id), self._topology.workers.get(worker_id)
+        if tier is None or worker is None or (tier.kind in tiers.MEMORY and
+                                              nbytes <= self._pools.free_bytes(tier_id, worker.epoch)):
+            return  # the common case: it fits, no SQL
+
         def shortfall(tx: Tx) -> int:
-            tier, worker = repo.tier(tx.session, tier_id), repo.worker(tx.session, worker_id)
-            if tier is None or worker is None or not tier.capacity_bytes:
+            fill = sql.tier_fill(tx.session, tier_id)
+            if fill is None or not fill[0]:
                 return 0
-            free = (self._pools.free_bytes(tier.id, worker.epoch) if tier.kind in tiers.MEMORY
-                    else tier.capacity_bytes - tier.used_bytes)
+            capacity, used, low_watermark = fill
+            free = self._pools.free_bytes(tier_id, worker.epoch) if tier.kind in tiers.MEMORY else capacity - used
             if nbytes <= free:
                 return 0
-            return max(nbytes - free, tier.used_bytes + nbytes - int(tier.low_watermark * tier.capacity_bytes))
+            return max(nbytes - free, used + nbytes - int(low_watermark * capacity))
         short = self._read(shortfall)
         if short > 0:
             self._demote_tier(tier_id, worker_id, short, set(protected), limit=1 << 30)
@@ -91,9 +97,9 @@ class Movement:
         names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
         to_free = max_bytes if max_bytes is not None else 1 << 62
         if dry_run:  # at the bottom every victim would be dropped, above it moved down; read off the writer
-            chosen, lower = self._read(lambda tx: (self._victims(
-                tx, repo.tier(tx.session, tier_id), to_free, set(), namespace_id, limit, dry_run=True),
-                _lower(tx, tier_id, worker_id)))
+            chosen = self._read(lambda tx: self._victims(tx, repo.tier(tx.session, tier_id), to_free, set(),
+                                                         namespace_id, limit, dry_run=True))
+            lower = _lower(self._topology, tier_id, worker_id)
             return {"replicas": len(chosen), "bytes": sum(r.reserved_bytes for r, _ in chosen),
                     "demoted": len(chosen) if lower else 0, "dropped": 0 if lower else len(chosen)}
         return self._demote_tier(tier_id, worker_id, to_free, set(), namespace_id, limit)
@@ -103,13 +109,13 @@ class Movement:
         outcome = {"replicas": 0, "bytes": 0, "demoted": 0, "dropped": 0}
         total = 0
         while total < to_free and outcome["replicas"] < limit:  # rounds of at most MAX_MOVES_PER_ROUND
-            lower = self._read(lambda tx: _lower(tx, tier_id, worker_id))
+            lower = _lower(self._topology, tier_id, worker_id)
             if lower is not None and self.moves.backing_off(lower[0]):
                 break  # the tier below failed lately: keep the blocks where they are until it is retried
             round_limit = min(MAX_MOVES_PER_ROUND, limit - outcome["replicas"])
             plan = self._write(lambda tx: self._plan(tx, tier_id, worker_id, to_free - total, protected,
                                                      namespace_id, round_limit))
-            if plan.copy and lower[2]:  # cascade: the tier below makes room for this round first
+            if plan.copy and lower is not None and lower[2]:  # cascade: the tier below makes room first
                 self.make_room(lower[0], worker_id, plan.copy_bytes, protected)
             moved = self.moves.copy(worker_id, tier_id, plan.dest_kind, list(plan.copy), source_stays=False) \
                 if plan.copy else {}
@@ -129,10 +135,8 @@ class Movement:
               namespace_id: str | None, limit: int) -> _Plan:
         with self._loading_lock:
             protected = protected | set(self._loading)
-        tier, worker = repo.tier(tx.session, tier_id), repo.worker(tx.session, worker_id)
-        own = repo.tiers_of(tx.session, worker_id)
-        lower_kind = tiers.below(own, tier.kind, gds="GDS_MT" in worker.backends)
-        lower = own.get(lower_kind) if lower_kind else None
+        tier, below = repo.tier(tx.session, tier_id), _lower(self._topology, tier_id, worker_id)
+        lower = repo.tier(tx.session, below[0]) if below is not None else None  # its fill, for its admission
         victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
         kinds = sql.replica_kinds(tx.session, [b.id for _, b in victims])
         copy = {r.id: block_key(b.namespace_id, b.hash) for r, b in victims
@@ -236,8 +240,9 @@ class Movement:
 
     def _promote(self, by_source: dict, protected: set[int]) -> None:
         for (worker_id, tier_id), items in by_source.items():
-            own = self._write(lambda tx: {k: t.id for k, t in repo.tiers_of(tx.session, worker_id).items()})
-            gds = "GDS_MT" in self._write(lambda tx: repo.worker(tx.session, worker_id).backends)
+            own = {k: t.id for k, t in self._topology.tiers_of(worker_id).items()}
+            worker = self._topology.workers.get(worker_id)
+            gds = worker is not None and "GDS_MT" in worker.backends
             kind = "hbm" if items[0].tier.kind == "nvme" and "hbm" in own and gds else "dram"
             if kind in own and not self.moves.backing_off(own[kind]):  # a route failing: not waited on
                 self.make_room(own[kind], worker_id, sum(h.entry.nbytes for h in items), protected)
@@ -245,10 +250,12 @@ class Movement:
                                 timeout_s=self._promote_timeout_s)
 
 
-def _lower(tx: Tx, tier_id: int, worker_id: int) -> tuple[int, str, bool] | None:
-    """(id, kind, bounded) of the tier below, or None at the bottom."""
-    tier, worker = repo.tier(tx.session, tier_id), repo.worker(tx.session, worker_id)
-    own = repo.tiers_of(tx.session, worker_id)
+def _lower(topology: Index, tier_id: int, worker_id: int) -> tuple[int, str, bool] | None:
+    """(id, kind, bounded) of the tier below, or None at the bottom (or for a tier no longer known)."""
+    tier, worker = topology.tiers.get(tier_id), topology.workers.get(worker_id)
+    if tier is None or worker is None:
+        return None
+    own = topology.tiers_of(worker_id)
     kind = tiers.below(own, tier.kind, gds="GDS_MT" in worker.backends)
     return (own[kind].id, kind, own[kind].capacity_bytes is not None) if kind else None
 
