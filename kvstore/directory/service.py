@@ -323,8 +323,8 @@ class DirectoryService:
 
     def evict_tier(self, req: specs.EvictRequest) -> specs.Evicted:
         workers = self.index.workers  # the topology as of the last commit: no job to read it
-        targets = sorted((t.id, t.worker_id) for t in self.index.tiers.values() if t.kind == req.tier and
-                         workers[t.worker_id].state == "active" and req.worker in (None, workers[t.worker_id].name))
+        targets = sorted((t.id, w.id) for t in self.index.tiers.values() for w in [workers.get(t.worker_id)]
+                         if t.kind == req.tier and w and w.state == "active" and req.worker in (None, w.name))
         if req.worker is not None and not targets:
             raise KVStoreError("not_found", f"no active worker {req.worker!r} with a {req.tier} tier",
                                worker=req.worker, tier=req.tier)

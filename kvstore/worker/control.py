@@ -64,7 +64,7 @@ class ControlServer:
         self.metrics = metrics or WorkerMetrics()
         self.open_metrics = open_metrics
         self.metrics_token = metrics_token
-        self.object_tiers = object_tiers or {}  # kind -> callable(name) deleting an object
+        self.object_tiers = object_tiers or {}  # kind -> callable(name, token) deleting an object
         self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
         self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
@@ -138,7 +138,7 @@ class ControlServer:
         for item in req.items:
             if item.object is not None:
                 for delete in self.object_tiers.values():
-                    delete(item.object)
+                    delete(item.object, item.token)
                 freed += 1
                 continue
             for kind, allocator in self.allocators.items():

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 300.0  # one NIXL request between two tiers, at most (or until the move's deadline)
 _request = threading.local()  # the move request this thread serves: its deadline and tokens
 BATCHED = {("dram", "nvme"), ("nvme", "dram"), ("dram", "s3"), ("s3", "dram")}
+READ_GROUPS = 4  # requests a batch read into DRAM is split into, so checksums run beside the reads
 
 
 class Mover(Routes):
@@ -65,6 +66,8 @@ class Mover(Routes):
         self.bounce_pages = PageAllocator(bounce_bytes // page_bytes, page_bytes) if self.bounce else None
         if self.bounce:
             agent.register_dram(self.bounce.addr, self.bounce.nbytes)
+        self._parked: list[tuple[list, list]] = []  # (abandoned transfers, bounce pages they may still use)
+        self._parked_lock = threading.Lock()
         self.nvme, self.s3, self.hbm, self.gds = nvme, s3, hbm, gds
         self._hashing = ThreadPoolExecutor(2, thread_name_prefix="move-checksum")  # beside a write to NVMe
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL loaded it under
@@ -76,7 +79,7 @@ class Mover(Routes):
             self._count(req.items, ["expired"] * n, [False] * n)
             return moving.MoveResult(ok=[False] * n, errors=["the move's deadline passed before it started"] * n,
                                     codes=["expired"] * n)
-        _request.at, _request.tokens = req.expires_at, {item.dst_token for item in req.items}
+        _request.at, _request.tokens, _request.abandoned = req.expires_at, {i.dst_token for i in req.items}, []
         return self._to_peer(req) if req.peer is not None else self._move(req)
 
     def _to_peer(self, req: moving.MoveRequest) -> moving.MoveResult:
@@ -126,6 +129,9 @@ class Mover(Routes):
         for i, item in enumerate(req.items):
             if item.dst_kind == "nvme" and self.nvme and not self.nvme.allocator.owns(item.dst_token, item.dst_runs):
                 errors[i] = Refused("the destination pages are not held by this move's token (rolled back?)")
+        for item in req.items:  # a late delete of an earlier copy's object must not remove this one
+            if item.dst_kind == "s3" and self.s3 is not None:
+                self.s3.claim(f"{item.namespace_id}/{item.hash}", item.dst_token)
         by_route: dict[tuple[str, str], list[int]] = {}
         s3_down = self.s3.unreachable() if self.s3 and any("s3" in (i.src_kind, i.dst_kind) for i in req.items) \
             else None
@@ -178,14 +184,17 @@ class Mover(Routes):
                 m.s3_errors.labels("failed").inc()
 
     def _batch(self, route: tuple[str, str], items: list[tuple[int, moving.MoveItem]]) -> dict[int, str | None]:
-        """All items of one route in one NIXL request; checksums per block; a failed request falls back
-        to a request per block. To NVMe, sources are hashed on another thread as they are written (a
-        bad one lands in pages the directory gives back, and is never recorded)."""
+        """All items of one route in one NIXL request (reads into DRAM: `_read_checked`); checksums per
+        block; a failed request falls back to a request per block. To NVMe, sources are hashed on
+        another thread as they are written (a bad one lands in pages the directory gives back, and is
+        never recorded)."""
         checking = self._hashing.submit(self._source_errors, items) if route == ("dram", "nvme") else None
         errors = self._source_errors(items) if route[0] == "dram" and checking is None else {}
         todo = [(i, item) for i, item in items if i not in errors and
                 (route != ("dram", "s3") or len(item.src_runs) == 1)]
         rows = [self._route_rows(route, item) for _, item in todo]
+        if route[1] == "dram":  # every item, at least two
+            return self._read_checked(todo, rows, f"after reading from {'NVMe' if route[0] == 'nvme' else 'S3'}")
         if todo:
             local, remote = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
             failed = self._post("WRITE" if route[0] == "dram" else "READ", local, remote, rows[0][2])
@@ -193,17 +202,46 @@ class Mover(Routes):
             if failed:
                 return {**errors, **{i: self._move_one(item) for i, item in items if i not in errors}}
         for i, item in todo:
-            if i in errors:
-                continue
-            if route[1] == "dram" and self.dram_checksum(item.dst_runs, item.nbytes) != item.checksum:
-                errors[i] = SourceCorrupt(f"checksum mismatch after reading from {'NVMe' if route[0] == 'nvme' else 'S3'}")
-            else:
+            if i not in errors:
                 errors[i] = None
                 if route[1] == "nvme":
                     self.nvme.record(item)
         for i, item in items:  # what could not join the batch (scattered pages to S3)
             if i not in errors:
                 errors[i] = self._move_one(item)
+        return errors
+
+    def _read_checked(self, todo: list[tuple[int, moving.MoveItem]], rows: list,
+                      where: str) -> dict[int, str | None]:
+        """Blocks read into DRAM in up to READ_GROUPS requests posted at once; a group's blocks are
+        hashed on the checksum threads as soon as its request is done, beside the later groups' reads.
+        A group whose request failed is retried block by block."""
+        total, at, groups = sum(item.nbytes for _, item in todo), 0, {}
+        for k, (_, item) in enumerate(todo):  # consecutive blocks, about total / READ_GROUPS bytes a group
+            groups.setdefault(at * READ_GROUPS // total, []).append(k)
+            at += item.nbytes
+        groups = list(groups.values())
+        posted = []
+        try:
+            for g in groups:
+                posted.append(self.agent.submit("READ", np.concatenate([rows[k][0] for k in g]),
+                                                np.concatenate([rows[k][1] for k in g]), self.agent.name, "DRAM",
+                                                rows[0][2]))
+        except Exception:
+            for transfer in posted:  # nothing of this move may still write once it has answered
+                self._wait(transfer, rows[0][2])
+            raise
+        errors, hashing = {}, []
+        for g, transfer in zip(groups, posted):
+            members = [todo[k] for k in g]
+            if self._wait(transfer, rows[0][2]) is None:
+                hashing.append(self._hashing.submit(lambda m=members: {i: None if self.dram_checksum(
+                    item.dst_runs, item.nbytes) == item.checksum else SourceCorrupt(f"checksum mismatch {where}")
+                    for i, item in m}))
+            else:
+                errors.update((i, self._move_one(item)) for i, item in members)
+        for done in hashing:
+            errors.update(done.result())
         return errors
 
     def _source_errors(self, items: list[tuple[int, moving.MoveItem]]) -> dict[int, str]:
@@ -224,15 +262,25 @@ class Mover(Routes):
               local_mem: str = "DRAM", peer: str | None = None) -> str | None:
         """One NIXL request between local memory and one of this worker's own tiers (or a peer's
         memory); None when done."""
-        transfer = self.agent.submit(op, local, remote, peer or self.agent.name, local_mem, remote_mem)
+        return self._wait(self.agent.submit(op, local, remote, peer or self.agent.name, local_mem, remote_mem),
+                          remote_mem)
+
+    def _wait(self, transfer, remote_mem: str) -> str | None:
+        """None once a posted request is done, else why not (one that may still write is fenced)."""
         deadline = getattr(_request, "at", None)
         wait_s = MAX_WAIT_S if deadline is None else max(0.0, min(MAX_WAIT_S, deadline - time.time()))
         if transfer.wait(wait_s) == "done":
             return None
         if transfer.abandoned:  # posted and not finished: it may write after the move has answered
             self.fence.stuck(getattr(_request, "tokens", set()), transfer)
+            self._abandoned().append(transfer)
         self.metrics.nixl_failures.labels(remote_mem).inc()
         return transfer.error
+
+    def _abandoned(self) -> list:
+        """The NIXL requests of the move this thread serves that timed out while posted (NIXL may
+        still run them: the memory they use is not reused before they settle)."""
+        return _request.__dict__.setdefault("abandoned", [])
 
     def dram_rows(self, runs: list[specs.PageRun], nbytes: int, buffer: HostBuffer | None = None) -> np.ndarray:
         buffer = buffer or self.arena

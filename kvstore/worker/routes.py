@@ -5,7 +5,8 @@ NVMe -> S3 for many blocks at once through the bounce buffer.
     mover._nvme_to_s3_batch([(i, item)]) -> {i: None | error}
 
 `Routes` is the mover's mixin: it uses the mover's tiers (`arena`, `nvme`, `s3`, `hbm`, `gds`,
-`bounce`, `bounce_pages`), its NIXL requests (`_post`) and its DRAM rows and checksums. Errors
+`bounce`, `bounce_pages`, and `_parked`: bounce pages an abandoned NIXL request may still use), its
+NIXL requests (`_post`, `_abandoned`) and its DRAM rows and checksums. Errors
 are strings; two kinds say more than "failed" (`SourceCorrupt`, `Refused`).
 """
 
@@ -126,12 +127,34 @@ class Routes:
 
     def _through_bounce(self, item: moving.MoveItem, copy) -> str | None:
         token = f"bounce-{item.dst_token}-{item.hash}"
-        runs = self.bounce_pages.allocate(token, item.nbytes, contiguous=True)
+        runs, posted = self._bounce(token, item.nbytes), len(self._abandoned())
         if runs is None:
             return f"the {self.bounce.nbytes}-byte bounce buffer cannot hold a {item.nbytes}-byte block now"
         try:
             return copy(runs)
         finally:
+            self._unbounce([(token, runs)], posted)
+
+    def _bounce(self, token: str, nbytes: int):
+        """Contiguous bounce pages for one block, or None; first, pages parked behind NIXL requests
+        that have since settled go back."""
+        with self._parked_lock:
+            settled = [p for p in self._parked if all(t.settled() for t in p[0])]
+            self._parked = [p for p in self._parked if not any(p is q for q in settled)]
+        for _, pages in settled:
+            for held, runs in pages:
+                self.bounce_pages.free(held, runs)
+        return self.bounce_pages.allocate(token, nbytes, contiguous=True)
+
+    def _unbounce(self, pages: list, posted: int) -> None:
+        """Give bounce pages back, unless a NIXL request of this move since `posted` (its count of
+        abandoned requests before) timed out while posted: those pages wait until it settles."""
+        stuck = self._abandoned()[posted:]
+        if stuck:
+            with self._parked_lock:
+                self._parked.append((stuck, pages))
+            return
+        for token, runs in pages:
             self.bounce_pages.free(token, runs)
 
     def _file(self, op: str, dram_runs, nvme_runs, nbytes: int, buffer: HostBuffer | None = None) -> str | None:
@@ -148,16 +171,19 @@ class Routes:
     def _nvme_to_s3_batch(self, items: list[tuple[int, moving.MoveItem]]) -> dict[int, str | None]:
         """NVMe -> S3 for many blocks: one POSIX read of all the bounce buffer holds now, a checksum
         each, one OBJ write of those that match. What does not fit, or was in a request that
-        failed, goes block by block after."""
+        failed, goes block by block after (unless the move's deadline passed meanwhile). A batch
+        takes at most half of the bounce buffer, so other moves through it can run beside it."""
         errors: dict[int, str | None] = {}
-        held = []  # (index, item, bounce token, bounce runs)
+        held, pages, posted = [], 0, len(self._abandoned())  # held: (index, item, bounce token, bounce runs)
         try:
             for i, item in items:
                 token = f"bounce-{item.dst_token}-{item.hash}"
-                runs = self.bounce_pages.allocate(token, item.nbytes, contiguous=True)
+                runs = self._bounce(token, item.nbytes) if held == [] or pages < self.bounce_pages.num_pages // 2 \
+                    else None
                 if runs is None:
                     break
                 held.append((i, item, token, runs))
+                pages += sum(r.count for r in runs)
             sizes = [self.nvme.io_bytes(item.nbytes) for _, item, _, _ in held]
             read = [paired(self.dram_rows(runs, n, self.bounce), self.nvme.rows(item.src_runs, n))
                     for (_, item, _, runs), n in zip(held, sizes)]
@@ -175,7 +201,7 @@ class Routes:
                                        np.concatenate(remote), "OBJ") is None:
                     errors.update((i, None) for i, _, _ in good)
         finally:
-            for _, _, token, runs in held:
-                self.bounce_pages.free(token, runs)
-        errors.update((i, self._move_one(item)) for i, item in items if i not in errors)
+            self._unbounce([(token, runs) for _, _, token, runs in held], posted)
+        expired = len(self._abandoned()) > posted and "the move's deadline passed during the copy"
+        errors.update((i, expired or self._move_one(item)) for i, item in items if i not in errors)
         return errors

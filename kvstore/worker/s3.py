@@ -3,7 +3,15 @@
     tier = S3Tier(settings)          # checks the bucket with boto3 at start (NIXL only fails at first I/O)
     tier.register(agent)             # the OBJ backend is created by the worker's agent
     tier.rows(name, nbytes, runs)    # (object offset, len, devId) rows; the object is registered once
-    tier.delete(name) / survivors()  # boto3: what NIXL does not do
+    tier.claim(name, token)          # a move under `token` is about to write the object
+    tier.delete(name, token) / survivors()   # boto3: what NIXL does not do
+
+An object's name is its block's, so a later copy of a block writes the same
+key as an earlier one. A delete names the move token of the copy it gives back
+and is skipped when another move has claimed the key since: a late delete of a
+failed copy never removes the object a newer copy wrote (claims are kept in
+memory for the last MAX_CLAIMS objects written; after a restart deletes go
+through as asked).
 
 Reads past the end of an object succeed silently in NIXL OBJ, so object sizes
 come from the directory and every read is checked against the block checksum.
@@ -15,6 +23,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 
 import numpy as np
 
@@ -22,6 +31,7 @@ from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 
 log = logging.getLogger(__name__)
+MAX_CLAIMS = 1 << 16  # objects whose last writer is remembered (a late delete arrives within seconds)
 
 
 class S3Tier:
@@ -53,6 +63,7 @@ class S3Tier:
         self._dev_ids: dict[str, int] = {}
         self._next_dev = itertools.count(1)
         self._lock = threading.Lock()
+        self._writers: OrderedDict[str, str] = OrderedDict()  # object name -> token of the move last to claim it
 
     def unreachable(self) -> str | None:
         """Why the endpoint cannot take a transfer now, or None. NIXL OBJ retries an endpoint that is
@@ -99,7 +110,22 @@ class S3Tier:
                 self._dev_ids[name] = dev
             return self._dev_ids[name]
 
-    def delete(self, name: str) -> None:
+    def claim(self, name: str, token: str) -> None:
+        """A move under `token` is about to write object `name`: deletes of other copies skip it."""
+        with self._lock:
+            self._writers[name] = token
+            self._writers.move_to_end(name)
+            while len(self._writers) > MAX_CLAIMS:
+                self._writers.popitem(last=False)
+
+    def delete(self, name: str, token: str | None = None) -> None:
+        """Delete object `name`, given back by the copy under `token`, unless another move has
+        claimed it since (it holds that copy's bytes now)."""
+        with self._lock:
+            writer = self._writers.get(name)
+        if token is not None and writer not in (None, token):
+            log.info("s3 object %s was written again by another move: kept", self.key(name))
+            return
         try:
             self._s3.delete_object(Bucket=self.bucket, Key=self.key(name))
         except Exception as exc:  # noqa: BLE001 — a failed delete leaves garbage, never wrong data

@@ -42,7 +42,7 @@ EXAMPLES = 300
 def control():
     deleted = []
     server = ControlServer({"dram": PageAllocator(16, 128), "nvme": PageAllocator(16, 128)}, secret=SECRET,
-                           object_tiers={"s3": deleted.append})
+                           object_tiers={"s3": lambda name, token: deleted.append(name)})
     server.start()
     yield server
     try:

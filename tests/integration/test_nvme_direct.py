@@ -38,8 +38,10 @@ def takes_direct(folder: Path) -> bool:
         probe.unlink(missing_ok=True)
 
 
-def round_trip(folder: Path, direct: str) -> NvmeTier:
-    """Three blocks DRAM -> NVMe -> other DRAM pages, each between neighbours that must not change."""
+def round_trip(folder: Path, direct: str, corrupt: int | None = None) -> NvmeTier:
+    """Three blocks DRAM -> NVMe -> other DRAM pages, each between neighbours that must not change;
+    block `corrupt` is damaged on NVMe in between and must fail its promotion alone. The promotion
+    reads in more than one request, the checksums of each beside the next one's read."""
     arena = HostBuffer(32 * PAGE)
     arena.array[:] = np.random.default_rng(1).integers(0, 256, arena.nbytes, dtype=np.uint8)
     nvme = NvmeTier(folder, 32 * PAGE, PAGE, direct=direct)
@@ -60,6 +62,15 @@ def round_trip(folder: Path, direct: str) -> NvmeTier:
                 hash=f"{k:032x}"))
             first += pages + 1
         assert mover.move(moving.MoveRequest(items=down)).codes == ["ok"] * len(SIZES)
+        if corrupt is not None:
+            last = down[corrupt].dst_runs[0].first * PAGE + down[corrupt].nbytes - 1  # its last byte
+            with open(folder / "slab-0000.bin", "r+b") as slab:
+                slab.seek(last)
+                flipped = bytes([slab.read(1)[0] ^ 0xFF])
+                slab.seek(last)
+                slab.write(flipped)
+        submit, reads = agent.submit, []
+        agent.submit = lambda op, *args: (reads.append(op), submit(op, *args))[1]
 
         sentinel = 0x5A
         arena.array[16 * PAGE:] = sentinel  # promotion lands in pages 16.. with a gap page after each
@@ -69,10 +80,12 @@ def round_trip(folder: Path, direct: str) -> NvmeTier:
             up.append(item.model_copy(update=dict(src_kind="nvme", src_runs=item.dst_runs, dst_kind="dram",
                                                   dst_runs=[specs.PageRun(first=first, count=pages)])))
             first += pages + 1
-        assert mover.move(moving.MoveRequest(items=up)).codes == ["ok"] * len(SIZES)
-        for before, after in zip(down, up):
+        assert mover.move(moving.MoveRequest(items=up)).codes == [
+            "source_corrupt" if k == corrupt else "ok" for k in range(len(SIZES))]
+        assert reads.count("READ") > 1
+        for k, (before, after) in enumerate(zip(down, up)):
             src, dst = before.src_runs[0].first * PAGE, after.dst_runs[0].first * PAGE
-            assert bytes(arena.view(dst, before.nbytes)) == bytes(arena.view(src, before.nbytes))
+            assert (bytes(arena.view(dst, before.nbytes)) == bytes(arena.view(src, before.nbytes))) != (k == corrupt)
             gap = (after.dst_runs[0].first + after.dst_runs[0].count) * PAGE
             assert (arena.view(gap, PAGE) == sentinel).all()  # the page after it was not written
         return nvme
@@ -88,6 +101,10 @@ def test_blocks_of_any_size_go_down_and_back_through_o_direct_slabs(tmp_path):
     nvme.close()
     survivors = NvmeTier(tmp_path, 32 * PAGE, PAGE, direct="auto").survivors()
     assert sorted((s.hash, s.nbytes) for s in survivors) == [(f"{k:032x}", n) for k, n in enumerate(SIZES)]
+
+
+def test_a_block_damaged_on_nvme_fails_its_promotion_alone(tmp_path):
+    round_trip(tmp_path, "auto", corrupt=1).close()
 
 
 def test_the_page_cache_path_still_moves_the_same_bytes(tmp_path):

@@ -81,8 +81,20 @@ def test_a_batch_goes_to_s3_and_a_corrupt_source_fails_alone(tmp_path, s3):
 
 
 def test_blocks_the_bounce_buffer_cannot_hold_at_once_still_go(tmp_path, s3):
-    items, result, tier, requests = to_s3(tmp_path, s3, bounce_pages=4)  # 11 pages of blocks, 4 at a time
+    items, result, tier, requests = to_s3(tmp_path, s3, bounce_pages=8)  # 11 pages of blocks; a batch takes 4
     assert result.codes == ["ok"] * len(SIZES)
     assert requests[:2] == [("READ", "FILE", 2), ("WRITE", "OBJ", 2)]  # the two that fit, then one by one
     for data, item in items:
         assert stored(s3, tier.key(f"{item.namespace_id}/{item.hash}")) == data
+
+
+def test_a_late_delete_of_an_earlier_copy_keeps_the_object_a_newer_copy_wrote(tmp_path, s3):
+    """A move to S3 that failed is given back after a newer move of the same block wrote its object
+    (the same key): the late delete must not remove the newer copy; the newer copy's own delete does."""
+    items, result, tier, _ = to_s3(tmp_path, s3, bounce_pages=64)  # claimed and written under move-1-<k>
+    assert result.codes == ["ok"] * len(SIZES)
+    name = f"{items[0][1].namespace_id}/{items[0][1].hash}"
+    tier.delete(name, "move-1-older")  # the earlier, failed copy's free arrives late
+    assert stored(s3, tier.key(name)) == items[0][0]
+    tier.delete(name, items[0][1].dst_token)  # the newer copy given back: its object goes
+    assert stored(s3, tier.key(name)) is None

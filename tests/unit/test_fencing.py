@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import xxhash
 
 from kvstore.core import moving, specs
@@ -100,3 +101,55 @@ def test_a_rejoin_waits_for_the_moves_of_the_old_epoch():
     t0 = time.monotonic()
     assert fence.quiesce(5) and 0.25 < time.monotonic() - t0 < 3  # it waited for the running move
     assert fence.begin({"n"}) and not fence.quiesce(0.2)  # still running at the deadline
+
+
+class Parked(NeverDone):
+    """A request that times out while posted, and that NIXL finishes with later (`done`)."""
+
+    done = False
+
+    def settled(self) -> bool:
+        return self.done
+
+
+class ParkingAgent(StuckAgent):
+    def __init__(self) -> None:
+        self.posted: list[Parked] = []
+
+    def submit(self, *args, **kwargs) -> Parked:
+        self.posted.append(Parked())
+        return self.posted[-1]
+
+    def register_dram(self, addr: int, nbytes: int) -> None:
+        pass
+
+
+class ReachableS3:
+    """The S3 tier's interface as far as the mover asks it before a request is posted."""
+
+    def unreachable(self) -> None:
+        return None
+
+    def claim(self, name: str, token: str) -> None:
+        pass
+
+    def rows(self, agent, name: str, nbytes: int, dram_rows) -> np.ndarray:
+        return np.array([(0, int(r[1]), 1) for r in dram_rows], dtype=np.uint64)
+
+
+def test_bounce_pages_a_timed_out_request_may_still_use_are_not_reused_until_it_settles(tmp_path):
+    from kvstore.worker.nvme import NvmeTier
+
+    agent = ParkingAgent()
+    mover = Mover(agent, HostBuffer(4 * PAGE), PAGE, nvme=NvmeTier(tmp_path, 8 * PAGE, PAGE), s3=ReachableS3(),
+                  bounce_bytes=8 * PAGE)
+    items = [moving.MoveItem(src_kind="nvme", src_runs=[specs.PageRun(first=2 * k, count=2)], dst_kind="s3",
+                             dst_runs=[], dst_token="move-1-ab", nbytes=2 * PAGE, checksum="0" * 16,
+                             namespace_id="0" * 16, hash=f"{k:032x}") for k in range(2)]
+    result = mover.move(moving.MoveRequest(items=items))
+    assert result.codes == ["failed", "failed"] and all("deadline passed" in e for e in result.errors)
+    assert len(agent.posted) == 1  # one read for the batch, and no retry block by block after it timed out
+    assert mover.bounce_pages.free_pages == 4  # the read may still write into the batch's 4 pages
+    assert mover._bounce("next", PAGE) is not None and mover.bounce_pages.free_pages == 3
+    agent.posted[0].done = True  # NIXL is done with it: the next allocation takes those pages back
+    assert mover._bounce("after", PAGE) is not None and mover.bounce_pages.free_pages == 6

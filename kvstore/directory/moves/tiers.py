@@ -135,8 +135,10 @@ class Movement:
               namespace_id: str | None, limit: int) -> _Plan:
         with self._loading_lock:
             protected = protected | set(self._loading)
-        tier, below = repo.tier(tx.session, tier_id), _lower(self._topology, tier_id, worker_id)
-        lower = repo.tier(tx.session, below[0]) if below is not None else None  # its fill, for its admission
+        tier, worker = repo.tier(tx.session, tier_id), repo.worker(tx.session, worker_id)  # in the job: SQL's
+        own = repo.tiers_of(tx.session, worker_id)  # view, never a lagging one that would drop what could move
+        lower_kind = tiers.below(own, tier.kind, gds="GDS_MT" in worker.backends)
+        lower = own.get(lower_kind) if lower_kind else None
         victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
         kinds = sql.replica_kinds(tx.session, [b.id for _, b in victims])
         copy = {r.id: block_key(b.namespace_id, b.hash) for r, b in victims
