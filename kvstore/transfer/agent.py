@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ import nixl_cu12._api as nixl_api  # noqa: E402  (env above must be set first)
 import nixl_cu12._bindings as nixl_bindings  # noqa: E402
 
 log = logging.getLogger(__name__)
+_SETTLING = threading.Lock()  # an abandoned request is checked and released by one caller at a time
 
 PROGRESS_DELAY_US = 1000
 _make_native_agent = nixl_api.nixlBind.nixlAgent
@@ -119,16 +121,18 @@ class Transfer:
 
     def settled(self) -> bool:
         """Whether NIXL is done with this request: always, unless it was abandoned while posted; an
-        abandoned one is asked again, and released once NIXL says it is no longer in progress."""
-        if not self.abandoned:
-            return True
-        try:
-            status = self._agent._raw.check_xfer_state(self._handle)
-        except Exception:  # noqa: BLE001 (NIXL refuses the handle: nothing runs under it any more)
-            status = "ERR"
-        if status == "PROC":
-            return False
-        self.abandoned = False
+        abandoned one is asked again, and released once NIXL says it is no longer in progress (by
+        one caller: the fence and the mover's bounce buffer may ask at once)."""
+        with _SETTLING:
+            if not self.abandoned:
+                return True
+            try:
+                status = self._agent._raw.check_xfer_state(self._handle)
+            except Exception:  # noqa: BLE001 (NIXL refuses the handle: nothing runs under it any more)
+                status = "ERR"
+            if status == "PROC":
+                return False
+            self.abandoned = False
         try:
             self._agent._raw.release_xfer_handle(self._handle)
         except Exception as exc:  # noqa: BLE001

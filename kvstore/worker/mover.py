@@ -129,9 +129,6 @@ class Mover(Routes):
         for i, item in enumerate(req.items):
             if item.dst_kind == "nvme" and self.nvme and not self.nvme.allocator.owns(item.dst_token, item.dst_runs):
                 errors[i] = Refused("the destination pages are not held by this move's token (rolled back?)")
-        for item in req.items:  # a late delete of an earlier copy's object must not remove this one
-            if item.dst_kind == "s3" and self.s3 is not None:
-                self.s3.claim(f"{item.namespace_id}/{item.hash}", item.dst_token)
         by_route: dict[tuple[str, str], list[int]] = {}
         s3_down = self.s3.unreachable() if self.s3 and any("s3" in (i.src_kind, i.dst_kind) for i in req.items) \
             else None
@@ -197,10 +194,13 @@ class Mover(Routes):
             return self._read_checked(todo, rows, f"after reading from {'NVMe' if route[0] == 'nvme' else 'S3'}")
         if todo:
             local, remote = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
+            for _, item in todo if route[1] == "s3" else ():
+                self.s3.claim(f"{item.namespace_id}/{item.hash}", item.dst_token)
+            posted = len(self._abandoned())
             failed = self._post("WRITE" if route[0] == "dram" else "READ", local, remote, rows[0][2])
             errors.update(checking.result() if checking is not None else {})
             if failed:
-                return {**errors, **{i: self._move_one(item) for i, item in items if i not in errors}}
+                return {**errors, **{i: self._retry(item, posted) for i, item in items if i not in errors}}
         for i, item in todo:
             if i not in errors:
                 errors[i] = None
@@ -215,13 +215,13 @@ class Mover(Routes):
                       where: str) -> dict[int, str | None]:
         """Blocks read into DRAM in up to READ_GROUPS requests posted at once; a group's blocks are
         hashed on the checksum threads as soon as its request is done, beside the later groups' reads.
-        A group whose request failed is retried block by block."""
+        A group whose request failed is retried block by block, unless the move's deadline passed."""
         total, at, groups = sum(item.nbytes for _, item in todo), 0, {}
         for k, (_, item) in enumerate(todo):  # consecutive blocks, about total / READ_GROUPS bytes a group
             groups.setdefault(at * READ_GROUPS // total, []).append(k)
             at += item.nbytes
         groups = list(groups.values())
-        posted = []
+        posted, before = [], len(self._abandoned())
         try:
             for g in groups:
                 posted.append(self.agent.submit("READ", np.concatenate([rows[k][0] for k in g]),
@@ -239,7 +239,7 @@ class Mover(Routes):
                     item.dst_runs, item.nbytes) == item.checksum else SourceCorrupt(f"checksum mismatch {where}")
                     for i, item in m}))
             else:
-                errors.update((i, self._move_one(item)) for i, item in members)
+                errors.update((i, self._retry(item, before)) for i, item in members)
         for done in hashing:
             errors.update(done.result())
         return errors
@@ -276,6 +276,13 @@ class Mover(Routes):
             self._abandoned().append(transfer)
         self.metrics.nixl_failures.labels(remote_mem).inc()
         return transfer.error
+
+    def _retry(self, item: moving.MoveItem, posted: int) -> str | None:
+        """A block of a failed request, once more on its own; not when a request of this move since
+        `posted` (its count of abandoned requests then) timed out: the deadline has passed."""
+        if len(self._abandoned()) > posted:
+            return "the move's deadline passed during the copy"
+        return self._move_one(item)
 
     def _abandoned(self) -> list:
         """The NIXL requests of the move this thread serves that timed out while posted (NIXL may

@@ -165,6 +165,8 @@ class Routes:
                           "FILE")
 
     def _object(self, op: str, local: np.ndarray, item: moving.MoveItem) -> str | None:
+        if op == "WRITE":
+            self.s3.claim(f"{item.namespace_id}/{item.hash}", item.dst_token)
         remote = self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, local)
         return self._post(op, local, remote, "OBJ")
 
@@ -178,8 +180,8 @@ class Routes:
         try:
             for i, item in items:
                 token = f"bounce-{item.dst_token}-{item.hash}"
-                runs = self._bounce(token, item.nbytes) if held == [] or pages < self.bounce_pages.num_pages // 2 \
-                    else None
+                fits = not held or pages + self.bounce_pages.pages_for(item.nbytes) <= self.bounce_pages.num_pages // 2
+                runs = self._bounce(token, item.nbytes) if fits else None
                 if runs is None:
                     break
                 held.append((i, item, token, runs))
@@ -195,6 +197,8 @@ class Routes:
                         errors[i] = SourceCorrupt("checksum mismatch after reading from NVMe")
                     else:
                         good.append((i, item, self.dram_rows(runs, item.nbytes, self.bounce)))
+                for _, item, _ in good:
+                    self.s3.claim(f"{item.namespace_id}/{item.hash}", item.dst_token)
                 remote = [self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, rows)
                           for _, item, rows in good]
                 if good and self._post("WRITE", np.concatenate([rows for _, _, rows in good]),

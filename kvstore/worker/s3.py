@@ -64,6 +64,8 @@ class S3Tier:
         self._next_dev = itertools.count(1)
         self._lock = threading.Lock()
         self._writers: OrderedDict[str, str] = OrderedDict()  # object name -> token of the move last to claim it
+        self._deleting: set[str] = set()  # objects a delete is under way for
+        self._claimed = threading.Condition(self._lock)
 
     def unreachable(self) -> str | None:
         """Why the endpoint cannot take a transfer now, or None. NIXL OBJ retries an endpoint that is
@@ -113,6 +115,7 @@ class S3Tier:
     def claim(self, name: str, token: str) -> None:
         """A move under `token` is about to write object `name`: deletes of other copies skip it."""
         with self._lock:
+            self._claimed.wait_for(lambda: name not in self._deleting)  # a delete of it under way ends first
             self._writers[name] = token
             self._writers.move_to_end(name)
             while len(self._writers) > MAX_CLAIMS:
@@ -122,14 +125,18 @@ class S3Tier:
         """Delete object `name`, given back by the copy under `token`, unless another move has
         claimed it since (it holds that copy's bytes now)."""
         with self._lock:
-            writer = self._writers.get(name)
-        if token is not None and writer not in (None, token):
-            log.info("s3 object %s was written again by another move: kept", self.key(name))
-            return
+            if token is not None and self._writers.get(name) not in (None, token):
+                log.info("s3 object %s was written again by another move: kept", self.key(name))
+                return
+            self._deleting.add(name)  # a claim of it waits: the check above holds until the delete is done
         try:
             self._s3.delete_object(Bucket=self.bucket, Key=self.key(name))
         except Exception as exc:  # noqa: BLE001 — a failed delete leaves garbage, never wrong data
             log.warning("deleting s3 object %s failed: %s", self.key(name), exc)
+        finally:
+            with self._lock:
+                self._deleting.discard(name)
+                self._claimed.notify_all()
 
     def survivors(self) -> list[specs.Survivor]:
         """Objects under the prefix named `<namespace_id>/<hash>`; the directory keeps what it knows."""

@@ -153,3 +153,17 @@ def test_bounce_pages_a_timed_out_request_may_still_use_are_not_reused_until_it_
     assert mover._bounce("next", PAGE) is not None and mover.bounce_pages.free_pages == 3
     agent.posted[0].done = True  # NIXL is done with it: the next allocation takes those pages back
     assert mover._bounce("after", PAGE) is not None and mover.bounce_pages.free_pages == 6
+
+
+def test_a_read_into_dram_that_timed_out_is_not_retried_block_by_block(tmp_path):
+    from kvstore.worker.nvme import NvmeTier
+
+    agent = ParkingAgent()
+    mover = Mover(agent, HostBuffer(8 * PAGE), PAGE, nvme=NvmeTier(tmp_path, 8 * PAGE, PAGE), s3=None,
+                  bounce_bytes=0)
+    items = [moving.MoveItem(src_kind="nvme", src_runs=[specs.PageRun(first=2 * k, count=2)], dst_kind="dram",
+                             dst_runs=[specs.PageRun(first=2 * k, count=2)], dst_token="move-1-ab", nbytes=2 * PAGE,
+                             checksum="0" * 16, namespace_id="0" * 16, hash=f"{k:032x}") for k in range(2)]
+    result = mover.move(moving.MoveRequest(items=items))
+    assert result.codes == ["failed", "failed"] and all("deadline passed" in e for e in result.errors)
+    assert len(agent.posted) == 2  # one request per group; none more after they timed out
