@@ -194,8 +194,9 @@ class Mover(Routes):
             return self._read_checked(todo, rows, f"after reading from {'NVMe' if route[0] == 'nvme' else 'S3'}")
         if todo:
             local, remote = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
-            for _, item in todo if route[1] == "s3" else ():
-                self.s3.claim(f"{item.namespace_id}/{item.hash}", item.dst_token)
+            if route[1] == "s3":  # just before the write: a late delete of an earlier copy skips it
+                for _, item in todo:
+                    self.s3.claim(f"{item.namespace_id}/{item.hash}", item.dst_token)
             posted = len(self._abandoned())
             failed = self._post("WRITE" if route[0] == "dram" else "READ", local, remote, rows[0][2])
             errors.update(checking.result() if checking is not None else {})
@@ -252,9 +253,7 @@ class Mover(Routes):
         dram_runs = item.src_runs if route[0] == "dram" else item.dst_runs
         other_runs = item.dst_runs if route[0] == "dram" else item.src_runs
         if "nvme" in route:
-            nbytes = self.nvme.io_bytes(item.nbytes)
-            local, remote = paired(self.dram_rows(dram_runs, nbytes), self.nvme.rows(other_runs, nbytes))
-            return local, remote, "FILE"
+            return (*self._file_rows(dram_runs, other_runs, item.nbytes), "FILE")
         dram = self.dram_rows(dram_runs, item.nbytes)
         return dram, self.s3.rows(self.agent, f"{item.namespace_id}/{item.hash}", item.nbytes, dram), "OBJ"
 

@@ -102,7 +102,8 @@ class NvmeTier:
         return fd
 
     def _open_direct(self, path: Path) -> int:
-        """The slab opened with O_DIRECT; with "auto", without it if the filesystem refuses (tmpfs)."""
+        """The slab opened with O_DIRECT; with "auto", without it if the filesystem refuses (EINVAL:
+        tmpfs before Linux 6.6, some network filesystems)."""
         try:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
         except OSError as exc:

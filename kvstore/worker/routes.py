@@ -158,11 +158,13 @@ class Routes:
             self.bounce_pages.free(token, runs)
 
     def _file(self, op: str, dram_runs, nvme_runs, nbytes: int, buffer: HostBuffer | None = None) -> str | None:
-        """One block between DRAM pages (of the arena or `buffer`) and NVMe pages, in whole sectors
-        with O_DIRECT (within both last pages)."""
+        return self._post(op, *self._file_rows(dram_runs, nvme_runs, nbytes, buffer), "FILE")
+
+    def _file_rows(self, dram_runs, nvme_runs, nbytes: int, buffer: HostBuffer | None = None):
+        """Paired descriptors of one block between DRAM pages (of the arena or `buffer`) and NVMe
+        pages, in whole sectors with O_DIRECT (within both last pages)."""
         nbytes = self.nvme.io_bytes(nbytes)
-        return self._post(op, *paired(self.dram_rows(dram_runs, nbytes, buffer), self.nvme.rows(nvme_runs, nbytes)),
-                          "FILE")
+        return paired(self.dram_rows(dram_runs, nbytes, buffer), self.nvme.rows(nvme_runs, nbytes))
 
     def _object(self, op: str, local: np.ndarray, item: moving.MoveItem) -> str | None:
         if op == "WRITE":
@@ -186,9 +188,7 @@ class Routes:
                     break
                 held.append((i, item, token, runs))
                 pages += sum(r.count for r in runs)
-            sizes = [self.nvme.io_bytes(item.nbytes) for _, item, _, _ in held]
-            read = [paired(self.dram_rows(runs, n, self.bounce), self.nvme.rows(item.src_runs, n))
-                    for (_, item, _, runs), n in zip(held, sizes)]
+            read = [self._file_rows(runs, item.src_runs, item.nbytes, self.bounce) for _, item, _, runs in held]
             if held and self._post("READ", np.concatenate([r[0] for r in read]),
                                    np.concatenate([r[1] for r in read]), "FILE") is None:
                 good = []
