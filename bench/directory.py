@@ -16,7 +16,13 @@ moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
    SQL; a second one, which copies the policy; a prepare of 100,000 blocks),
    its p50/p99 during each against the same client's quiet figures just before;
 4. prepare+complete of 64 and of 1,024 new blocks (ms, and µs per block);
-5. the directory's resident memory, and its start-up time to ready when it is
+5. saves from 1 and 4 engines at once (other processes, chains of 128 new
+   blocks, prepare + complete as fast as they go): blocks/s and the directory's
+   CPU per stored block, from prepare to commit;
+6. lookups from 4 clients with the directory alone on one core and the clients
+   on the other (`taskset`-style affinity; on a machine of 2 cores the plain
+   4-client figure measures five processes queueing for two cores);
+7. the directory's resident memory, and its start-up time to ready when it is
    restarted on the full database.
 
 `--directory-src DIR` runs the directory from another checkout (a before/after
@@ -108,8 +114,10 @@ def store_chain(http: Http, namespace_id: str, hashes: list[str], parent: str | 
 
 
 def lookup_client(port: int, namespace_id: str, chains: int, seconds: float, locations: bool, seed: int,
-                  out: mp.Queue, stop=None) -> None:
+                  out: mp.Queue, stop=None, cpus: set[int] | None = None) -> None:
     """Lookups for `seconds` (or until `stop` is set); puts (latencies, full hits, start times)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     http, rng, latencies, hits, starts = Http(port), random.Random(seed), [], 0, []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline and not (stop is not None and stop.is_set()):
@@ -123,20 +131,43 @@ def lookup_client(port: int, namespace_id: str, chains: int, seconds: float, loc
     out.put((latencies, hits, starts))
 
 
-def saver_client(port: int, namespace_id: str, first_chain: int, seconds: float, out: mp.Queue) -> None:
+def saver_client(port: int, namespace_id: str, first_chain: int, seconds: float, out: mp.Queue,
+                 length: int = 16) -> None:
     http, stored, chain = Http(port), 0, first_chain
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        stored += store_chain(http, namespace_id, chain_hashes(chain, 16))[0]
+        stored += store_chain(http, namespace_id, chain_hashes(chain, length))[0]
         chain += 1
     out.put(stored)
 
 
+def saves(port: int, pid: int, namespace_id: str, clients: int, seconds: float, first_chain: int) -> dict:
+    """`clients` engines saving new chains of CHAIN blocks at once: blocks/s and directory CPU per block."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=saver_client, args=(port, namespace_id, first_chain + i * 1_000_000, seconds, out,
+                                                    CHAIN)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    cpu0 = cpu_s(pid)
+    stored = sum(out.get() for _ in procs)
+    cpu = cpu_s(pid) - cpu0
+    for p in procs:
+        p.join()
+    return {"clients": clients, "blocks": stored, "blocks_per_s": stored / seconds,
+            "directory_cpu_us_per_block": 1e6 * cpu / max(1, stored)}
+
+
 def lookups(port: int, pid: int, namespace_id: str, chains: int, clients: int, seconds: float,
-            locations: bool = False, saver_from: int | None = None) -> dict:
+            locations: bool = False, saver_from: int | None = None, split_cores: bool = False) -> dict:
+    """`split_cores`: the directory on the first CPU, the clients on the others (restored after)."""
     ctx = mp.get_context("spawn")
     out, saved = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=lookup_client, args=(port, namespace_id, chains, seconds, locations, i, out))
+    cpus = sorted(os.sched_getaffinity(0))
+    if split_cores:
+        os.sched_setaffinity(pid, {cpus[0]})
+    procs = [ctx.Process(target=lookup_client, args=(port, namespace_id, chains, seconds, locations, i, out,
+                                                     None, set(cpus[1:]) if split_cores else None))
              for i in range(clients)]
     if saver_from is not None:
         procs.append(ctx.Process(target=saver_client, args=(port, namespace_id, saver_from, seconds, saved)))
@@ -148,6 +179,8 @@ def lookups(port: int, pid: int, namespace_id: str, chains: int, clients: int, s
     cpu = cpu_s(pid) - cpu0  # the clients start and stop within a few ms of each other
     for p in procs:
         p.join()
+    if split_cores:
+        os.sched_setaffinity(pid, set(cpus))
     latencies = sorted(x for lat, _, _ in results for x in lat)
     return {"clients": clients, "locations": locations, "lookups": len(latencies),
             "per_s": len(latencies) / seconds, "p50_ms": 1e3 * latencies[len(latencies) // 2],
@@ -273,6 +306,8 @@ def main() -> None:
                               locations="always" if args.always_locations else True),
                       lookups(port, pid, namespace_id, chains, 4, args.seconds),
                       lookups(port, pid, namespace_id, chains, 4, args.seconds, saver_from=chains + 10)]
+            if len(os.sched_getaffinity(0)) > 1:
+                phases.append(lookups(port, pid, namespace_id, chains, 4, args.seconds, split_cores=True))
             stalled = stalls(port, namespace_id, chains, chains + 50_000)
             stores = {}
             next_chain = chains + 100_000
@@ -284,6 +319,7 @@ def main() -> None:
                     times.append(seconds)
                     next_chain += 1
                 stores[size] = {"ms": 1e3 * median(times), "us_per_block": 1e6 * median(times) / size}
+            engines = [saves(port, pid, namespace_id, n, args.seconds, next_chain + 10_000_000 * n) for n in (1, 4)]
             rss_after = rss_mib(directory.pid)
         finally:
             stop_beating.set()
@@ -298,7 +334,8 @@ def main() -> None:
             stop(directory)
     control.stop()
 
-    names = ["1 client", "1 client, locations", "4 clients", "4 clients + 1 saving"]
+    names = ["1 client", "1 client, locations", "4 clients", "4 clients + 1 saving",
+             "4 clients, directory on its own core"][:len(phases)]
     print_table(["lookups of 128 hashes", "lookups/s", "p50 ms", "p99 ms", "full hits", "saved meanwhile",
                  "directory CPU µs/lookup"],
                 [[n, round(p["per_s"]), p["p50_ms"], p["p99_ms"], p["full_hits"], p["saved_meanwhile"],
@@ -311,12 +348,15 @@ def main() -> None:
     print()
     print_table(["prepare+complete", "ms", "µs per block"], [[f"{k} blocks", v["ms"], v["us_per_block"]]
                                                             for k, v in stores.items()])
+    print()
+    print_table(["engines saving at once", "blocks/s", "directory CPU µs per block"],
+                [[e["clients"], round(e["blocks_per_s"]), e["directory_cpu_us_per_block"]] for e in engines])
     print(f"\nindexed {chains * CHAIN:,} blocks; fill {chains * CHAIN / fill_s:,.0f} blocks/s; directory RSS "
           f"{rss:,.0f} MiB after the fill, {rss_after:,.0f} MiB after the run, {rss_restart:,.0f} MiB after a "
           f"restart; restart to ready {start_s:.1f} s")
     write_json(args.json, {"machine": machine(), "blocks": chains * CHAIN, "fill_s": fill_s,
                            "fill_blocks_per_s": chains * CHAIN / fill_s, "lookups": dict(zip(names, phases)),
-                           "stalls": stalled, "store": stores, "rss_mib": {"filled": rss, "end": rss_after, "restarted": rss_restart},
+                           "stalls": stalled, "store": stores, "engines_saving": engines, "rss_mib": {"filled": rss, "end": rss_after, "restarted": rss_restart},
                            "start_to_ready_s": start_s, "directory_src": str(args.directory_src)})
 
 

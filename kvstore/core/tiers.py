@@ -8,6 +8,8 @@ restart and are reached by the worker's own moves.
 
 from __future__ import annotations
 
+from itertools import groupby
+
 ORDER = ("hbm", "dram", "nvme", "s3")
 MEMORY = ("hbm", "dram")
 ENGINE_READABLE = MEMORY  # what a connector reads and writes itself, over UCX
@@ -21,3 +23,15 @@ def below(kinds: set[str] | dict, kind: str, gds: bool = False) -> str | None:
     if kind == "hbm" and gds and "nvme" in kinds:
         return "nvme"
     return next((k for k in ORDER[ORDER.index(kind) + 1:] if k in kinds), None)
+
+
+def tier_runs(keys, kind_of=lambda key: key) -> list[tuple[str, int]]:
+    """[(tier kind, blocks), ...] for consecutive blocks of the same kind. `keys` (one per block) are
+    grouped in C; `kind_of` names a key's tier kind once per group."""
+    runs: list[tuple[str, int]] = []
+    for key, group in groupby(keys):
+        kind, n = kind_of(key), len(list(group))
+        if runs and runs[-1][0] == kind:  # two tiers of one kind (on two workers) side by side
+            n += runs.pop()[1]
+        runs.append((kind, n))
+    return runs

@@ -5,7 +5,7 @@
     policies.expect(tier, [(key, hints)]) # a save reserved these: its hints reach the policy at commit
     policies.hit_many([(tier ids, key)])  # loads read them: touch + record
     policies.victims(tier, rows, ...)     # sync with the tier's READY replicas, then evict
-    policies.changed(key, parent, added, removed)   # the index saw a block's replicas come or go
+    policies.changed([(key, parent, added, removed)])   # the index saw blocks' replicas come or go
     policies.evict(tier, n, keep) -> keys | None    # victims without a sync: O(victims)
 
 SQL stays the truth of what is where; the policy objects are the directory's memory of recency
@@ -29,8 +29,10 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvstore.core import heap
 from kvstore.policies import Backpressure, make_admission, make_eviction
 from kvstore.policies.admission import AdmissionChain, Decision
+from kvstore.policies.hints import NONE as NO_HINTS
 from kvstore.policies.hints import Hints
 
 UNBOUNDED_BLOCKS = 1 << 20  # the size policies assume for a tier without a capacity (S3)
@@ -88,6 +90,7 @@ class TierPolicies:
             conditions = admission.conditions if isinstance(admission, AdmissionChain) else [admission]
             self._tiers[tier.id] = _TierPolicy(make_eviction(self._names[0][tier.kind], max(1, blocks)), admission,
                                                pressure=[c for c in conditions if isinstance(c, Backpressure)])
+            heap.freeze()  # its sets grow to a key per block
         return self._tiers[tier.id]
 
     @_locked
@@ -95,24 +98,25 @@ class TierPolicies:
         """The tier went away (its worker re-registered with new tiers)."""
         self._tiers.pop(tier_id, None)
 
-    @_locked
     def admit(self, tier, key: str, nbytes: int, hints: Hints | None = None) -> Decision:
-        policy = self._of(tier)
-        for condition in policy.pressure:
-            condition.pressure = tier.used_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
-        return policy.admission.admit(key, nbytes, hints)
+        return self.admit_many(tier, [(key, nbytes, hints)])[0]
 
     @_locked
     def admit_many(self, tier, requests: list[tuple[str, int, Hints | None]]) -> list[Decision]:
         """`admit` for (key, nbytes, hints) in turn, under one hold of the lock."""
-        return [self.admit(tier, key, nbytes, hints) for key, nbytes, hints in requests]
+        policy = self._of(tier)
+        for condition in policy.pressure:
+            condition.pressure = tier.used_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
+        admit = policy.admission.admit
+        return [admit(key, nbytes, hints) for key, nbytes, hints in requests]
 
     @_locked
     def expect(self, tier, blocks: list[tuple[str, Hints | None]]) -> None:
         """A save reserved these blocks on `tier`: when they become readable there, the tier's
-        eviction policy gets them with these hints."""
+        eviction policy gets them with these hints. Hints that say nothing are not kept (a policy
+        takes None for them)."""
         for key, hints in blocks:
-            if hints is not None:
+            if hints is not None and hints != NO_HINTS:
                 self._expected[(tier.id, key)] = hints
         while len(self._expected) > MAX_EXPECTED:
             self._expected.popitem(last=False)
@@ -138,16 +142,20 @@ class TierPolicies:
         return self._of(tier).built
 
     @_locked
-    def changed(self, key: str, parent: str | None, added: list[int], removed: list[int]) -> None:
-        """Replicas of `key` became readable on the tiers `added` and left `removed` (tier ids)."""
-        for tier_id in removed:
-            policy = self._tiers.get(tier_id)
-            if policy is not None and policy.built:
-                policy.eviction.remove(key)
-        for tier_id in added:
-            policy = self._tiers.get(tier_id)
-            if policy is not None and policy.built and key not in policy.eviction:
-                policy.eviction.insert(key, parent, self._expected.pop((tier_id, key), None))
+    def changed(self, changes: list[tuple[str, str | None, list[int], list[int]]]) -> None:
+        """(key, parent, added, removed): replicas of `key` became readable on the tiers `added` and
+        left `removed` (tier ids). Tiers whose policy is not built yet learn it at their first sync."""
+        built = {tier_id: p for tier_id, p in self._tiers.items() if p.built}
+        expected = self._expected
+        for key, parent, added, removed in changes:
+            for tier_id in removed:
+                policy = built.get(tier_id)
+                if policy is not None:
+                    policy.eviction.remove(key)
+            for tier_id in added:
+                policy = built.get(tier_id)
+                if policy is not None and key not in policy.eviction:
+                    policy.eviction.insert(key, parent, expected.pop((tier_id, key), None))
 
     @_locked
     def evict(self, tier, n: int, keep: set[str]) -> list[str] | None:

@@ -53,14 +53,15 @@ class Doorkeeper:
     def __init__(self, capacity: int, window: int | None = None) -> None:
         assert capacity > 0, "a doorkeeper needs a capacity"
         self.capacity = capacity * (window or self.WINDOW)
-        self._seen: set = set()
+        self._seen: set[int] = set()  # hash(key): an int, not a key string held per block
 
     def admit(self, key: Hashable, nbytes: int = 0, hints=None) -> Decision:
-        if key in self._seen:
+        h = hash(key)
+        if h in self._seen:
             return ADMIT
         if len(self._seen) >= self.capacity:
             self._seen.clear()
-        self._seen.add(key)
+        self._seen.add(h)
         return FIRST_SIGHTING
 
     def record(self, key: Hashable) -> None:

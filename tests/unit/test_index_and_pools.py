@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 
-from kvstore.directory.db.index import Index, TierView, WorkerView, tier_runs
+from kvstore.core.tiers import tier_runs
+from kvstore.directory.db.index import Index, TierView, WorkerView
 from kvstore.directory.workers.credit import PagePools
 from kvstore.core import specs
 
@@ -17,7 +19,7 @@ def index_with(worker_state: str = "active", worker_epoch: int = 1) -> Index:
     rows = []
     for i, (tier_id, epoch) in enumerate([(10, 1), (11, 1), (12, 1)]):  # block i lives on one tier
         rows.append((i, "ns", f"h{i}", None, 256, "0123456789abcdef", 100 + i, tier_id, epoch, [[2 * i, 2]]))
-    index._apply(rows, set(), notify=False)
+    index._apply(rows, set(), None)
     return index
 
 
@@ -27,7 +29,7 @@ def test_a_lookup_stops_at_the_first_miss_and_takes_the_best_replica():
     assert [h.hash for h in hits] == ["h0", "h1", "h2"]
     assert [h.tier.kind for h in hits] == ["dram", "nvme", "s3"]
     index._apply([(0, "ns", "h0", None, 256, "0123456789abcdef", 200, 11, 1, [[9, 2]]),
-                  (0, "ns", "h0", None, 256, "0123456789abcdef", 100, 10, 1, [[0, 2]])], {0}, notify=False)
+                  (0, "ns", "h0", None, 256, "0123456789abcdef", 100, 10, 1, [[0, 2]])], {0}, None)
     assert index.lookup("ns", ["h0"])[0].tier.kind == "dram"  # dram before nvme, whatever the row order
 
 
@@ -39,12 +41,25 @@ def test_memory_replicas_of_an_old_epoch_or_a_dead_worker_are_not_readable():
 
 
 def test_a_reload_without_rows_forgets_the_block_and_tells_the_policies():
-    changes = []
     index = index_with()
-    index.on_change = lambda *change: changes.append(change)
-    index._apply([], {1}, notify=True)
+    changes = []
+    index._apply([], {1}, changes)
     assert index.lookup("ns", ["h1"]) == [] and index.num_blocks == 2
-    assert changes == [("ns/h1", None, [], [11])]
+    assert changes == [("ns/h1", None, (), [11])]
+
+
+def test_an_update_tells_the_policies_once_and_its_entries_leave_the_garbage_collectors_sight():
+    told = []
+    index = index_with()
+    index.on_change = told.append
+    index.add([(7, "ns", "h7", "h2", 256, "0123456789abcdef", 107, 10, 1, [[20, 2]]),
+               (8, "ns", "h8", "h7", 256, "0123456789abcdef", 108, 10, 1, [[22, 2]])])
+    assert told == [[("ns/h7", "ns/h2", (10,), ()), ("ns/h8", "ns/h7", (10,), ())]]
+    hits = index.lookup("ns", ["h7", "h8"])
+    assert [(h.hash, h.entry.block_id, h.replica.runs()) for h in hits] == [("h7", 7, [(20, 2)]), ("h8", 8, [(22, 2)])]
+    for _ in range(4):  # a collection untracks a plain tuple of untracked values: one level each time
+        gc.collect()
+    assert not any(gc.is_tracked(index._by_id[i]) for i in (7, 8))  # no full collection walks them again
 
 
 def test_reads_are_counted_deepest_first_until_drained_and_lookups_count_nothing():
@@ -91,17 +106,17 @@ def test_page_credit_places_many_blocks_in_one_cut_and_takes_them_back():
 def test_a_block_id_that_sqlite_gives_again_replaces_the_deleted_block_in_the_index():
     index = index_with()
     reused = (0, "ns", "new", None, 256, "0123456789abcdef", 300, 10, 1, [[40, 2]])  # block 0 was h0
-    index._apply([reused], set(), notify=False)
+    index._apply([reused], set(), None)
     assert index.lookup("ns", ["h0"]) == [] and [h.hash for h in index.lookup("ns", ["new"])] == ["new"]
-    index._apply([], {0}, notify=False)
+    index._apply([], {0}, None)
     assert index.lookup("ns", ["new"]) == [] and index.num_blocks == 2
 
 
 def test_a_block_saved_again_under_a_new_id_leaves_no_entry_of_its_old_id():
     index = index_with()
-    index._apply([(7, "ns", "h0", None, 256, "0123456789abcdef", 301, 10, 1, [[50, 2]])], set(), notify=False)
+    index._apply([(7, "ns", "h0", None, 256, "0123456789abcdef", 301, 10, 1, [[50, 2]])], set(), None)
     assert index.num_blocks == 3 and index.lookup("ns", ["h0"])[0].entry.block_id == 7
-    index._apply([], {0}, notify=False)  # the old id's removal does not take the new entry
+    index._apply([], {0}, None)  # the old id's removal does not take the new entry
     assert index.lookup("ns", ["h0"])[0].entry.block_id == 7
 
 

@@ -55,8 +55,13 @@ def driver_many(session: Session, sql: str, rows: list[tuple]) -> None:
 
 
 def rows(session: Session, sql: str, params: tuple = ()) -> list[tuple]:
+    """The rows as the driver's tuples (no result rows built over them: a save reads two per block)."""
     connection, sql = driver(session, sql)
-    return connection.exec_driver_sql(sql, params).fetchall()
+    result = connection.exec_driver_sql(sql, params)
+    try:
+        return result.cursor.fetchall()
+    finally:
+        result.close()
 
 
 def marks(n: int) -> str:
@@ -94,11 +99,19 @@ def insert_replicas(session: Session, replicas: list[tuple], state: str = READY,
         chunk = replicas[start : start + ROWS_PER_INSERT]
         values = ", ".join([f"(?, ?, ?, '{state}', ?, ?, ?, ?, ?)"] * len(chunk))
         params = tuple(x for b, t, e, tok, pages, n, c in chunk
-                       for x in (b, t, e, tok, json.dumps(pages), n, expires_at, c))
+                       for x in (b, t, e, tok, _json_runs(pages), n, expires_at, c))
         ids.update((b, i) for i, b in rows(
             session, "INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, "
             f"expires_at, created_at) VALUES {values} RETURNING id, block_id", params))
     return ids
+
+
+def _json_runs(pages) -> str:
+    """[[first, count], ...] as JSON text (as `json.dumps` writes it; one run spelled out directly)."""
+    if len(pages) == 1:
+        first, count = pages[0]
+        return f"[[{int(first)}, {int(count)}]]"
+    return json.dumps(pages)
 
 
 def set_states(session: Session, states: dict[int, str]) -> None:

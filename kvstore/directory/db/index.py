@@ -19,19 +19,17 @@ values (an entry, the topology dicts), which other threads see atomically.
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import threading
 from collections import Counter
-from itertools import groupby
 from operator import itemgetter
 from typing import NamedTuple
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from kvstore.core import tiers
+from kvstore.core import heap, tiers
 from kvstore.directory.db import direct
 from kvstore.directory.db.models import Block, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import VISIBLE
@@ -63,6 +61,9 @@ class WorkerView(NamedTuple):
 
 
 class ReplicaView(NamedTuple):
+    """A replica as a lookup hands it out. The index keeps the same fields (and an entry's) as plain
+    tuples: the garbage collector stops tracking those, never a tuple subclass's instances, and a
+    full collection walks every tracked one (a pause of about a second per million blocks)."""
     id: int
     tier_id: int
     epoch: int
@@ -82,6 +83,14 @@ class Entry(NamedTuple):
     home: tuple  # of replicas[0] (see Index._home)
 
 
+_ID, _NAMESPACE, _HASH, _NBYTES, _CHECKSUM, _REPLICAS = range(6)  # a stored entry: an Entry's fields
+_TIER, _EPOCH = 1, 2  # of a stored replica (a ReplicaView's fields)
+
+
+def _view(entry: tuple) -> Entry:
+    return Entry(*entry[:_REPLICAS], tuple(ReplicaView(*r) for r in entry[_REPLICAS]), entry[6])
+
+
 class Hit(NamedTuple):
     """One leading block of a lookup and the replica a reader gets."""
     hash: str
@@ -93,10 +102,10 @@ class Hit(NamedTuple):
 
 class Index:
     def __init__(self, on_change=None) -> None:
-        self.on_change = on_change  # (key, parent, added tier ids, removed tier ids), after start-up
+        self.on_change = on_change  # [(key, parent, added tier ids, removed tier ids)], after start-up
         self.ready = False
-        self._blocks: dict[str, dict[str, Entry]] = {}  # namespace -> hash -> entry
-        self._by_id: dict[int, Entry] = {}
+        self._blocks: dict[str, dict[str, tuple]] = {}  # namespace -> hash -> entry (an Entry's fields)
+        self._by_id: dict[int, tuple] = {}
         self.tiers: dict[int, TierView] = {}
         self.workers: dict[int, WorkerView] = {}
         self._own: dict[int, dict[str, TierView]] = {}  # worker id -> its tiers by kind
@@ -119,8 +128,8 @@ class Index:
         hits = []
         for entry, home in zip(entries, homes):
             tier, worker, _ = self._readable[home[0]]
-            replica = next(r for r in entry.replicas if self._home(r) == home)
-            hits.append(Hit(entry.hash, entry, replica, tier, worker))
+            replica = next(r for r in entry[_REPLICAS] if self._home(r) == home)
+            hits.append(Hit(entry[_HASH], _view(entry), ReplicaView(*replica), tier, worker))
         return hits
 
     def count(self, namespace_id: str, hashes: list[str]) -> tuple[int, dict[str, int], list[tuple[str, int]]]:
@@ -128,7 +137,7 @@ class Index:
         kinds in prefix order, run-length encoded. The hot path of every engine's scheduler: no Hit
         is built."""
         entries, homes = self._leading(namespace_id, hashes)
-        runs = tier_runs(homes, lambda home: self._readable[home[0]][0].kind)
+        runs = tiers.tier_runs(homes, lambda home: self._readable[home[0]][0].kind)
         by_kind: dict[str, int] = {}
         for kind, n in runs:
             by_kind[kind] = by_kind.get(kind, 0) + n
@@ -141,9 +150,9 @@ class Index:
             return set()
         homes = self._readable_homes
         return {h for h, entry in zip(hashes, map(blocks.get, hashes))
-                if entry is not None and (entry.home in homes or self.best(entry) is not None)}
+                if entry is not None and (entry[6] in homes or self._best(entry) is not None)}
 
-    def _leading(self, namespace_id: str, hashes: list[str]) -> tuple[list[Entry], list[tuple]]:
+    def _leading(self, namespace_id: str, hashes: list[str]) -> tuple[list[tuple], list[tuple]]:
         """The leading blocks with a readable replica, and the home of the replica each is read from.
         Mostly passes in C: the entries up to the first miss, and which of them can be read from
         their best replica; only a block whose best replica cannot be read is looked at in Python."""
@@ -159,10 +168,10 @@ class Index:
             return entries, homes
         k = readable.index(False)
         for entry in entries[k:]:
-            best = self.best(entry)
+            best = self._best(entry)
             if best is None:
                 break
-            homes[k] = self._home(best[0])
+            homes[k] = self._home(best)
             k += 1
         return entries[:k], homes[:k]
 
@@ -188,17 +197,16 @@ class Index:
         memory at once). The entries are then frozen out of the cyclic garbage collector's sight:
         they hold no cycles, and a full collection over millions of them would stall every request."""
         self.reload_topology(session)
-        self._blocks, self._by_id = {}, {}
+        self._blocks, self._by_id = {}, heap.frozen_dict()
         batch: list = []
         result = session.execute(_rows_query().order_by(Block.id), execution_options={"yield_per": REBUILD_BATCH})
         for row in result:
             if len(batch) >= REBUILD_BATCH and row[0] != batch[-1][0]:
-                self._apply(batch, set(), notify=False)
+                self._apply(batch, set(), None)
                 batch = []
             batch.append(row)
-        self._apply(batch, set(), notify=False)
-        gc.collect()
-        gc.freeze()
+        self._apply(batch, set(), None)
+        heap.freeze()
         self.ready = True
 
     @property
@@ -231,41 +239,42 @@ class Index:
                 self._owed = (self._owed[0] | touched, self._owed[1] or topology)
 
     def reload(self, session: Session, block_ids: set[int]) -> None:
-        ids = sorted(block_ids)
+        ids, changes = sorted(block_ids), [] if self.on_change else None  # what changed, told at the end
         for start in range(0, len(ids), CHUNK):
             chunk = ids[start : start + CHUNK]
             found = direct.rows(session, _RELOAD.format(direct.marks(len(VISIBLE)), direct.marks(len(chunk))),
                                 (*VISIBLE, *chunk))
-            self._apply([(*row[:9], direct.json_value(row[9])) for row in found], set(chunk),
-                        notify=self.on_change is not None)
+            self._apply([(*row[:9], direct.json_value(row[9])) for row in found], set(chunk), changes)
+        if changes:
+            self.on_change(changes)
 
     def add(self, rows: list[tuple]) -> None:
-        """Replicas just committed READY, as (block id, namespace, hash, parent, nbytes, checksum,
-        replica id, tier id, epoch, pages): merged into their blocks' entries."""
-        merged = []
+        """Replicas just committed READY (rows as `_RELOAD` reads them), merged into their blocks' entries."""
+        merged, changes = [], [] if self.on_change else None
         for row in rows:
             block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages = row
             old = self._blocks.get(namespace_id, {}).get(block_hash)
             if old is None and block_id not in self._by_id:  # a new block (a save): no merge, no sort
-                self._new(row)
+                self._new(row, changes)
                 continue
-            others = [r for r in old.replicas if r.id != replica_id] if old is not None else []
-            merged += [(block_id, namespace_id, block_hash, parent, nbytes, checksum, r.id, r.tier_id, r.epoch,
-                        r.pages) for r in others]
+            others = [r for r in old[_REPLICAS] if r[0] != replica_id] if old is not None else []
+            merged += [(block_id, namespace_id, block_hash, parent, nbytes, checksum, *r) for r in others]
             merged.append(row)
         if merged:
-            self._apply(merged, set(), notify=self.on_change is not None)
+            self._apply(merged, set(), changes)
+        if changes:
+            self.on_change(changes)
 
-    def _new(self, row: tuple) -> None:
+    def _new(self, row: tuple, changes: list | None) -> None:
         block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages = row
         namespace_id = sys.intern(namespace_id)
-        replica = ReplicaView(replica_id, tier_id, epoch, _flat(pages))
-        entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, (replica,), self._home(replica))
-        self._blocks.setdefault(namespace_id, {})[block_hash] = entry
+        replica = (replica_id, tier_id, epoch, _flat(pages))
+        entry = (block_id, namespace_id, block_hash, nbytes, checksum, (replica,), self._home(replica))
+        self._namespace(namespace_id)[block_hash] = entry
         self._by_id[block_id] = entry
-        if self.on_change is not None:
-            self.on_change(f"{namespace_id}/{block_hash}", f"{namespace_id}/{parent}" if parent else None,
-                           [tier_id], [])
+        if changes is not None:
+            changes.append((f"{namespace_id}/{block_hash}", f"{namespace_id}/{parent}" if parent else None,
+                            (tier_id,), ()))
 
     def reload_topology(self, session: Session) -> None:
         workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state, w.control_url,
@@ -293,66 +302,82 @@ class Index:
         """A worker's tiers by kind, as of the last commit (moves read topology here, not from SQL)."""
         return self._own.get(worker_id, {})
 
-    def _home(self, replica: ReplicaView) -> tuple[int, int | None]:
+    def _home(self, replica: tuple) -> tuple[int, int | None]:
         """(tier id, the epoch it was written in if its tier is memory, else None), one shared tuple
         per value: a replica is readable when its home is one of the readable homes."""
-        tier = self.tiers.get(replica.tier_id)
-        home = (replica.tier_id, replica.epoch if tier is not None and tier.kind in tiers.MEMORY else None)
+        tier = self.tiers.get(replica[_TIER])
+        home = (replica[_TIER], replica[_EPOCH] if tier is not None and tier.kind in tiers.MEMORY else None)
         return self._homes.setdefault(home, home)
 
-    def best(self, entry: Entry) -> tuple[ReplicaView, TierView, WorkerView] | None:
-        """The first readable replica of `entry` (they are kept best tier first)."""
-        for replica in entry.replicas:
-            where = self._readable.get(replica.tier_id)
-            if where is not None and (where[2] is None or where[2] == replica.epoch):
-                return replica, where[0], where[1]
+    def best(self, entry: tuple) -> tuple[ReplicaView, TierView, WorkerView] | None:
+        """The first readable replica of `entry` (an Entry, or one as stored), with its tier and worker."""
+        replica = self._best(entry)
+        if replica is None:
+            return None
+        tier, worker, _ = self._readable[replica[_TIER]]
+        return ReplicaView(*replica), tier, worker
+
+    def _best(self, entry: tuple) -> tuple | None:
+        """The first readable replica of a stored entry (they are kept best tier first)."""
+        for replica in entry[_REPLICAS]:
+            where = self._readable.get(replica[_TIER])
+            if where is not None and (where[2] is None or where[2] == replica[_EPOCH]):
+                return replica
         return None
 
-    def _forget(self, block_id: int, notify: bool) -> None:
+    def _namespace(self, namespace_id: str) -> dict[str, tuple]:
+        """A namespace's hash -> entry dict, kept once made; frozen out of the garbage collector's sight
+        when made (once per namespace): no full collection walks its millions of entries."""
+        if namespace_id not in self._blocks:
+            self._blocks[namespace_id] = heap.frozen_dict()
+        return self._blocks[namespace_id]
+
+    def _forget(self, block_id: int, changes: list | None) -> None:
         old = self._by_id.pop(block_id, None)
         if old is None:
             return
-        by_hash = self._blocks.get(old.namespace_id, {})
-        if by_hash.get(old.hash) is old:
-            del by_hash[old.hash]
-            if not by_hash:
-                self._blocks.pop(old.namespace_id, None)
-        if notify:
-            self.on_change(f"{old.namespace_id}/{old.hash}", None, [], [r.tier_id for r in old.replicas])
+        namespace_id, block_hash = old[_NAMESPACE], old[_HASH]
+        by_hash = self._blocks.get(namespace_id, {})
+        if by_hash.get(block_hash) is old:
+            del by_hash[block_hash]
+        if changes is not None:
+            changes.append((f"{namespace_id}/{block_hash}", None, (), [r[_TIER] for r in old[_REPLICAS]]))
 
-    def _apply(self, rows, asked: set[int], notify: bool) -> None:
-        """Replace the entries of the blocks in `rows`; blocks in `asked` with no row are gone."""
+    def _apply(self, rows, asked: set[int], changes: list | None) -> None:
+        """Replace the entries of the blocks in `rows`; blocks in `asked` with no row are gone. What
+        changed is appended to `changes` (None: not collected)."""
         found: dict[int, tuple] = {}
         for block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages in rows:
             if block_id not in found:
                 found[block_id] = (sys.intern(namespace_id), block_hash, parent, nbytes, checksum, [])
-            found[block_id][5].append(ReplicaView(replica_id, tier_id, epoch, _flat(pages)))
+            found[block_id][5].append((replica_id, tier_id, epoch, _flat(pages)))
         tiers_ = self.tiers
         for block_id in asked - set(found):
-            self._forget(block_id, notify)
+            self._forget(block_id, changes)
         for block_id, (namespace_id, block_hash, parent, nbytes, checksum, replicas) in found.items():
-            replicas.sort(key=lambda r: tiers.PREFERENCE[tiers_[r.tier_id].kind] if r.tier_id in tiers_ else 99)
+            replicas.sort(key=lambda r: tiers.PREFERENCE[tiers_[r[_TIER]].kind] if r[_TIER] in tiers_ else 99)
             previous = self._by_id.get(block_id)
-            if previous is not None and (previous.namespace_id, previous.hash) != (namespace_id, block_hash):
-                self._forget(block_id, notify)  # SQLite gave a deleted block's id to this new one
-            by_hash = self._blocks.setdefault(namespace_id, {})
+            if previous is not None and (previous[_NAMESPACE], previous[_HASH]) != (namespace_id, block_hash):
+                self._forget(block_id, changes)  # SQLite gave a deleted block's id to this new one
+            by_hash = self._namespace(namespace_id)
             old = by_hash.get(block_hash)
-            if old is not None and old.block_id != block_id:  # the block was deleted and saved again
-                self._by_id.pop(old.block_id, None)
-            entry = Entry(block_id, namespace_id, block_hash, nbytes, checksum, tuple(replicas),
-                          self._home(replicas[0]))
+            if old is not None and old[_ID] != block_id:  # the block was deleted and saved again
+                self._by_id.pop(old[_ID], None)
+            entry = (block_id, namespace_id, block_hash, nbytes, checksum, tuple(replicas), self._home(replicas[0]))
             by_hash[block_hash] = entry
             self._by_id[block_id] = entry
-            if notify:
-                before = {r.tier_id for r in old.replicas} if old is not None else set()
-                after = {r.tier_id for r in replicas}
+            if changes is not None:
+                before = {r[_TIER] for r in old[_REPLICAS]} if old is not None else set()
+                after = {r[_TIER] for r in replicas}
                 if before != after:
-                    self.on_change(f"{namespace_id}/{block_hash}", f"{namespace_id}/{parent}" if parent else None,
-                                   sorted(after - before), sorted(before - after))
+                    changes.append((f"{namespace_id}/{block_hash}", f"{namespace_id}/{parent}" if parent else None,
+                                    sorted(after - before), sorted(before - after)))
 
 
 def _flat(pages) -> tuple:
     """Page runs as one flat tuple, from [[first, count], ...] (SQL) or already flat (the index)."""
+    if len(pages) == 1:  # one run, [[first, count]]: most blocks
+        return tuple(pages[0])
     if pages and isinstance(pages[0], (list, tuple)):
         return tuple(x for run in pages for x in run)
     return tuple(pages)
@@ -370,14 +395,3 @@ def _rows_query():
             .join(Replica, Replica.block_id == Block.id)
             .where(Replica.state.in_(VISIBLE), Block.checksum.is_not(None)))
 
-
-def tier_runs(keys, kind_of=lambda key: key) -> list[tuple[str, int]]:
-    """[(tier kind, blocks), ...] for consecutive blocks of the same kind. `keys` (one per block) are
-    grouped in C; `kind_of` names a key's tier kind once per group."""
-    runs: list[tuple[str, int]] = []
-    for key, group in groupby(keys):
-        kind, n = kind_of(key), len(list(group))
-        if runs and runs[-1][0] == kind:  # two tiers of one kind (on two workers) side by side
-            n += runs.pop()[1]
-        runs.append((kind, n))
-    return runs

@@ -22,7 +22,7 @@ from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.loads import sql
 from kvstore.directory.db import repository as repo
-from kvstore.directory.db.index import Hit, Index, tier_runs
+from kvstore.directory.db.index import Hit, Index
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.db.models.replica import DELETING
 from kvstore.directory.tier_policies import TierPolicies, block_key
@@ -62,7 +62,7 @@ class Loads:
         hits = self._index.lookup(namespace_id, hashes)
         self._metrics.count_lookup(len(hashes), len(hits))
         return {"num_hit_blocks": len(hits), "blocks": [hit_body(h) for h in hits], "by_tier": by_tier(hits),
-                "tier_runs": tier_runs(h.tier.kind for h in hits)}
+                "tier_runs": tiers.tier_runs(h.tier.kind for h in hits)}
 
     def prepare(self, namespace_id: str, chains: list[list[str]], reader: str) -> dict:
         """Pin the leading hits an engine can read of every chain, under one token (a block that

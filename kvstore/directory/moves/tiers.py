@@ -121,7 +121,7 @@ class Movement:
                 if plan.copy else {}
             for replica_id, key in plan.copy.items():
                 if replica_id not in moved:  # still READY here: the policy must name it again
-                    self._policies.changed(key, None, [tier_id], [])
+                    self._policies.changed([(key, None, [tier_id], [])])
             freed = sum(moved.values()) + plan.dropped_bytes
             outcome = {"replicas": outcome["replicas"] + len(plan.copy) + plan.dropped,
                        "bytes": outcome["bytes"] + freed, "demoted": outcome["demoted"] + len(moved),
@@ -184,7 +184,7 @@ class Movement:
             for replica, block in sql.ready_replicas_by_key(tx.session, tier.id, keys):
                 if freed >= to_free or len(chosen) >= limit:
                     keep.add(block_key(block.namespace_id, block.hash))
-                    self._policies.changed(block_key(block.namespace_id, block.hash), None, [tier.id], [])
+                    self._policies.changed([(block_key(block.namespace_id, block.hash), None, [tier.id], [])])
                     continue
                 chosen.append((replica, block))
                 freed += replica.reserved_bytes

@@ -157,8 +157,10 @@ class Store:
         need = sum(b.nbytes for b in wanted)
         if room_first and need > self._pools.free_bytes(tier.id, worker.epoch):
             return _NeedRoom(tier.id, worker.id, need)
-        block_hints = {b.hash: (hints or NO_HINTS).as_tail(b.hash == tail) for b in wanted}
-        wanted = self._admitted(tier, namespace_id, wanted, decisions, block_hints)
+        said = hints or NO_HINTS
+        hints_of = {tail: said.as_tail(True)}  # the save's tail; every other block gets what it said
+        keys = {b.hash: block_key(namespace_id, b.hash) for b in wanted}
+        wanted = self._admitted(tier, wanted, decisions, keys, lambda h: hints_of.get(h, said))
         placed, rejected = [], set()
         allocated = self._pools.allocate_many(tier.id, worker.epoch, [b.nbytes for b in wanted])
         for block, runs in zip(wanted, allocated):
@@ -176,15 +178,13 @@ class Store:
         if placed:
             self.reservations.add(Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
                                               expires_at, placed))
-            self._policies.expect(tier, [(block_key(namespace_id, b.hash), block_hints[b.hash]) for b in placed])
+            self._policies.expect(tier, [(keys[b.hash], hints_of.get(b.hash, said)) for b in placed])
         return len(placed)
 
-    def _admitted(self, tier: PlacementTier, namespace_id: str, wanted: list, decisions: dict,
-                  hints: dict) -> list:
+    def _admitted(self, tier: PlacementTier, wanted: list, decisions: dict, keys: dict, hints_of) -> list:
         """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
         admitted, rejected = [], set()
-        asked = self._policies.admit_many(tier, [(block_key(namespace_id, b.hash), b.nbytes, hints[b.hash])
-                                                 for b in wanted])
+        asked = self._policies.admit_many(tier, [(keys[b.hash], b.nbytes, hints_of(b.hash)) for b in wanted])
         for block, decision in zip(wanted, asked):
             if block.parent in rejected or not isinstance(decision, Admit):
                 reason = ("parent_rejected" if block.parent in rejected else
