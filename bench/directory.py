@@ -279,7 +279,8 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     chains = max(1, args.blocks // CHAIN)
-    pages = int(chains * CHAIN * 1.25) + 100_000  # stays under the high watermark, with room for the saver
+    # stays under the high watermark (no demotion starts), with room for the savers' blocks
+    pages = int(chains * CHAIN * 1.25) + 100_000 + int(args.seconds * 200_000)
     control = ControlServer({"dram": PageAllocator(pages, PAGE)})
     control.start()
     port = free_port()

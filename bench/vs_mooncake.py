@@ -16,6 +16,9 @@ Both clients move bytes from buffers they registered once. Per side:
 2. existence of 128 stored keys (batch_is_exist / POST /v1/lookup), `--lookups` times
    from one client: p50, p99, lookups/s. kvstore answers the cached prefix, Mooncake each key;
    for 128 stored keys both answer "all 128";
+   then both again from each count of `--clients` above 1: that many client processes at once
+   (each its own store client and registered buffer), `--keys` new keys split between them and
+   `--lookups` lookups each; keys/s and lookups/s of them all, p50/p99 over all their calls;
 3. bulk put and get of `--batch-bytes` per call at each block size (batch_put_from /
    batch_get_into vs save_blocks / load_blocks, which include the xxh3 checksums and the
    directory's prepare/complete), GB/s, every get compared byte for byte with what was put.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import multiprocessing as mp
 import statistics
 import subprocess
 import sys
@@ -54,9 +58,60 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def workload(ops, args) -> dict:
+def concurrent_client(make_ops, index: int, keys: range, lookups: int, ready, start, out) -> None:
+    """One of several client processes: ingest `keys`, then `lookups` lookups of 128 of them, each
+    phase started with the others; puts (ingest seconds, stored, lookup latencies)."""
+    ops = make_ops[0](*make_ops[1:])
+    arena = np.random.default_rng(index).integers(0, 256, BATCH * SMALL, dtype=np.uint8)
+    ops.register(arena)
+    small = [arena[i * SMALL:(i + 1) * SMALL] for i in range(BATCH)]
+    ready.put(index)
+    start.wait()
+    t0, stored = time.perf_counter(), 0
+    for first in range(keys.start, keys.stop, BATCH):
+        batch = [key(i, "many") for i in range(first, min(first + BATCH, keys.stop))]
+        stored += ops.put(batch, small[: len(batch)])
+    ingest_s = time.perf_counter() - t0
+    rng, latencies = np.random.default_rng(100 + index), []
+    for _ in range(lookups):
+        first = keys.start + int(rng.integers(0, (keys.stop - keys.start) // BATCH)) * BATCH
+        t0 = time.perf_counter()
+        found = ops.exist([key(i, "many") for i in range(first, first + BATCH)])
+        latencies.append(time.perf_counter() - t0)
+        assert found == BATCH, f"lookup found {found} of {BATCH} stored keys"
+    out.put((ingest_s, stored, latencies))
+
+
+def concurrently(make_ops, clients: int, first_key: int, args) -> dict:
+    """`clients` processes ingesting `--keys` new keys between them, then looking them up."""
+    ctx = mp.get_context("spawn")
+    ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    share = args.keys // clients // BATCH * BATCH
+    procs = [ctx.Process(target=concurrent_client, args=(make_ops, i, range(first_key + i * share,
+                         first_key + (i + 1) * share), args.lookups, ready, start, out)) for i in range(clients)]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.get(timeout=300)
+    t0 = time.perf_counter()
+    start.set()
+    results = [out.get(timeout=1800) for _ in procs]
+    wall = time.perf_counter() - t0
+    for proc in procs:
+        proc.join()
+    stored = sum(r[1] for r in results)
+    assert stored == share * clients, f"ingest stored {stored} of {share * clients} keys"
+    latencies = [x for r in results for x in r[2]]
+    ingest_s = max(r[0] for r in results)  # all of them started together
+    return {"clients": clients, "ingest_keys_per_s": stored / ingest_s,
+            "lookup": {"p50_ms": percentile(latencies, 0.5) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3,
+                       "per_s": len(latencies) / (wall - ingest_s)}}
+
+
+def workload(ops, args, make_ops=None) -> dict:
     """The same steps for both stores. `ops` has put(keys, views) -> stored, get(keys, views) ->
-    got, exist(keys) -> how many of them exist, drop(keys)."""
+    got, exist(keys) -> how many of them exist, drop(keys); `make_ops`: (class, args...) that make
+    another in a client process."""
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batch_bytes = parse_size(args.batch_bytes)
     arena = np.empty(max(batch_bytes, BATCH * SMALL) * 2, dtype=np.uint8)
@@ -81,6 +136,8 @@ def workload(ops, args) -> dict:
         assert found == BATCH, f"lookup found {found} of {BATCH} stored keys"
     out["lookup"] = {"p50_ms": percentile(latencies, 0.5) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3,
                      "per_s": len(latencies) / sum(latencies)}
+    out["concurrent"] = [concurrently(make_ops, n, (k + 1) * args.keys, args) for k, n in enumerate(args.clients)
+                         if n > 1]
     out["bulk"] = []
     for size in sizes:
         n = batch_bytes // size
@@ -151,7 +208,8 @@ def mooncake_side(args) -> dict:
                                "127.0.0.1", "--metrics_port", str(free_port()), "--enable_metric_reporting=false",
                                "--default_kv_lease_ttl", "50"], stdout=logs, stderr=subprocess.STDOUT)
     # room for everything the run puts, so that no eviction ever takes a key the run reads
-    segment = parse_size(args.batch_bytes) * (args.repeats + 1) * len(args.sizes.split(",")) + args.keys * SMALL * 2 \
+    segment = parse_size(args.batch_bytes) * (args.repeats + 1) * len(args.sizes.split(",")) \
+        + args.keys * SMALL * (2 + len(args.clients)) \
         + (512 << 20)
     holder = subprocess.Popen([sys.executable, __file__, "--side", "mooncake-segment", "--master",
                                f"127.0.0.1:{port}", "--segment-bytes", str(segment), "--tmp", args.tmp], stdout=logs,
@@ -162,7 +220,7 @@ def mooncake_side(args) -> dict:
             if holder.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the Mooncake store process did not come up (see mooncake.log)")
             time.sleep(0.1)
-        return workload(MooncakeOps(f"127.0.0.1:{port}"), args)
+        return workload(MooncakeOps(f"127.0.0.1:{port}"), args, (MooncakeOps, f"127.0.0.1:{port}"))
     finally:
         for proc in (holder, master):
             proc.terminate()
@@ -221,16 +279,16 @@ class KVStoreOps:
 def kvstore_side(args) -> dict:
     from common import local_stack
 
-    dram = parse_size(args.batch_bytes) * 4 + args.keys * SMALL * 2 + (256 << 20)
+    dram = parse_size(args.batch_bytes) * 4 + args.keys * SMALL * (2 + len(args.clients)) + (256 << 20)
     with local_stack(dram_bytes=str(dram), page_bytes="4KiB") as url:
-        return workload(KVStoreOps(url), args)
+        return workload(KVStoreOps(url), args, (KVStoreOps, url))
 
 
 # ---- the run --------------------------------------------------------------------------------
 
 def side_argv(args) -> list[str]:
     return ["--sizes", args.sizes, "--batch-bytes", args.batch_bytes, "--keys", str(args.keys), "--lookups",
-            str(args.lookups), "--repeats", str(args.repeats)]
+            str(args.lookups), "--repeats", str(args.repeats), "--clients", ",".join(map(str, args.clients))]
 
 
 def main() -> None:
@@ -240,6 +298,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=100_000, help="4 KiB objects ingested before the lookups")
     parser.add_argument("--lookups", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clients", default="1,4", help="client processes at once for ingest and lookups")
     parser.add_argument("--json", default="bench/out/vs_mooncake.json")
     parser.add_argument("--side", choices=("mooncake", "mooncake-segment", "kvstore"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -247,13 +306,21 @@ def main() -> None:
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--segment-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    try:
+        args.clients = sorted({int(n) for n in args.clients.split(",")})
+    except ValueError:
+        sys.exit("error: --clients takes a comma-separated list of client counts, such as 1,4")
+    if args.clients[0] < 1:
+        sys.exit("error: --clients must be positive")
     if args.side == "mooncake-segment":
         return segment_holder(args)
     if args.side:
         return finish_side((mooncake_side if args.side == "mooncake" else kvstore_side)(args), args.out)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    if any(s <= 0 or s % (256 << 10) for s in sizes) or args.keys < BATCH or args.lookups < 1 or args.repeats < 1:
-        sys.exit(f"error: sizes must be multiples of 256KiB; --keys at least {BATCH}; --lookups and --repeats positive")
+    if any(s <= 0 or s % (256 << 10) for s in sizes) or args.keys < BATCH * args.clients[-1] or args.lookups < 1 \
+            or args.repeats < 1:
+        sys.exit(f"error: sizes must be multiples of 256KiB; --keys at least {BATCH} per client; --lookups and "
+                 "--repeats positive")
     mooncake_python = peer_python(".venv-mooncake", "setup-mooncake")
     from common import machine, print_table, write_json
 
@@ -267,9 +334,17 @@ def main() -> None:
         sides["kvstore_tcp"] = run_side(sys.executable, __file__, "kvstore", side_argv(args), tmp, {"UCX_TLS": "tcp"})
     mc = sides["mooncake"]
     print()
-    print_table(["", "ingest keys/s", "lookup p50 ms", "lookup p99 ms", "lookups/s"],
-                [[name, s["ingest_keys_per_s"], s["lookup"]["p50_ms"], s["lookup"]["p99_ms"], s["lookup"]["per_s"]]
-                 for name, s in sides.items()])
+    rows = []
+    for name, s in sides.items():
+        rows.append([name, 1, s["ingest_keys_per_s"], s["lookup"]["p50_ms"], s["lookup"]["p99_ms"], s["lookup"]["per_s"]])
+        rows += [[name, c["clients"], c["ingest_keys_per_s"], c["lookup"]["p50_ms"], c["lookup"]["p99_ms"],
+                  c["lookup"]["per_s"]] for c in s["concurrent"]]
+    print_table(["", "clients", "ingest keys/s", "lookup p50 ms", "lookup p99 ms", "lookups/s"], rows)
+    for n in [1] + [c["clients"] for c in mc["concurrent"]]:
+        kv, moon = (sides["kvstore"], mc) if n == 1 else (
+            next(c for c in side["concurrent"] if c["clients"] == n) for side in (sides["kvstore"], mc))
+        print(f"{n} client(s): kvstore / Mooncake: ingest {kv['ingest_keys_per_s'] / moon['ingest_keys_per_s']:.2f}x, "
+              f"lookups/s {kv['lookup']['per_s'] / moon['lookup']['per_s']:.2f}x")
     print()
     rows = []
     for i, row in enumerate(mc["bulk"]):
@@ -281,7 +356,7 @@ def main() -> None:
     print_table(["block", "kvstore over", "put GB/s", "Mooncake put", "put ratio", "get GB/s", "Mooncake get",
                  "get ratio"], rows)
     write_json(args.json, {"benchmark": "vs_mooncake", "machine": machine(), "args": {
-        k: getattr(args, k) for k in ("sizes", "batch_bytes", "keys", "lookups", "repeats")}, "sides": sides})
+        k: getattr(args, k) for k in ("sizes", "batch_bytes", "keys", "lookups", "repeats", "clients")}, "sides": sides})
 
 
 if __name__ == "__main__":

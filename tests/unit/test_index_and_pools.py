@@ -56,7 +56,7 @@ def test_an_update_tells_the_policies_once_and_its_entries_leave_the_garbage_col
                (8, "ns", "h8", "h7", 256, "0123456789abcdef", 108, 10, 1, [[22, 2]])])
     assert told == [[("ns/h7", "ns/h2", (10,), ()), ("ns/h8", "ns/h7", (10,), ())]]
     hits = index.lookup("ns", ["h7", "h8"])
-    assert [(h.hash, h.entry.block_id, h.replica.runs()) for h in hits] == [("h7", 7, [(20, 2)]), ("h8", 8, [(22, 2)])]
+    assert [(h.hash, h.block_id, h.runs()) for h in hits] == [("h7", 7, [(20, 2)]), ("h8", 8, [(22, 2)])]
     for _ in range(4):  # a collection untracks a plain tuple of untracked values: one level each time
         gc.collect()
     assert not any(gc.is_tracked(index._by_id[i]) for i in (7, 8))  # no full collection walks them again
@@ -115,9 +115,9 @@ def test_a_block_id_that_sqlite_gives_again_replaces_the_deleted_block_in_the_in
 def test_a_block_saved_again_under_a_new_id_leaves_no_entry_of_its_old_id():
     index = index_with()
     index._apply([(7, "ns", "h0", None, 256, "0123456789abcdef", 301, 10, 1, [[50, 2]])], set(), None)
-    assert index.num_blocks == 3 and index.lookup("ns", ["h0"])[0].entry.block_id == 7
+    assert index.num_blocks == 3 and index.lookup("ns", ["h0"])[0].block_id == 7
     index._apply([], {0}, None)  # the old id's removal does not take the new entry
-    assert index.lookup("ns", ["h0"])[0].entry.block_id == 7
+    assert index.lookup("ns", ["h0"])[0].block_id == 7
 
 
 def test_tier_runs_merge_neighbouring_tiers_of_one_kind():

@@ -87,17 +87,20 @@ _ID, _NAMESPACE, _HASH, _NBYTES, _CHECKSUM, _REPLICAS = range(6)  # a stored ent
 _TIER, _EPOCH = 1, 2  # of a stored replica (a ReplicaView's fields)
 
 
-def _view(entry: tuple) -> Entry:
-    return Entry(*entry[:_REPLICAS], tuple(ReplicaView(*r) for r in entry[_REPLICAS]), entry[6])
-
-
 class Hit(NamedTuple):
     """One leading block of a lookup and the replica a reader gets."""
     hash: str
-    entry: Entry
-    replica: ReplicaView
+    block_id: int
+    nbytes: int
+    checksum: str
+    replica_id: int
+    entry: tuple  # the block's entry as the index keeps it (an Entry's fields)
+    replica: tuple  # the replica read, as kept (a ReplicaView's fields)
     tier: TierView
     worker: WorkerView
+
+    def runs(self) -> list[tuple[int, int]]:  # of the replica read
+        return ReplicaView(*self.replica).runs()
 
 
 class Index:
@@ -110,7 +113,7 @@ class Index:
         self.workers: dict[int, WorkerView] = {}
         self._own: dict[int, dict[str, TierView]] = {}  # worker id -> its tiers by kind
         self._counts: Counter = Counter()  # block id -> hits since the last drain, deepest first seen first
-        self._hits: dict[int, Entry] = {}  # block id -> its entry when last hit
+        self._hits: dict[int, tuple] = {}  # block id -> its entry when last hit
         self._readable: dict[int, tuple] = {}  # tier id -> (tier, worker, the epoch a replica needs or None)
         self._readable_homes: set[tuple] = set()  # (tier id, that epoch)
         self._homes: dict[tuple, tuple] = {}  # each home once
@@ -129,7 +132,8 @@ class Index:
         for entry, home in zip(entries, homes):
             tier, worker, _ = self._readable[home[0]]
             replica = next(r for r in entry[_REPLICAS] if self._home(r) == home)
-            hits.append(Hit(entry[_HASH], _view(entry), ReplicaView(*replica), tier, worker))
+            hits.append(Hit(entry[_HASH], entry[_ID], entry[_NBYTES], entry[_CHECKSUM], replica[0], entry, replica,
+                            tier, worker))
         return hits
 
     def count(self, namespace_id: str, hashes: list[str]) -> tuple[int, dict[str, int], list[tuple[str, int]]]:
@@ -175,7 +179,7 @@ class Index:
             k += 1
         return entries[:k], homes[:k]
 
-    def record(self, entries: list[Entry]) -> None:
+    def record(self, entries: list[tuple]) -> None:
         """Count these blocks as read (a load pinned them) in the access statistics, flushed to SQL
         in batches off the request path. A lookup is a question, not an access: it counts nothing
         (a scheduler may ask again for the same waiting request). C-level dict updates."""
@@ -188,14 +192,14 @@ class Index:
     def drain_accesses(self) -> tuple[Counter, dict[int, Entry]]:
         counts, hits = self._counts, self._hits
         self._counts, self._hits = Counter(), {}
-        return counts, hits
+        return counts, {block_id: Entry(*e[:_REPLICAS], tuple(ReplicaView(*r) for r in e[_REPLICAS]), e[6])
+                        for block_id, e in hits.items()}
 
     # ---- updates (the writer thread, or start-up) -----------------------------------------------
 
     def rebuild(self, session: Session) -> None:
         """Everything from SQL, streamed in block order (a million blocks need no million rows in
-        memory at once). The entries are then frozen out of the cyclic garbage collector's sight:
-        they hold no cycles, and a full collection over millions of them would stall every request."""
+        memory at once), then frozen out of the garbage collector's sight (`core/heap.py`)."""
         self.reload_topology(session)
         self._blocks, self._by_id = {}, heap.frozen_dict()
         batch: list = []
@@ -337,9 +341,8 @@ class Index:
         if old is None:
             return
         namespace_id, block_hash = old[_NAMESPACE], old[_HASH]
-        by_hash = self._blocks.get(namespace_id, {})
-        if by_hash.get(block_hash) is old:
-            del by_hash[block_hash]
+        if self._blocks.get(namespace_id, {}).get(block_hash) is old:
+            del self._blocks[namespace_id][block_hash]
         if changes is not None:
             changes.append((f"{namespace_id}/{block_hash}", None, (), [r[_TIER] for r in old[_REPLICAS]]))
 

@@ -73,9 +73,9 @@ class Loads:
             if not staged:
                 break
             self._promote([h for hits in found for h in hits])
-            before = {h.replica.id for h in staged}
+            before = {h.replica_id for h in staged}
             found = [self._index.lookup(namespace_id, c) for c in chains]
-            if {h.replica.id for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE} >= before:
+            if {h.replica_id for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE} >= before:
                 if time.monotonic() - self._warned > WARN_EVERY_S:  # a full tier would warn at every load
                     self._warned = time.monotonic()
                     log.warning("%d blocks of a load found no room in a memory tier; read as a miss", len(before))
@@ -83,7 +83,7 @@ class Loads:
         readable = [_readable_prefix(hits) for hits in found]
         more = [len(hits) - len(r) for hits, r in zip(found, readable)]  # stored below, not staged now
         found = readable
-        wanted = list({h.replica.id: None for hits in found for h in hits})
+        wanted = list({h.replica_id: None for hits in found for h in hits})
         if not wanted:
             return {"token": None, "expires_at": None, "chains": [[] for _ in chains], "more": more}
         token = secrets.token_hex(16)
@@ -176,10 +176,10 @@ class Loads:
 def hit_body(hit: Hit) -> dict:
     tier, worker = hit.tier, hit.worker
     if tier.kind == "s3":
-        runs = [(0, hit.entry.nbytes)]
+        runs = [(0, hit.nbytes)]
     else:
-        runs = specs.page_spans(tier.base_addr, tier.page_bytes, hit.replica.runs(), hit.entry.nbytes)
-    return {"hash": hit.hash, "nbytes": hit.entry.nbytes, "checksum": hit.entry.checksum,
+        runs = specs.page_spans(tier.base_addr, tier.page_bytes, hit.runs(), hit.nbytes)
+    return {"hash": hit.hash, "nbytes": hit.nbytes, "checksum": hit.checksum,
             "location": {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name,
                          "tier": tier.kind, "runs": runs}}
 
@@ -202,6 +202,6 @@ def _readable_prefix(hits: list[Hit]) -> list[Hit]:
 def _pinned_prefix(hits: list[Hit], pinned: set[int]) -> list[Hit]:
     """A replica that stopped being readable since the index was read ends the prefix."""
     for i, hit in enumerate(hits):
-        if hit.replica.id not in pinned:
+        if hit.replica_id not in pinned:
             return hits[:i]
     return hits

@@ -230,7 +230,7 @@ class Movement:
         for hit in hits:
             if hit.tier.kind in tiers.DURABLE and hit.worker.state == "active":  # a draining worker takes nothing in
                 by_source.setdefault((hit.worker.id, hit.tier.id), []).append(hit)
-        protected = {h.entry.block_id for h in hits}
+        protected = {h.block_id for h in hits}
         with self._loading_lock:
             self._loading.update(protected)
         try:
@@ -247,8 +247,8 @@ class Movement:
             gds = worker is not None and "GDS_MT" in worker.backends
             kind = "hbm" if items[0].tier.kind == "nvme" and "hbm" in own and gds else "dram"
             if kind in own and not self.moves.backing_off(own[kind]):  # a route failing: not waited on
-                self.make_room(own[kind], worker_id, sum(h.entry.nbytes for h in items), protected)
-                self.moves.copy(worker_id, tier_id, kind, [h.replica.id for h in items], source_stays=True,
+                self.make_room(own[kind], worker_id, sum(h.nbytes for h in items), protected)
+                self.moves.copy(worker_id, tier_id, kind, [h.replica_id for h in items], source_stays=True,
                                 timeout_s=self._promote_timeout_s)
 
 
