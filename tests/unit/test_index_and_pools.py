@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 
+from kvstore.core import heap
 from kvstore.core.tiers import tier_runs
 from kvstore.directory.db.index import Index, TierView, WorkerView
 from kvstore.directory.workers.credit import PagePools
@@ -60,6 +61,14 @@ def test_an_update_tells_the_policies_once_and_its_entries_leave_the_garbage_col
     for _ in range(4):  # a collection untracks a plain tuple of untracked values: one level each time
         gc.collect()
     assert not any(gc.is_tracked(index._by_id[i]) for i in (7, 8))  # no full collection walks them again
+
+
+def test_a_frozen_dict_stays_out_of_every_collection_however_it_grows():
+    by_hash = heap.frozen_dict()
+    by_hash.update((str(i), (i, [i])) for i in range(1000))  # tracked values: the dict is tracked
+    gc.collect()
+    assert gc.is_tracked(by_hash) and not any(o is by_hash for o in gc.get_objects())  # not walked: frozen
+    assert len(by_hash) == 1000 and None not in by_hash
 
 
 def test_reads_are_counted_deepest_first_until_drained_and_lookups_count_nothing():
