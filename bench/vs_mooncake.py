@@ -58,9 +58,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def concurrent_client(make_ops, index: int, keys: range, lookups: int, ready, start, out) -> None:
+def concurrent_client(make_ops, index: int, keys: range, lookups: int, ready, start, look, out) -> None:
     """One of several client processes: ingest `keys`, then `lookups` lookups of 128 of them, each
-    phase started with the others; puts (ingest seconds, stored, lookup latencies)."""
+    phase started with the others (`start`, then `look`); puts (ingest seconds, stored), then the
+    lookup latencies."""
     ops = make_ops[0](*make_ops[1:])
     arena = np.random.default_rng(index).integers(0, 256, BATCH * SMALL, dtype=np.uint8)
     ops.register(arena)
@@ -71,7 +72,8 @@ def concurrent_client(make_ops, index: int, keys: range, lookups: int, ready, st
     for first in range(keys.start, keys.stop, BATCH):
         batch = [key(i, "many") for i in range(first, min(first + BATCH, keys.stop))]
         stored += ops.put(batch, small[: len(batch)])
-    ingest_s = time.perf_counter() - t0
+    out.put((time.perf_counter() - t0, stored))
+    look.wait()
     rng, latencies = np.random.default_rng(100 + index), []
     for _ in range(lookups):
         first = keys.start + int(rng.integers(0, (keys.stop - keys.start) // BATCH)) * BATCH
@@ -79,33 +81,34 @@ def concurrent_client(make_ops, index: int, keys: range, lookups: int, ready, st
         found = ops.exist([key(i, "many") for i in range(first, first + BATCH)])
         latencies.append(time.perf_counter() - t0)
         assert found == BATCH, f"lookup found {found} of {BATCH} stored keys"
-    out.put((ingest_s, stored, latencies))
+    out.put(latencies)
 
 
 def concurrently(make_ops, clients: int, first_key: int, args) -> dict:
     """`clients` processes ingesting `--keys` new keys between them, then looking them up."""
     ctx = mp.get_context("spawn")
-    ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    ready, start, look, out = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Queue()
     share = args.keys // clients // BATCH * BATCH
     procs = [ctx.Process(target=concurrent_client, args=(make_ops, i, range(first_key + i * share,
-                         first_key + (i + 1) * share), args.lookups, ready, start, out)) for i in range(clients)]
+                         first_key + (i + 1) * share), args.lookups, ready, start, look, out)) for i in range(clients)]
     for proc in procs:
         proc.start()
     for _ in procs:
         ready.get(timeout=300)
-    t0 = time.perf_counter()
     start.set()
-    results = [out.get(timeout=1800) for _ in procs]
-    wall = time.perf_counter() - t0
+    ingested = [out.get(timeout=1800) for _ in procs]
+    t0 = time.perf_counter()
+    look.set()
+    latencies = [x for _ in procs for x in out.get(timeout=1800)]
+    lookup_s = time.perf_counter() - t0
     for proc in procs:
         proc.join()
-    stored = sum(r[1] for r in results)
+    stored = sum(n for _, n in ingested)
     assert stored == share * clients, f"ingest stored {stored} of {share * clients} keys"
-    latencies = [x for r in results for x in r[2]]
-    ingest_s = max(r[0] for r in results)  # all of them started together
+    ingest_s = max(s for s, _ in ingested)  # all of them started together
     return {"clients": clients, "ingest_keys_per_s": stored / ingest_s,
             "lookup": {"p50_ms": percentile(latencies, 0.5) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3,
-                       "per_s": len(latencies) / (wall - ingest_s)}}
+                       "per_s": len(latencies) / lookup_s}}
 
 
 def workload(ops, args, make_ops=None) -> dict:

@@ -158,9 +158,13 @@ class Store:
         if room_first and need > self._pools.free_bytes(tier.id, worker.epoch):
             return _NeedRoom(tier.id, worker.id, need)
         said = hints or NO_HINTS
-        hints_of = {tail: said.as_tail(True)}  # the save's tail; every other block gets what it said
+        as_tail = said.as_tail(True)
+
+        def hints_of(block_hash: str) -> Hints:  # what the save said; its tail is marked as one
+            return as_tail if block_hash == tail else said
+
         keys = {b.hash: block_key(namespace_id, b.hash) for b in wanted}
-        wanted = self._admitted(tier, wanted, decisions, keys, lambda h: hints_of.get(h, said))
+        wanted = self._admitted(tier, wanted, decisions, keys, hints_of)
         placed, rejected = [], set()
         allocated = self._pools.allocate_many(tier.id, worker.epoch, [b.nbytes for b in wanted])
         for block, runs in zip(wanted, allocated):
@@ -178,7 +182,7 @@ class Store:
         if placed:
             self.reservations.add(Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
                                               expires_at, placed))
-            self._policies.expect(tier, [(keys[b.hash], hints_of.get(b.hash, said)) for b in placed])
+            self._policies.expect(tier, [(keys[b.hash], hints_of(b.hash)) for b in placed])
         return len(placed)
 
     def _admitted(self, tier: PlacementTier, wanted: list, decisions: dict, keys: dict, hints_of) -> list:
