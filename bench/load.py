@@ -2,7 +2,7 @@
 
     python bench/load.py (--trace PATH | --synthetic chat|rag|mixed) [--requests 2000]
                          [--engines 1,4] [--replicas 1,3] [--database sqlite|postgresql]
-                         [--capacity 0.05] [--json bench/out/load.json]
+                         [--commits relaxed,durable] [--fsync] [--capacity 0.05] [--json bench/out/load.json]
 
 A directory and one worker run as processes on loopback (SQLite, or a throw-away PostgreSQL
 cluster; the DRAM tier sized to `--capacity` of the trace's distinct blocks, LRU eviction,
@@ -17,6 +17,10 @@ hit ratio realised, beside the policy simulator's on the same trace and capacity
 replays the requests in order; K engines interleave them); errors and wrong bytes (must be 0);
 and the directory's (each replica's) and the worker's CPU seconds per 1,000 requests, lookups and
 stored blocks, so that scaling can be read from cost on a machine with few cores.
+
+On PostgreSQL, `--commits relaxed,durable` runs each row with the directory's relaxed commits on
+(the default: a save's commit does not wait for the WAL flush) and off, and `--fsync` has the
+throw-away cluster flush its WAL to disk as a production database does (the test clusters do not).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def engine(args) -> None:
     from kvstore.connector import KVStoreClient
 
     requests = json.loads(Path(args.requests_file).read_text())[args.index::args.of]
-    out = {"lookup_s": [], "load_prepare_s": [], "save_prepare_s": [], "requests": 0, "blocks": 0,
+    out = {"lookup_s": [], "load_prepare_s": [], "save_prepare_s": [], "save_s": [], "requests": 0, "blocks": 0,
            "hit_blocks": 0, "loaded_blocks": 0, "stored_blocks": 0, "errors": 0, "wrong_blocks": 0}
     longest = max(len(r) for r in requests) * BLOCK_BYTES
     with KVStoreClient(args.url, namespace(), staging_bytes=max(longest, 1 << 20)) as client:
@@ -76,7 +80,9 @@ def engine(args) -> None:
                         expected = value[:n].view(1, -1, 1)
                         out["wrong_blocks"] += int((~((k == expected) & (v == expected)).all(dim=2)[0]
                                                     .view(got, BLOCK_TOKENS).all(dim=1)).sum())
+                t0 = time.perf_counter()
                 held = client.save(tokens, kv) // BLOCK_TOKENS
+                out["save_s"].append(time.perf_counter() - t0)
                 out["save_prepare_s"].append(client.last_timings.get("prepare", 0.0))
                 out["stored_blocks"] += max(0, held - hit)
                 out["hit_blocks"] += hit
@@ -89,13 +95,14 @@ def engine(args) -> None:
 
 
 def run(requests: list[list[int]], engines: int, capacity_blocks: int, tmp: Path, replicas: int = 1,
-        database_url: str | None = None) -> dict:
+        database_url: str | None = None, commits: str = "relaxed") -> dict:
     requests_file = tmp / "requests.json"
     requests_file.write_text(json.dumps(requests))
     pids: dict[str, int] = {}
     dram = f"{max(1 << 20, capacity_blocks * PAGE)}"
     with local_stack(dram, page_bytes=str(PAGE), pids=pids, database_url=database_url, replicas=replicas,
-                     directory_args=("--eviction", "lru", "--admission", "adaptive")) as urls:
+                     directory_args=("--eviction", "lru", "--admission", "adaptive",
+                                     "--relaxed-commits" if commits == "relaxed" else "--no-relaxed-commits")) as urls:
         before = {name: cpu_s(pid) for name, pid in pids.items()}
         ring = urls.split(",")
         t0 = time.perf_counter()
@@ -120,12 +127,14 @@ def run(requests: list[list[int]], engines: int, capacity_blocks: int, tmp: Path
                                     for what, count in (("requests", "requests"), ("lookups", "requests"),
                                                         ("stored_blocks", "stored_blocks"))}
            for name in spent}
-    return {"replicas": replicas, "database": "postgresql" if database_url else "sqlite", "engines": engines,
+    return {"replicas": replicas, "database": "postgresql" if database_url else "sqlite",
+            "commits": commits if database_url else "-", "engines": engines,
             "wall_s": wall, "requests_per_s": total["requests"] / wall, **total,
             "prefix_hit_ratio": total["hit_blocks"] / max(1, total["blocks"]),
             "lookup_ms": {"p50": pct("lookup_s", 50), "p99": pct("lookup_s", 99)},
             "load_prepare_ms": {"p50": pct("load_prepare_s", 50), "p99": pct("load_prepare_s", 99)},
             "save_prepare_ms": {"p50": pct("save_prepare_s", 50), "p99": pct("save_prepare_s", 99)},
+            "save_ms": {"p50": pct("save_s", 50), "p99": pct("save_s", 99)},
             "cpu_s": spent, **per}
 
 
@@ -139,9 +148,14 @@ def main() -> None:
     parser.add_argument("--replicas", default="1", help="directory replicas, e.g. 1,3 (more than 1: PostgreSQL)")
     parser.add_argument("--database", choices=["sqlite", "postgresql"], default="sqlite",
                         help="the directory's database; postgresql starts a throw-away cluster")
+    parser.add_argument("--commits", default="relaxed", help="PostgreSQL: relaxed, durable or both (relaxed,durable)")
+    parser.add_argument("--fsync", action="store_true", help="the PostgreSQL cluster flushes its WAL to disk")
     parser.add_argument("--capacity", type=float, default=0.05, help="DRAM tier as a fraction of distinct blocks")
     parser.add_argument("--json", default="bench/out/load.json")
     args = parser.parse_args()
+    commits = args.commits.split(",")
+    if not set(commits) <= {"relaxed", "durable"}:
+        parser.error("--commits takes relaxed, durable or both")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-load-") as tmp:
         if args.synthetic:
             trace = Path(tmp) / "synthetic.jsonl"
@@ -156,27 +170,32 @@ def main() -> None:
         simulated = simulate(make_eviction(DEFAULT_EVICTION, capacity), requests, capacity,
                              make_admission(DEFAULT_ADMISSION, capacity))  # what the directory runs
         counts = [int(r) for r in args.replicas.split(",")]
-        cluster = PostgresCluster().start() if args.database == "postgresql" or max(counts) > 1 else None
+        postgres = args.database == "postgresql" or max(counts) > 1
+        cluster = PostgresCluster("-c fsync=on" if args.fsync else "").start() if postgres else None
         try:
-            rows = [run(requests, int(k), capacity, Path(tmp), r, cluster.create_database() if cluster else None)
-                    for r in counts for k in args.engines.split(",")]
+            rows = [run(requests, int(k), capacity, Path(tmp), r, cluster.create_database() if cluster else None, c)
+                    for r in counts for k in args.engines.split(",") for c in (commits if cluster else ["-"])]
         finally:
             if cluster is not None:
                 cluster.stop()
     print(f"{source}: {len(requests)} requests, {distinct} distinct blocks, DRAM tier {capacity} blocks "
           f"({args.capacity:.0%}); simulator's prefix hit ratio {simulated['prefix_hit_ratio']:.3f}")
-    print_table(["database", "replicas", "engines", "req/s", "lookup p50/p99 ms", "load prep p50/p99 ms", "save prep p50/p99 ms",
+    print_table(["database", "commits", "replicas", "engines", "req/s", "lookup p50/p99 ms", "load prep p50/p99 ms",
+                 "save prep p50/p99 ms", "save p50/p99 ms",
                  "hit ratio", "errors", "wrong", "directory CPU s/1k req", "worker CPU s/1k req",
                  "directory CPU s/1k stored", "per replica CPU s/1k req"],
-                [[r["database"], r["replicas"], r["engines"], r["requests_per_s"], f"{r['lookup_ms']['p50']:.2f}/{r['lookup_ms']['p99']:.2f}",
+                [[r["database"], r["commits"], r["replicas"], r["engines"], r["requests_per_s"],
+                  f"{r['lookup_ms']['p50']:.2f}/{r['lookup_ms']['p99']:.2f}",
                   f"{r['load_prepare_ms']['p50']:.2f}/{r['load_prepare_ms']['p99']:.2f}",
-                  f"{r['save_prepare_ms']['p50']:.2f}/{r['save_prepare_ms']['p99']:.2f}", r["prefix_hit_ratio"],
+                  f"{r['save_prepare_ms']['p50']:.2f}/{r['save_prepare_ms']['p99']:.2f}",
+                  f"{r['save_ms']['p50']:.2f}/{r['save_ms']['p99']:.2f}", r["prefix_hit_ratio"],
                   r["errors"], r["wrong_blocks"], r["directory_cpu_s_per_1k"]["requests"],
                   r["worker_cpu_s_per_1k"]["requests"], r["directory_cpu_s_per_1k"]["stored_blocks"],
                   "/".join(f"{r[f'directory-{i}_cpu_s_per_1k']['requests']:.2f}" for i in range(r["replicas"]))
                   if r["replicas"] > 1 else "-"]
                  for r in rows])
-    write_json(args.json, {"benchmark": "load", "machine": machine(), "trace": source, "requests": len(requests),
+    write_json(args.json, {"benchmark": "load", "machine": machine(), "trace": source, "fsync": args.fsync,
+                           "requests": len(requests),
                            "distinct_blocks": distinct, "capacity_blocks": capacity,
                            "simulated_prefix_hit_ratio": simulated["prefix_hit_ratio"], "runs": rows})
 

@@ -92,10 +92,30 @@ class ServerThread:
         self._thread.join(timeout=10)
 
 
+def _stat(proc: Path) -> list[str]:
+    """State, parent pid, ... of a process (nothing once it is gone)."""
+    try:
+        return (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _parent(proc: Path) -> int | None:
+    fields = _stat(proc)
+    return int(fields[1]) if fields else None
+
+
+def _running(pid: int) -> bool:
+    fields = _stat(Path(f"/proc/{pid}"))
+    return bool(fields) and fields[0] != "Z"
+
+
 class PostgresCluster:
     """A throw-away PostgreSQL cluster on 127.0.0.1 and a free port (run as `postgres` when root)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: str = "") -> None:
+        """`settings`: more server options (`-c name=value ...`)."""
+        self.settings = settings
         found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb")) or [shutil.which("initdb") or ""]
         if not found[-1]:
             raise RuntimeError("PostgreSQL server binaries not found; `make setup` installs them")
@@ -116,10 +136,27 @@ class PostgresCluster:
             pw = pwd.getpwnam("postgres")
             os.chown(self.root, pw.pw_uid, pw.pw_gid)
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
-        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start")
-        self._options = options
+        self._options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off {self.settings}"
+        self._start()
         return self
+
+    def _start(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-o", self._options, "-l", str(self.root / "log"), "-w", "start")
+
+    def crash(self) -> None:
+        """SIGKILL the server and every process of it, then start it again on the same port: WAL
+        it had not written yet is lost, as in a crash (what the OS was given survives)."""
+        pid = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
+        for victim in (pid, *children):  # the postmaster first: it would restart its children
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_until(lambda: not any(_running(p) for p in (pid, *children)), 10, "postgres gone")
+        for lock in (self.data / "postmaster.pid", self.root / f".s.PGSQL.{self.port}.lock"):  # a zombie
+            lock.unlink(missing_ok=True)  # postmaster still "exists" to the new one's check
+        self._start()
 
     def restart(self) -> None:
         """Stop (fast: every session ends) and start again on the same port."""

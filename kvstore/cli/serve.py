@@ -45,7 +45,7 @@ DIRECTORY_FLAGS = {
     "eviction": "eviction", "admission": "admission", "eviction_by_tier": "eviction_by_tier",
     "admission_by_tier": "admission_by_tier", "require_auth": "require_auth", "open_metrics": "open_metrics",
     "engine_rate": "engine_rate", "engine_burst": "engine_burst", "verify_writes": "verify_writes",
-    "ca_file": "ca_file", "advertise_url": "advertise_url"}
+    "relaxed_commits": "relaxed_commits", "ca_file": "ca_file", "advertise_url": "advertise_url"}
 WORKER_FLAGS = {name: name for name in (
     "directory_url", "name", "host", "port", "dram_bytes", "page_bytes", "hbm_bytes", "hbm_device", "nvme_bytes",
     "nvme_dir", "nvme_direct", "posix_queue", "gds", "s3_bucket", "s3_endpoint", "s3_prefix", "s3_region",
@@ -122,6 +122,9 @@ def directory_serve(
         verify_writes: Annotated[bool | None, typer.Option("--verify-writes/--no-verify-writes",
                                                            help="a worker checksums every block before it is "
                                                                 "committed")] = None,
+        relaxed_commits: Annotated[bool | None, typer.Option(
+            "--relaxed-commits/--no-relaxed-commits", help="PostgreSQL: saves do not wait for the database's "
+            "flush; a database crash loses its last moments of saves (misses, never wrong bytes)")] = None,
         ca_file: CaFile = None,
         advertise_url: Annotated[str | None, typer.Option(help="URL the other directory replicas on the same "
                                                                "PostgreSQL database reach this one at "

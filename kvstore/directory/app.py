@@ -49,6 +49,7 @@ def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
     engine = db.make_engine(settings.database_url)
     sessions = db.make_sessions(engine)
     changelog = ChangeLog(enabled=engine.dialect.name == "postgresql")
+    changelog.relaxed = changelog.enabled and settings.relaxed_commits
     service = DirectoryService(sessions, settings, DirectoryMetrics(), changelog)
     tokens = Tokens(sessions, service.write)
     tokens.load()

@@ -71,6 +71,9 @@ class Directory(Protocol):
     def write(self, job: Callable) -> object:
         """Run a job on the directory's one writer."""
 
+    def reread(self, adopt: Callable[[Session], None]) -> None:
+        """The leader's index, page credit and reservations from SQL again (relaxed commits were lost)."""
+
 
 class Leader:
     def __init__(self, directory: Directory, changelog: ChangeLog, engine: Engine, advertise_url: str | None,
@@ -144,6 +147,12 @@ class Leader:
                 return
             if regained is None:
                 return  # the database does not answer: nothing to reap, nobody else can lead either
+            with self._sessions() as session:
+                self._log.restarted(session)
+        if self._log.stale:
+            log.warning("the database restarted and may have lost the last relaxed commits: reading the index, "
+                        "page credit and reservations from SQL again")
+            self._directory.reread(self._log.adopt)
         reap()
         self._prune()
         refresh()
@@ -152,7 +161,7 @@ class Leader:
         """Connect (the first time: the index from SQL), campaign, and promote or follow for a while."""
         if self._conn is None:
             self._connect()
-            if not self._followed:
+            if not self._followed or self._restarted():
                 self._follow_start()
                 self._followed = True
         if self._campaign():
@@ -160,6 +169,12 @@ class Leader:
             return
         self._follow(stop, CAMPAIGN_S)
         refresh()
+
+    def _restarted(self) -> bool:
+        """With relaxed commits: the database restarted since this replica read its index (the
+        changes it applied since may be lost: it reads the index again)."""
+        with self._sessions() as session:
+            return self._log.restarted(session)
 
     def _disconnect(self) -> None:
         """Drop the lock's and notifications' connection (a lock held on it is let go)."""
@@ -190,9 +205,11 @@ class Leader:
         try:
             with self._sessions.begin() as session:
                 term = sql.raise_term(session, self.url, self._clock())
+                reread = self._log.restarted(session)  # since this follower's index was read
+                self._log.adopt(session)
             self._apply_changes()
             self._log.lead(term)
-            self._directory.start(rebuild_index=False)
+            self._directory.start(rebuild_index=reread)
             sql.unlisten(self._conn)
         except BaseException:
             self._log.leading = False
@@ -254,6 +271,7 @@ class Leader:
         if the rebuild already saw them)."""
         with self._sessions() as session:
             self._last = sql.last_change(session)
+            self._log.adopt(session)
         with self._sessions() as session:
             blocks = self._directory.follow_from(session, self._clock())
         log.info("following the leader: index of %d blocks", blocks)

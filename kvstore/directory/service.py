@@ -74,7 +74,7 @@ class DirectoryService:
         self.index = Index(on_change=self.policies.changed)
         self.pools = PagePools()
         self.writer = Writer(sessions, lambda *commit: self.index.follow_commit(sessions, *commit),
-                             self.changelog.before_commit)
+                             self.changelog.before_commit, relax=self.changelog.relaxed)
         write = self.writer.run
         self.calls = WorkerCalls(move_timeout_s=settings.move_timeout_s, ca_file=settings.ca_file)
         reclaim = Reclaim(self.calls, self.pools)
@@ -115,19 +115,34 @@ class DirectoryService:
         (a follower that becomes the leader has its index already: it followed every commit)."""
         self.recover()
         t0 = time.perf_counter()
-
-        def build(tx: Tx) -> None:  # a job: nothing commits while the index is read from SQL
-            self.load_namespaces(tx.session)
-            for worker in repo.workers(tx.session):
-                if worker.state != "dead":  # a dead row may name the endpoint a live worker has now
-                    self.calls.authorize(worker.control_url, worker.control_secret)
-            if rebuild_index:
-                self.index.rebuild(tx.session)
-            else:
-                self.index.reload_topology(tx.session)
-            self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
-        self.writer.run(build)
+        self.writer.run(lambda tx: self._build(tx, rebuild_index))  # nothing commits while SQL is read
         log.info("index of %d blocks built in %.1f s", self.index.num_blocks, time.perf_counter() - t0)
+
+    def _build(self, tx: Tx, rebuild_index: bool) -> None:
+        self.load_namespaces(tx.session)
+        for worker in repo.workers(tx.session):
+            if worker.state != "dead":  # a dead row may name the endpoint a live worker has now
+                self.calls.authorize(worker.control_url, worker.control_secret)
+        if rebuild_index:
+            self.index.rebuild(tx.session)
+        else:
+            self.index.reload_topology(tx.session)
+        self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
+
+    def reread(self, adopt: Callable[[Session], None]) -> None:
+        """After a database restart that may have lost relaxed commits (saves): index, page credit
+        (the pages of lost blocks come back) and policies from SQL, open reservations dropped; alone
+        in its group, so that no job made on the old state shares its commit."""
+        t0 = time.perf_counter()
+
+        def job(tx: Tx) -> None:
+            adopt(tx.session)
+            with self.store.paused():
+                self._build(tx, True)
+            for tier_id in list(self.index.tiers):
+                self.policies.forget(tier_id)
+        self.writer.run_alone(job)
+        log.info("index of %d blocks read again in %.1f s", self.index.num_blocks, time.perf_counter() - t0)
 
     def load_namespaces(self, session: Session) -> None:
         self._namespaces.update({row.id: Namespace.from_dict(row.spec) for row in repo.namespace_rows(session)})
@@ -293,32 +308,6 @@ class DirectoryService:
         self.namespace(body.namespace_id, tenants)
         return await self.handoffs.wait(body)
 
-    # ---- workers ---------------------------------------------------------------------------
-
-    def register_worker(self, reg: specs.WorkerRegistration, owner: str) -> specs.Registered:
-        return self.membership.register_worker(reg, owner)
-
-    def heartbeat(self, name: str, epoch: int, owner: str) -> None:
-        self.membership.heartbeat(name, epoch, owner)
-
-    def deregister(self, name: str, epoch: int, owner: str) -> None:
-        self.membership.deregister(name, epoch, owner)
-
-    def drain(self, name: str) -> specs.WorkerInfo:
-        return self.membership.drain(name)
-
-    def undrain(self, name: str) -> specs.WorkerInfo:
-        return self.membership.undrain(name)
-
-    def workers(self) -> list[specs.WorkerInfo]:
-        return self.membership.workers()
-
-    def worker(self, name: str) -> specs.WorkerInfo:
-        return self.membership.worker(name)
-
-    def live_workers(self) -> int:
-        return self.membership.live_count()
-
     # ---- operators ------------------------------------------------------------------------
 
     def evict_tier(self, req: specs.EvictRequest) -> specs.Evicted:
@@ -364,7 +353,7 @@ class DirectoryService:
 
     def metrics_text(self) -> bytes:
         """Prometheus' text: the counters, the stats, and (on the leader) tiers and workers."""
-        return self.metrics.render(self.stats(), self.tiers() if self.leading else [], self.workers())
+        return self.metrics.render(self.stats(), self.tiers() if self.leading else [], self.membership.workers())
 
     def ping_database(self) -> None:
         """Raises when the database does not answer a trivial query."""

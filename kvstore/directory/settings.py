@@ -34,6 +34,11 @@ class DirectorySettings(BaseSettings):
     engine_burst: float = Field(20_000.0, ge=1, description="requests an engine token may send at once")
     verify_writes: bool = Field(False, description="a worker checksums every block at commit; a block whose bytes "
                                 "do not match its writer's checksum is not committed")
+    relaxed_commits: bool = Field(False, description="PostgreSQL: a save's commit does not wait for the database "
+                                  "to flush it, nor for a synchronous standby (synchronous_commit off); a database "
+                                  "crash loses the saves of its last moments (up to 3 x wal_writer_delay: 0.6 s by "
+                                  "default) as misses, and after any database restart the directory reads its "
+                                  "state from SQL again")
     ca_file: str | None = Field(None, description="CA bundle that workers' HTTPS certificates are checked against")
     advertise_url: str | None = Field(None, max_length=512, pattern=r"^https?://[^/\s]+$",
                                       description="URL the other directory replicas on the same PostgreSQL database "

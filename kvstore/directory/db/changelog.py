@@ -3,11 +3,22 @@
     log = ChangeLog(enabled)            # enabled: PostgreSQL (replicas may run side by side)
     log.leading / log.term / log.retired  # this replica's role, set by `leader.Leader`
     log.lag_s                           # a follower: seconds since it last read the change log
+    log.relaxed / log.stale / log.adopt(session)   # relaxed commits: has the database restarted since?
     Writer(..., before_commit=log.before_commit)   # every group commit checks the term and logs
 
 Each group commit of the leader logs the blocks it touched (and whether workers, tiers or
 namespaces changed, and the hand-offs it committed) in `changes`, in the same transaction, and
 notifies CHANNEL; followers read the log from `changes_after`.
+
+With relaxed commits (saves commit before their WAL is flushed: `writer.py`), a
+database crash may lose the last of them, and what this replica holds in memory
+(index, page credit, reservations; a follower's index) may name blocks that are
+gone. So every group also checks the database's start time
+(`pg_postmaster_start_time()`, in the term check's own statement): once it
+differs from the one this replica read its state under (`adopt`), `stale` is
+set and no group commits until the replica has read its state from SQL again,
+which adopts the new start time. A restart that lost nothing costs the same
+re-read: nothing tells the two apart.
 """
 
 from __future__ import annotations
@@ -37,10 +48,24 @@ class ChangeLog:
         self._checks = False  # from its promotion on, a leader checks its term in every commit
         self._clock = clock
         self._followed_at = time.monotonic()  # a follower last read the change log then
+        self.relaxed = False  # saves may commit before their WAL is flushed (a setting; PostgreSQL)
+        self.incarnation = None  # the database's start time when this replica last read its state
+        self.stale = False  # the database restarted since: this replica's memory may name lost commits
 
     def lead(self, term: int) -> None:
         self.term = term
         self._checks = True
+
+    def adopt(self, session: Session) -> None:
+        """This replica's state is being read from SQL in `session`: it holds for the database as it runs now."""
+        self.incarnation = started(session)
+        self.stale = False
+
+    def restarted(self, session: Session) -> bool:
+        """With relaxed commits: whether the database started again since this replica's state was read."""
+        if self.relaxed and started(session) != self.incarnation:
+            self.stale = True
+        return self.stale
 
     def followed(self) -> None:
         """A follower read the change log (whatever it found)."""
@@ -62,11 +87,23 @@ class ChangeLog:
         the group changed is logged for the followers."""
         if not self._checks:
             return
-        if self.retired or session.execute(update(LeaderRow).where(LeaderRow.id == 1, LeaderRow.term == self.term)
-                                           .values(term=LeaderRow.term)).rowcount != 1:
+        check = update(LeaderRow).where(LeaderRow.id == 1, LeaderRow.term == self.term).values(term=LeaderRow.term)
+        if self.retired:
+            ours = False
+        elif self.relaxed:
+            row = session.execute(check.returning(func.pg_postmaster_start_time())).first()
+            ours = row is not None
+            if ours and row[0] != self.incarnation:
+                self.stale = True
+        else:
+            ours = session.execute(check).rowcount == 1
+        if not ours:
             if not self.retired:
                 self.retire(f"another replica leads now (this one led in term {self.term})")
             raise KVStoreError("unavailable", "this directory replica no longer leads; ask another")
+        if self.stale:
+            raise KVStoreError("unavailable", "the database restarted and may have lost its last relaxed commits; "
+                               "the directory is reading its state from SQL again", retry_after_s=1)
         blocks = touched | {row[0] for row in committed}
         if blocks or topology or namespaces or handoffs:
             session.execute(insert(Change).values(at=self._clock(), blocks=",".join(map(str, sorted(blocks))),
@@ -110,6 +147,11 @@ def live_workers(session: Session, since: float) -> int:
 def raise_term(session: Session, url: str, now: float) -> int:
     return session.execute(update(LeaderRow).where(LeaderRow.id == 1).values(
         term=LeaderRow.term + 1, url=url, since=now).returning(LeaderRow.term)).scalar_one()
+
+
+def started(session: Session):
+    """When the database server started (a crash and restart changes it)."""
+    return session.scalar(select(func.pg_postmaster_start_time()))
 
 
 def term(session: Session) -> int | None:

@@ -2,7 +2,8 @@
 
     writer = Writer(sessions, on_commit)
     writer.run(job) -> what job(tx) returned     # from any thread; raises what the job raised
-    await writer.run_async(job)                  # the same from the event loop, which it does not block
+    await writer.run_async(job, relaxed=False)   # the same from the event loop, which it does not block
+    writer.run_alone(job)                        # in a group of its own
     writer.close()
 
 A job runs inside a SAVEPOINT of the writer's transaction; jobs that queue up
@@ -19,6 +20,14 @@ group changed for the others (`changelog.py`); what it raises rolls the group ba
 
 Jobs must not do I/O other than SQL: worker calls happen before or after a
 job, never inside one.
+
+Relaxed commits (`Writer(relax=True)`, PostgreSQL only): a group whose jobs
+were all submitted `relaxed` (saves' completions) commits with
+`synchronous_commit = off`: the COMMIT returns once the database has applied
+it, before its WAL reaches the disk, so a database crash can lose such groups
+(never a group that waited for its flush: that flush writes every earlier
+commit too). What happens then is `changelog.ChangeLog`'s: no group commits
+until the directory has read everything back from SQL.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from sqlalchemy import delete, event
+from sqlalchemy import delete, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from kvstore.core.errors import KVStoreError
@@ -44,6 +53,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RESOLVE_S = 30.0  # how long a lost COMMIT answer is asked about before it is called unknown
 MAX_GROUP = 128  # jobs sharing one commit at most
+NORMAL, RELAXED, ALONE = 0, 1, 2  # how a job was submitted
+RELAX = text("SET LOCAL synchronous_commit TO OFF")
 
 
 class Tx:
@@ -70,8 +81,10 @@ class Write(Protocol):
 class Writer:
     def __init__(self, sessions: sessionmaker[Session],
                  on_commit: Callable[[set[int], bool, list], None] | None = None,
-                 before_commit: Callable[[Session, set[int], bool, bool, list, set[str]], None] | None = None) -> None:
+                 before_commit: Callable[[Session, set[int], bool, bool, list, set[str]], None] | None = None,
+                 relax: bool = False) -> None:
         self._sessions = sessions
+        self.relax = relax
         self._on_commit = on_commit or (lambda blocks, topology, committed: None)
         self._before_commit = before_commit
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -82,9 +95,16 @@ class Writer:
 
     def run(self, job: Callable[[Tx], T]) -> T:
         assert threading.current_thread() is not self._thread, "a job cannot wait for another job"
+        return self._submit(job, NORMAL).result()
+
+    def run_alone(self, job: Callable[[Tx], T]) -> T:
+        """`run`, in a group that holds no other job (one that replaces what the others work from)."""
+        return self._submit(job, ALONE).result()
+
+    def _submit(self, job, mode: int) -> Future:
         future: Future = Future()
-        self._queue.put((job, future))
-        return future.result()
+        self._queue.put((job, future, mode))
+        return future
 
     def read(self, job: Callable[[Tx], T]) -> T:
         """A job that only reads, on the caller's thread and its own session (rolled back): long reads
@@ -93,23 +113,23 @@ class Writer:
         with self._sessions() as session:
             return job(Tx(session))
 
-    async def run_async(self, job: Callable[[Tx], T]) -> T:
-        """For the event loop: no thread of the pool waits for the writer, the loop is woken once."""
-        future: Future = Future()
-        self._queue.put((job, future))
-        return await asyncio.wrap_future(future)
+    async def run_async(self, job: Callable[[Tx], T], relaxed: bool = False) -> T:
+        """For the event loop: no thread of the pool waits for the writer, the loop is woken once.
+        `relaxed`: the job's group may commit without waiting for the database's flush (above)."""
+        return await asyncio.wrap_future(self._submit(job, RELAXED if relaxed else NORMAL))
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        held = None  # a job to run alone, met while a group was gathered: it starts the next one
         while True:
-            first = self._queue.get()
+            first, held = (held, None) if held is not None else (self._queue.get(), None)
             if first is None:
                 return
             group = [first]
-            while len(group) < MAX_GROUP:
+            while len(group) < MAX_GROUP and first[2] != ALONE:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -117,21 +137,24 @@ class Writer:
                 if item is None:
                     self._queue.put(None)  # stop after this group
                     break
+                if item[2] == ALONE:
+                    held = item
+                    break
                 group.append(item)
             try:
                 self._run_group(group)
             except BaseException as exc:  # the loop must survive anything a group does
                 log.exception("writer group failed")
-                for _, future in group:
+                for _, future, _ in group:
                     if not future.done():
                         future.set_exception(exc)
 
-    def _run_group(self, group: list[tuple[Callable[[Tx], Any], Future]]) -> None:
+    def _run_group(self, group: list[tuple[Callable[[Tx], Any], Future, int]]) -> None:
         outcomes: list[tuple[Tx, Future, Any, BaseException | None]] = []
         with self._sessions() as session:
             committed = session.info.setdefault("committed", [])
             alone = len(group) == 1  # no SAVEPOINT: a failure rolls back the transaction, which is its own
-            for job, future in group:
+            for job, future, _ in group:
                 tx = Tx(session)
                 mark = len(committed)
                 try:
@@ -156,6 +179,8 @@ class Writer:
             mark = secrets.token_hex(16)
             try:
                 direct.driver_many(session, "INSERT INTO commit_marks (id, at) VALUES (?, ?)", [(mark, time.time())])
+                if self.relax and all(mode == RELAXED for _, _, mode in group):
+                    session.execute(RELAX)
                 if self._before_commit is not None:
                     self._before_commit(session, touched, topology, namespaces, committed, handoffs)
             except BaseException as exc:

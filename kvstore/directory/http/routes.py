@@ -146,7 +146,7 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
         if not leader.leading and leader.lag_s > LAG_S:
             return _unready(f"this follower has not read the leader's changes for {leader.lag_s:.0f} s "
                             "(the database does not answer it)", lag_s=round(leader.lag_s, 1))
-        live = service.live_workers() if leader.leading else leader.live_workers
+        live = service.membership.live_count() if leader.leading else leader.live_workers
         if live < workers:
             return _unready(f"{live} live workers, {workers} needed", live_workers=live)
         return JSONResponse({"status": "ready", "indexed_blocks": service.indexed_blocks, "live_workers": live,
@@ -171,33 +171,33 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
 
     @r.post("/v1/workers")
     def register_worker(body: specs.WorkerRegistration, who: Principal = Caller) -> specs.Registered:
-        return service.register_worker(body, who.id)
+        return service.membership.register_worker(body, who.id)
 
     @r.post("/v1/workers/{name}/heartbeat")
     def heartbeat(name: str, body: specs.Heartbeat, who: Principal = Caller) -> dict:
-        service.heartbeat(name, body.epoch, who.id)
+        service.membership.heartbeat(name, body.epoch, who.id)
         return {"ok": True}
 
     @r.post("/v1/workers/{name}/deregister")
     def deregister(name: str, body: specs.Heartbeat, who: Principal = Caller) -> dict:
-        service.deregister(name, body.epoch, who.id)
+        service.membership.deregister(name, body.epoch, who.id)
         return {"ok": True}
 
     @r.post("/v1/workers/{name}/drain")
     def drain(name: str) -> specs.WorkerInfo:
-        return service.drain(name)
+        return service.membership.drain(name)
 
     @r.post("/v1/workers/{name}/undrain")
     def undrain(name: str) -> specs.WorkerInfo:
-        return service.undrain(name)
+        return service.membership.undrain(name)
 
     @r.get("/v1/workers")
     def workers() -> list[specs.WorkerInfo]:
-        return service.workers()
+        return service.membership.workers()
 
     @r.get("/v1/workers/{name}")
     def worker(name: str) -> specs.WorkerInfo:
-        return service.worker(name)
+        return service.membership.worker(name)
 
     @r.post("/v1/handoffs")
     def commit_handoff(body: HandoffCommit, who: Principal = Caller) -> HandoffState:

@@ -5,6 +5,7 @@
     reservations.pop(token) -> Reservation | None
     reservations.writer_of(namespace_id, hash) -> Reservation | None   # who is writing that block
     reservations.expired(now) -> [Reservation]                          # removed
+    reservations.clear()
     reservations.reserved_bytes(tier_id), reservations.blocks
 
 SQL first hears of a saved block when complete_store commits it READY with its
@@ -67,6 +68,10 @@ class Reservations:
             self._writing[(r.namespace_id, block.hash)] = r
         self._bytes[r.tier_id] = self._bytes.get(r.tier_id, 0) + r.bytes_of(r.blocks)
         self.blocks += len(r.blocks)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_token, self._writing, self._bytes, self.blocks = {}, {}, {}, 0
 
     def get(self, token: str) -> Reservation | None:
         r = self._by_token.get(token)

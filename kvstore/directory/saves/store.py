@@ -20,6 +20,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -206,10 +207,21 @@ class Store:
             for block in blocks:
                 self._pools.free(reservation.tier_id, reservation.epoch, block.runs)
 
+    @contextmanager
+    def paused(self):
+        """No save is prepared meanwhile, and open reservations and remembered completions are
+        dropped: the state they were made in is being read from SQL again."""
+        with self._lock:
+            self.reservations.clear()
+            self._completed_tokens.clear()
+            yield
+
     # ---- complete, abort, renew, expire ---------------------------------------------------------
 
     async def complete_async(self, req) -> specs.StoreCompleted:
-        return self._completed(req, *await self._write_async(lambda tx: self._complete(tx, req, self._clock())))
+        def job(tx: Tx) -> tuple[int, str | None, int]:
+            return self._complete(tx, req, self._clock())
+        return self._completed(req, *await self._write_async(job, relaxed=True))  # a crash may lose it: a miss
 
     def _completed(self, req, committed: int, refused: str | None, total: int) -> specs.StoreCompleted:
         self._metrics.blocks_committed.inc(committed)
