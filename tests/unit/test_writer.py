@@ -172,3 +172,33 @@ def test_a_read_runs_beside_a_job_that_holds_the_writer_and_changes_nothing(tmp_
         pending.join(10)
     assert writer.run(lambda tx: tx.session.query(NamespaceRow).count()) == 0  # nothing a read did stays
     writer.close()
+
+
+def test_a_job_run_alone_shares_its_group_with_no_job_queued_before_or_after_it(tmp_path):
+    import threading
+    import time
+
+    writer = Writer(sessions_at(tmp_path))
+    holding, release = threading.Event(), threading.Event()
+    groups: dict[str, int] = {}  # job -> groups committed before its own: the same within a group
+
+    def long_job(tx) -> None:
+        holding.set()
+        release.wait(10)
+
+    def job(name: str):
+        def run(tx) -> None:
+            groups[name] = writer.groups
+        return run
+    threads = [threading.Thread(target=writer.run, args=(long_job,))]
+    threads[0].start()
+    assert holding.wait(10)
+    for name, call in (("before", writer.run), ("alone", writer.run_alone), ("after", writer.run)):
+        threads.append(threading.Thread(target=call, args=(job(name),)))
+        threads[-1].start()
+        time.sleep(0.05)  # queued in this order while the writer is busy
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    writer.close()
+    assert groups == {"before": 1, "alone": 2, "after": 3}  # after the long job's group, one group each
