@@ -28,7 +28,7 @@ SAMPLES = {
         "admission_by_tier": ({"s3": "tinylfu"}, {"s3": "doorkeeper"}, {"s3": "always"}),
         "require_auth": (False, True, False), "open_metrics": (True, False, True),
         "engine_rate": (100.0, 200.0, 300.0), "engine_burst": (10.0, 20.0, 30.0),
-        "verify_writes": (True, False, True), "relaxed_commits": (False, True, False),
+        "verify_writes": (True, False, True), "relaxed_commits": (True, False, True),
         "ca_file": ("/a.pem", "/b.pem", "/c.pem"),
         "advertise_url": ("http://d1:8700", "http://d2:8700", "https://d3:8700")},
     WorkerSettings: {
