@@ -202,3 +202,26 @@ def test_a_job_run_alone_shares_its_group_with_no_job_queued_before_or_after_it(
         thread.join(10)
     writer.close()
     assert groups == {"before": 1, "alone": 2, "after": 3}  # after the long job's group, one group each
+
+
+def test_a_group_that_only_reads_writes_no_commit_mark_and_every_kind_of_write_does(tmp_path):
+    """The mark (and on PostgreSQL the leader's term check and change log) is skipped only for a
+    group with nothing to commit: ORM changes, statements through the session and through the
+    driver each count as writes."""
+    from sqlalchemy import delete, func, select
+
+    from kvstore.directory.db import direct
+    from kvstore.directory.db.models import CommitMark
+
+    writer = Writer(sessions_at(tmp_path))
+
+    def marks() -> int:
+        return writer.run(lambda tx: tx.session.scalar(select(func.count()).select_from(CommitMark)))
+    assert marks() == 0  # the counting itself only reads
+    writes = [lambda tx: tx.session.add(NamespaceRow(id="n" * 16, spec={}, created_at=0.0)),
+              lambda tx: tx.session.execute(delete(NamespaceRow).where(NamespaceRow.id == "x")),
+              lambda tx: direct.execute(tx.session, "DELETE FROM namespaces WHERE id = ?", ("x",))]
+    for done, write in enumerate(writes, start=1):
+        writer.run(write)
+        assert marks() == done
+    writer.close()

@@ -35,6 +35,7 @@ def driver(session: Session, sql: str) -> tuple:
     about ten microseconds a row). Pending ORM changes are flushed first, as `session.execute` would,
     so the statement runs after them."""
     session.flush()
+    session.info["wrote"] = True  # for the writer: this group has something to commit (`writer.py`)
     connection = session.connection()
     if connection.dialect.paramstyle in ("format", "pyformat"):
         sql = sql.replace("?", "%s")

@@ -8,7 +8,8 @@
 
 A job runs inside a SAVEPOINT of the writer's transaction; jobs that queue up
 while a COMMIT is under way run together and share the next one, so a burst of
-saves pays for one durable commit instead of one each. A job that raises is
+saves pays for one durable commit instead of one each. A group whose jobs only
+read (the reaper's rounds, mostly) writes no commit mark and no change-log row. A job that raises is
 rolled back to its savepoint alone (a job alone in its group needs no
 SAVEPOINT: the transaction is its own). Only after the COMMIT returns does the
 writer call `on_commit` (the lookup index follows the rows the group touched)
@@ -90,6 +91,7 @@ class Writer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.groups = self.jobs = 0  # for the group-commit ratio in /v1/admin/stats
         event.listen(sessions, "after_flush", _note_flushed)
+        event.listen(sessions, "do_orm_execute", _note_executed)
         self._thread = threading.Thread(target=self._loop, name="directory-writer", daemon=True)
         self._thread.start()
 
@@ -176,13 +178,16 @@ class Writer:
             namespaces = session.info.pop("namespaces", False)
             handoffs = session.info.pop("handoffs", set())  # hand-offs committed (handoffs.py)
             session.info.pop("committed")
+            wrote = session.info.pop("wrote", False) or touched or topology or namespaces or committed or handoffs
             mark = secrets.token_hex(16)
             try:
-                direct.driver_many(session, "INSERT INTO commit_marks (id, at) VALUES (?, ?)", [(mark, time.time())])
-                if self.relax and all(mode == RELAXED for _, _, mode in group):
-                    session.execute(RELAX)
-                if self._before_commit is not None:
-                    self._before_commit(session, touched, topology, namespaces, committed, handoffs)
+                if wrote:  # a group that only read commits nothing: no mark, no term check, no change logged
+                    direct.driver_many(session, "INSERT INTO commit_marks (id, at) VALUES (?, ?)",
+                                       [(mark, time.time())])
+                    if self.relax and all(mode == RELAXED for _, _, mode in group):
+                        session.execute(RELAX)
+                    if self._before_commit is not None:
+                        self._before_commit(session, touched, topology, namespaces, committed, handoffs)
             except BaseException as exc:
                 session.rollback()
                 return _rolled_back(outcomes, exc)
@@ -248,8 +253,16 @@ def _unknown(outcomes: list, exc: BaseException) -> None:
             "retrying"))
 
 
+def _note_executed(state) -> None:
+    """A statement other than a SELECT (through the session) marks the group as one that wrote."""
+    if not state.is_select:
+        state.session.info["wrote"] = True
+
+
 def _note_flushed(session: Session, _flush_context) -> None:
-    """ORM changes of blocks, replicas, workers and tiers mark what the index must reload."""
+    """ORM changes of blocks, replicas, workers and tiers mark what the index must reload (and any
+    flush, that the group wrote)."""
+    session.info["wrote"] = True
     touched = session.info.setdefault("touched_blocks", set())
     for obj in (*session.new, *session.dirty, *session.deleted):
         name = type(obj).__name__
