@@ -9,8 +9,8 @@
 A job runs inside a SAVEPOINT of the writer's transaction; jobs that queue up
 while a COMMIT is under way run together and share the next one, so a burst of
 saves pays for one durable commit instead of one each. A group whose jobs only
-read (the reaper's rounds, mostly) writes no commit mark and no change-log row. A job that raises is
-rolled back to its savepoint alone (a job alone in its group needs no
+read (most of the reaper's) writes no commit mark and no change-log row. A job
+that raises is rolled back to its savepoint alone (a job alone in its group needs no
 SAVEPOINT: the transaction is its own). Only after the COMMIT returns does the
 writer call `on_commit` (the lookup index follows the rows the group touched)
 and then the jobs' `after_commit` calls (worker frees, page pools), and only
