@@ -19,7 +19,7 @@ and the directory's (each replica's) and the worker's CPU seconds per 1,000 requ
 stored blocks, so that scaling can be read from cost on a machine with few cores.
 
 On PostgreSQL, `--commits relaxed,durable` runs each row with the directory's relaxed commits on
-(the default: a save's commit does not wait for the WAL flush) and off, and `--fsync` has the
+(a save's commit does not wait for the WAL flush) and off (the default, as the directory's), and `--fsync` has the
 throw-away cluster flush its WAL to disk as a production database does (the test clusters do not).
 """
 
@@ -95,7 +95,7 @@ def engine(args) -> None:
 
 
 def run(requests: list[list[int]], engines: int, capacity_blocks: int, tmp: Path, replicas: int = 1,
-        database_url: str | None = None, commits: str = "relaxed") -> dict:
+        database_url: str | None = None, commits: str = "durable") -> dict:
     requests_file = tmp / "requests.json"
     requests_file.write_text(json.dumps(requests))
     pids: dict[str, int] = {}
@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--replicas", default="1", help="directory replicas, e.g. 1,3 (more than 1: PostgreSQL)")
     parser.add_argument("--database", choices=["sqlite", "postgresql"], default="sqlite",
                         help="the directory's database; postgresql starts a throw-away cluster")
-    parser.add_argument("--commits", default="relaxed", help="PostgreSQL: relaxed, durable or both (relaxed,durable)")
+    parser.add_argument("--commits", default="durable", help="PostgreSQL: relaxed, durable or both (relaxed,durable)")
     parser.add_argument("--fsync", action="store_true", help="the PostgreSQL cluster flushes its WAL to disk")
     parser.add_argument("--capacity", type=float, default=0.05, help="DRAM tier as a fraction of distinct blocks")
     parser.add_argument("--json", default="bench/out/load.json")
