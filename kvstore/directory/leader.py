@@ -147,8 +147,7 @@ class Leader:
                 return
             if regained is None:
                 return  # the database does not answer: nothing to reap, nobody else can lead either
-            with self._sessions() as session:
-                self._log.restarted(session)
+            self._restarted()
         if self._log.stale:
             log.warning("the database restarted and may have lost the last relaxed commits: reading the index, "
                         "page credit and reservations from SQL again")

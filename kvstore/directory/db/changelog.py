@@ -63,9 +63,13 @@ class ChangeLog:
 
     def restarted(self, session: Session) -> bool:
         """With relaxed commits: whether the database started again since this replica's state was read."""
-        if self.relaxed and started(session) != self.incarnation:
-            self.stale = True
+        if self.relaxed:
+            self._compare(started(session))
         return self.stale
+
+    def _compare(self, start_time) -> None:
+        if start_time != self.incarnation:
+            self.stale = True
 
     def followed(self) -> None:
         """A follower read the change log (whatever it found)."""
@@ -93,8 +97,8 @@ class ChangeLog:
         elif self.relaxed:
             row = session.execute(check.returning(func.pg_postmaster_start_time())).first()
             ours = row is not None
-            if ours and row[0] != self.incarnation:
-                self.stale = True
+            if ours:
+                self._compare(row[0])
         else:
             ours = session.execute(check).rowcount == 1
         if not ours:

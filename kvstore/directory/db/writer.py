@@ -127,7 +127,8 @@ class Writer:
     def _loop(self) -> None:
         held = None  # a job to run alone, met while a group was gathered: it starts the next one
         while True:
-            first, held = (held, None) if held is not None else (self._queue.get(), None)
+            first = held if held is not None else self._queue.get()
+            held = None
             if first is None:
                 return
             group = [first]
