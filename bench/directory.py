@@ -19,10 +19,14 @@ moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
 5. saves from 1 and 4 engines at once (other processes, chains of 128 new
    blocks, prepare + complete as fast as they go): blocks/s and the directory's
    CPU per stored block, from prepare to commit;
-6. lookups from 4 clients with the directory alone on one core and the clients
+6. loads of 256 stored blocks (prepare-batch + complete: every block pinned
+   under a lease, then released) and an operator's evictions of 64 blocks
+   (dropped: no tier below), after one that builds the tier's policy: ms and
+   the directory's CPU per block;
+7. lookups from 4 clients with the directory alone on one core and the clients
    on the other (`taskset`-style affinity; on a machine of 2 cores the plain
    4-client figure measures five processes queueing for two cores);
-7. the directory's resident memory, and its start-up time to ready when it is
+8. the directory's resident memory, and its start-up time to ready when it is
    restarted on the full database.
 
 `--directory-src DIR` runs the directory from another checkout (a before/after
@@ -189,6 +193,36 @@ def lookups(port: int, pid: int, namespace_id: str, chains: int, clients: int, s
             "directory_cpu_us_per_lookup": 1e6 * cpu / max(1, len(latencies))}
 
 
+def loads(http: Http, pid: int, namespace_id: str, chains: int, repeats: int, per_load: int = 2) -> dict:
+    """prepare-batch of `per_load` stored chains + complete, `repeats` times: an engine's load of a
+    prompt (every block pinned under a lease, then released)."""
+    rng, times, cpu0 = random.Random(7), [], cpu_s(pid)
+    for _ in range(repeats):
+        body = {"namespace_id": namespace_id, "reader": "bench",
+                "chains": [chain_hashes(rng.randrange(chains)) for _ in range(per_load)]}
+        prepared, t1 = http.post("/v1/load/prepare-batch", body)
+        assert sum(map(len, prepared["chains"])) == per_load * CHAIN, "a stored chain was not found whole"
+        _, t2 = http.post("/v1/load/complete", {"token": prepared["token"], "blocks": []})
+        times.append(t1 + t2)
+    blocks = per_load * CHAIN
+    return {"blocks": blocks, "ms": 1e3 * median(times), "us_per_block": 1e6 * median(times) / blocks,
+            "directory_cpu_us_per_block": 1e6 * (cpu_s(pid) - cpu0) / (repeats * blocks)}
+
+
+def evictions(http: Http, pid: int, repeats: int, blocks: int = 64) -> dict:
+    """An operator's eviction of `blocks` blocks' bytes from the DRAM tier (no tier below: dropped),
+    `repeats` times after one that builds the tier's policy from SQL."""
+    ask = {"tier": "dram", "bytes": blocks * PAGE}
+    http.post("/v1/admin/evict", ask)
+    times, dropped, cpu0 = [], 0, cpu_s(pid)
+    for _ in range(repeats):
+        answer, seconds = http.post("/v1/admin/evict", ask)
+        times.append(seconds)
+        dropped += answer["dropped"]
+    return {"blocks": blocks, "ms": 1e3 * median(times), "dropped": dropped,
+            "directory_cpu_us_per_block": 1e6 * (cpu_s(pid) - cpu0) / max(1, dropped)}
+
+
 def percentiles(latencies: list[float]) -> tuple[float, float]:
     xs = sorted(latencies)
     return 1e3 * xs[len(xs) // 2], 1e3 * xs[min(len(xs) - 1, int(len(xs) * 0.99))]
@@ -321,6 +355,8 @@ def main() -> None:
                     next_chain += 1
                 stores[size] = {"ms": 1e3 * median(times), "us_per_block": 1e6 * median(times) / size}
             engines = [saves(port, pid, namespace_id, n, args.seconds, next_chain + 10_000_000 * n) for n in (1, 4)]
+            loaded = loads(http, pid, namespace_id, chains, args.repeats)
+            evicted = evictions(http, pid, args.repeats)
             rss_after = rss_mib(directory.pid)
         finally:
             stop_beating.set()
@@ -350,6 +386,11 @@ def main() -> None:
     print_table(["prepare+complete", "ms", "µs per block"], [[f"{k} blocks", v["ms"], v["us_per_block"]]
                                                             for k, v in stores.items()])
     print()
+    print_table(["load (prepare-batch + complete) / eviction", "ms", "directory CPU µs per block"],
+                [[f"load of {loaded['blocks']} blocks", loaded["ms"], loaded["directory_cpu_us_per_block"]],
+                 [f"eviction of {evicted['blocks']} blocks (dropped {evicted['dropped']})", evicted["ms"],
+                  evicted["directory_cpu_us_per_block"]]])
+    print()
     print_table(["engines saving at once", "blocks/s", "directory CPU µs per block"],
                 [[e["clients"], round(e["blocks_per_s"]), e["directory_cpu_us_per_block"]] for e in engines])
     print(f"\nindexed {chains * CHAIN:,} blocks; fill {chains * CHAIN / fill_s:,.0f} blocks/s; directory RSS "
@@ -357,7 +398,8 @@ def main() -> None:
           f"restart; restart to ready {start_s:.1f} s")
     write_json(args.json, {"machine": machine(), "blocks": chains * CHAIN, "fill_s": fill_s,
                            "fill_blocks_per_s": chains * CHAIN / fill_s, "lookups": dict(zip(names, phases)),
-                           "stalls": stalled, "store": stores, "engines_saving": engines, "rss_mib": {"filled": rss, "end": rss_after, "restarted": rss_restart},
+                           "stalls": stalled, "store": stores, "load": loaded, "eviction": evicted,
+                           "engines_saving": engines, "rss_mib": {"filled": rss, "end": rss_after, "restarted": rss_restart},
                            "start_to_ready_s": start_s, "directory_src": str(args.directory_src)})
 
 

@@ -10,6 +10,13 @@ Saves, loads and tier moves run their per-block statements here: SQLAlchemy's pe
 processing and ORM objects cost more than SQLite itself (about 100 µs a block against 10). The
 statements are plain SQL that SQLite and PostgreSQL both take. Pending ORM changes are flushed
 before each statement, so it runs after them.
+
+Statements that name rows (by id, by hash, by token) filter on nothing else that an index covers
+(a replica's state or tier): they read that column and the caller compares it. SQLite plans without
+statistics and takes an equality on any indexed column for about ten rows, so `state IN (...) AND
+id IN (...)` walked the state index, every READY replica, instead of the ids: a load's pin, an
+eviction's victims and the index's read-back each did work in proportion to the table, not to the
+blocks named (tests/component/test_sql_work.py).
 """
 
 from __future__ import annotations

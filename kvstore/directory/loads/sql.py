@@ -16,10 +16,9 @@ from kvstore.directory.db.direct import chunks, driver_many, marks, rows
 def pin(session: Session, replica_ids: list[int], token: str, holder: str, expires_at: float) -> set[int]:
     """Lease these replicas if they are still readable (READY or MOVING); returns the ids pinned."""
     readable: set[int] = set()
-    states = ", ".join(f"'{s}'" for s in VISIBLE)
-    for chunk in chunks(replica_ids):
-        readable.update(r for (r,) in rows(session, f"SELECT id FROM replicas WHERE state IN ({states}) AND id IN "
-                                           f"({marks(len(chunk))})", tuple(chunk)))
+    for chunk in chunks(replica_ids):  # the state compared here, not in SQL (`direct.py`: by id)
+        readable.update(r for r, state in rows(session, f"SELECT id, state FROM replicas WHERE id IN "
+                                               f"({marks(len(chunk))})", tuple(chunk)) if state in VISIBLE)
     driver_many(session, "INSERT INTO leases (replica_id, token, holder, expires_at) VALUES (?, ?, ?, ?)",
                 [(r, token, holder, expires_at) for r in replica_ids if r in readable])
     return readable

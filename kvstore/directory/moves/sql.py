@@ -32,9 +32,13 @@ class VictimBlock(NamedTuple):
     hit_count: int
 
 
-_VICTIMS = ("SELECT r.id, r.reserved_bytes, b.id, b.namespace_id, b.hash, b.parent, b.nbytes, b.last_access, b.depth, "
-            "b.hit_count{} FROM replicas r JOIN blocks b ON b.id = r.block_id "
+_VICTIM_COLUMNS = ("r.id, r.reserved_bytes, b.id, b.namespace_id, b.hash, b.parent, b.nbytes, b.last_access, b.depth, "
+                   "b.hit_count")
+_VICTIMS = (f"SELECT {_VICTIM_COLUMNS}{{}} FROM replicas r JOIN blocks b ON b.id = r.block_id "
             f"WHERE r.tier_id = ? AND r.state = '{READY}'")
+# Blocks named by hash: tier and state compared in Python (`direct.py`: statements that name rows)
+_BY_HASH = (f"SELECT {_VICTIM_COLUMNS}, r.tier_id, r.state FROM blocks b JOIN replicas r ON r.block_id = b.id "
+            "WHERE b.namespace_id = ? AND b.hash IN ({})")
 _PINNED = "EXISTS (SELECT 1 FROM leases l WHERE l.replica_id = r.id)"
 
 
@@ -60,10 +64,11 @@ def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]
     """Per block, the tier kinds holding a READY or MOVING replica."""
     kinds: dict[int, set[str]] = {}
     for chunk in chunks(block_ids):
-        for block_id, kind in rows(
-                session, "SELECT r.block_id, t.kind FROM replicas r JOIN tiers t ON t.id = r.tier_id WHERE r.state IN "
-                f"({marks(len(VISIBLE))}) AND r.block_id IN ({marks(len(chunk))})", (*VISIBLE, *chunk)):
-            kinds.setdefault(block_id, set()).add(kind)
+        for block_id, kind, state in rows(
+                session, "SELECT r.block_id, t.kind, r.state FROM replicas r JOIN tiers t ON t.id = r.tier_id "
+                f"WHERE r.block_id IN ({marks(len(chunk))})", tuple(chunk)):
+            if state in VISIBLE:  # compared here, not in SQL (`direct.py`: statements that name rows)
+                kinds.setdefault(block_id, set()).add(kind)
     return kinds
 
 
@@ -149,9 +154,10 @@ def replica_block_pairs(session: Session, replica_ids: list[int]) -> list[tuple[
 
 def pinned_keys(session: Session, tier_id: int) -> set[str]:
     """`namespace/hash` of the blocks whose replica on this tier a reader pins."""
-    query = (select(Block.namespace_id, Block.hash).join(Replica, Replica.block_id == Block.id)
-             .join(Lease, Lease.replica_id == Replica.id).where(Replica.tier_id == tier_id))
-    return {f"{n}/{h}" for n, h in session.execute(query)}
+    query = (select(Block.namespace_id, Block.hash, Replica.tier_id).select_from(Lease)
+             .join(Replica, Lease.replica_id == Replica.id).join(Block, Replica.block_id == Block.id))
+    return {f"{n}/{h}" for n, h, tier in session.execute(query) if tier == tier_id}  # from the leases, which are
+    # few: a WHERE on the tier would walk every replica of it (`direct.py`: statements that name rows)
 
 
 def keys_of(session: Session, block_ids) -> set[str]:
@@ -172,9 +178,9 @@ def ready_replicas_by_key(session: Session, tier_id: int,
     found: dict[str, tuple[VictimReplica, VictimBlock]] = {}
     for namespace_id, hashes in by_namespace.items():
         for chunk in chunks(hashes):
-            found.update((f"{namespace_id}/{b.hash}", (r, b)) for r, b in map(_victim, rows(
-                session, _VICTIMS.format("") + f" AND b.namespace_id = ? AND b.hash IN ({marks(len(chunk))})",
-                (tier_id, namespace_id, *chunk))))
+            found.update((f"{namespace_id}/{row[4]}", _victim(row)) for row in rows(
+                session, _BY_HASH.format(marks(len(chunk))), (namespace_id, *chunk))
+                if row[10] == tier_id and row[11] == READY)
     return [found[k] for k in keys if k in found]
 
 
