@@ -22,7 +22,8 @@ moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
 6. loads of 256 stored blocks (prepare-batch + complete: every block pinned
    under a lease, then released) and an operator's evictions of 64 blocks
    (dropped: no tier below), after one that builds the tier's policy: ms and
-   the directory's CPU per block;
+   the directory's CPU per block; and how long that first one took, with the
+   longest 64-block save that another connection made meanwhile;
 7. lookups from 4 clients with the directory alone on one core and the clients
    on the other (`taskset`-style affinity; on a machine of 2 cores the plain
    4-client figure measures five processes queueing for two cores);
@@ -209,18 +210,32 @@ def loads(http: Http, pid: int, namespace_id: str, chains: int, repeats: int, pe
             "directory_cpu_us_per_block": 1e6 * (cpu_s(pid) - cpu0) / (repeats * blocks)}
 
 
-def evictions(http: Http, pid: int, repeats: int, blocks: int = 64) -> dict:
+def evictions(http: Http, pid: int, namespace_id: str, first_chain: int, repeats: int, blocks: int = 64) -> dict:
     """An operator's eviction of `blocks` blocks' bytes from the DRAM tier (no tier below: dropped),
-    `repeats` times after one that builds the tier's policy from SQL."""
+    `repeats` times after a first one that builds the tier's policy from SQL, during which another
+    connection saves 64-block chains: how long the build took and the longest of those saves."""
     ask = {"tier": "dram", "bytes": blocks * PAGE}
-    http.post("/v1/admin/evict", ask)
+    done, saves = threading.Event(), []
+
+    def save() -> None:
+        saver, chain = Http(http.port), first_chain
+        while not done.is_set():
+            saves.append(store_chain(saver, namespace_id, chain_hashes(chain, 64))[1])
+            chain += 1
+    saving = threading.Thread(target=save)
+    saving.start()
+    time.sleep(0.5)
+    first = http.post("/v1/admin/evict", ask)[1]
+    done.set()
+    saving.join()
     times, dropped, cpu0 = [], 0, cpu_s(pid)
     for _ in range(repeats):
         answer, seconds = http.post("/v1/admin/evict", ask)
         times.append(seconds)
         dropped += answer["dropped"]
     return {"blocks": blocks, "ms": 1e3 * median(times), "dropped": dropped,
-            "directory_cpu_us_per_block": 1e6 * (cpu_s(pid) - cpu0) / max(1, dropped)}
+            "directory_cpu_us_per_block": 1e6 * (cpu_s(pid) - cpu0) / max(1, dropped), "first_s": first,
+            "saves_during_first": len(saves), "longest_save_during_first_ms": 1e3 * max(saves, default=0.0)}
 
 
 def percentiles(latencies: list[float]) -> tuple[float, float]:
@@ -356,7 +371,7 @@ def main() -> None:
                 stores[size] = {"ms": 1e3 * median(times), "us_per_block": 1e6 * median(times) / size}
             engines = [saves(port, pid, namespace_id, n, args.seconds, next_chain + 10_000_000 * n) for n in (1, 4)]
             loaded = loads(http, pid, namespace_id, chains, args.repeats)
-            evicted = evictions(http, pid, args.repeats)
+            evicted = evictions(http, pid, namespace_id, next_chain + 50_000_000, args.repeats)
             rss_after = rss_mib(directory.pid)
         finally:
             stop_beating.set()
@@ -390,6 +405,9 @@ def main() -> None:
                 [[f"load of {loaded['blocks']} blocks", loaded["ms"], loaded["directory_cpu_us_per_block"]],
                  [f"eviction of {evicted['blocks']} blocks (dropped {evicted['dropped']})", evicted["ms"],
                   evicted["directory_cpu_us_per_block"]]])
+    print(f"the first eviction (the tier's policy built) took {evicted['first_s']:.2f} s; "
+          f"{evicted['saves_during_first']} saves of 64 blocks meanwhile, the longest "
+          f"{evicted['longest_save_during_first_ms']:.0f} ms")
     print()
     print_table(["engines saving at once", "blocks/s", "directory CPU µs per block"],
                 [[e["clients"], round(e["blocks_per_s"]), e["directory_cpu_us_per_block"]] for e in engines])

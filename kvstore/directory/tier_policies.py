@@ -4,6 +4,7 @@
     policies.admit_many(tier, [(key, nbytes, hints)])   # the same for a save's blocks, with its hints
     policies.expect(tier, [(key, hints)]) # a save reserved these: its hints reach the policy at commit
     policies.hit_many([(tier ids, key)])  # loads read them: touch + record
+    policies.build(tier, read_rows)       # the first time: from the tier's READY replicas, off every path
     policies.victims(tier, rows, ...)     # sync with the tier's READY replicas, then evict
     policies.changed([(key, parent, added, removed)])   # the index saw blocks' replicas come or go
     policies.evict(tier, n, keep) -> keys | None    # victims without a sync: O(victims)
@@ -20,6 +21,10 @@ start rebuilds it); from then on the lookup index reports every replica that
 becomes readable or goes (`changed`), so choosing victims costs what the victims
 cost, not what the tier holds. A key the policy names that the tier no longer
 holds is dropped by the caller, and a policy that runs dry is synced again.
+`build` makes that first sync a new policy filled without the lock, from rows
+read off the writer: at a million blocks it takes about 20 s, and as a writer
+job it held every save's commit that long (and every admission, behind the
+lock). Changes reported while it runs are kept and replayed before it takes over.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.core import heap
@@ -37,6 +43,7 @@ from kvstore.policies.hints import Hints
 
 UNBOUNDED_BLOCKS = 1 << 20  # the size policies assume for a tier without a capacity (S3)
 REPLAY_HITS = 3  # at most this many recorded hits per block when rebuilding admission counts
+REPLAY_AT_ONCE = 10_000  # blocks whose hits a build replays under one hold of the lock
 MAX_EXPECTED = 1 << 20  # hints of reserved blocks kept for their commit; the oldest are dropped first
 
 
@@ -63,6 +70,9 @@ class _TierPolicy:
     admission: object
     built: bool = False
     pressure: list = field(default_factory=list)  # Backpressure conditions to update
+    blocks: int = 1  # the capacity its policies were made for
+    pending: list | None = None  # while `build` runs: (key, parent, added here?) reported meanwhile
+    building: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _locked(method):
@@ -89,7 +99,8 @@ class TierPolicies:
             admission = make_admission(self._names[1][tier.kind], max(1, blocks))
             conditions = admission.conditions if isinstance(admission, AdmissionChain) else [admission]
             self._tiers[tier.id] = _TierPolicy(make_eviction(self._names[0][tier.kind], max(1, blocks)), admission,
-                                               pressure=[c for c in conditions if isinstance(c, Backpressure)])
+                                               pressure=[c for c in conditions if isinstance(c, Backpressure)],
+                                               blocks=max(1, blocks))
             heap.freeze()  # its sets grow to a key per block
         return self._tiers[tier.id]
 
@@ -145,17 +156,72 @@ class TierPolicies:
     def changed(self, changes: list[tuple[str, str | None, list[int], list[int]]]) -> None:
         """(key, parent, added, removed): replicas of `key` became readable on the tiers `added` and
         left `removed` (tier ids). Tiers whose policy is not built yet learn it at their first sync."""
-        built = {tier_id: p for tier_id, p in self._tiers.items() if p.built}
+        built = {tier_id: p for tier_id, p in self._tiers.items() if p.built and p.pending is None}
+        building = {tier_id: p.pending for tier_id, p in self._tiers.items() if p.pending is not None}
         expected = self._expected
         for key, parent, added, removed in changes:
             for tier_id in removed:
                 policy = built.get(tier_id)
                 if policy is not None:
                     policy.eviction.remove(key)
+                elif tier_id in building:
+                    building[tier_id].append((key, parent, False))
             for tier_id in added:
                 policy = built.get(tier_id)
                 if policy is not None and key not in policy.eviction:
                     policy.eviction.insert(key, parent, expected.pop((tier_id, key), None))
+                elif tier_id in building:
+                    building[tier_id].append((key, parent, True))
+
+    def build(self, tier, read_rows: Callable[[], list[tuple[str, str, str | None, int]]]) -> None:
+        """The tier's eviction policy from its READY replicas, unless it is built: `read_rows` (called
+        without the lock) gives (namespace id, hash, parent hash, hit count) oldest first, as plain
+        tuples, which the garbage collector stops walking (objects per row made each of its full
+        collections during a build a pause of most of a second). A new policy is filled outside
+        the lock, the admission's counts are replayed in chunks under it, the changes reported
+        meanwhile replayed, and then it takes over. A second caller waits for the first's build."""
+        with self.lock:
+            policy = self._of(tier)
+        with policy.building:
+            with self.lock:
+                if policy.built:
+                    return
+                policy.pending = []
+                hints = {key: h for (tier_id, key), h in self._expected.items() if tier_id == tier.id}
+            try:
+                rows = read_rows()
+                fresh = make_eviction(self._names[0][tier.kind], policy.blocks)
+                for start in range(0, len(rows), REPLAY_AT_ONCE):
+                    keys = []
+                    for namespace_id, block_hash, parent, hits in rows[start : start + REPLAY_AT_ONCE]:
+                        key = block_key(namespace_id, block_hash)
+                        fresh.insert(key, block_key(namespace_id, parent) if parent else None, hints.get(key))
+                        keys.append((key, min(hits, REPLAY_HITS)))
+                    with self.lock:  # the admission's counts, as _sync replays them
+                        for key, hits in keys:
+                            for _ in range(hits):
+                                policy.admission.record(key)
+                replayed = 0
+                while True:  # what was reported meanwhile: outside the lock while there is much of it
+                    with self.lock:
+                        batch = policy.pending[replayed:]
+                        said = {key: self._expected.get((tier.id, key)) for key, _, added in batch if added}
+                        if len(batch) <= REPLAY_AT_ONCE:
+                            _replay(fresh, batch, said)
+                            for key in hints.keys() | {key for key, _, added in policy.pending if added}:
+                                if key in fresh:
+                                    self._expected.pop((tier.id, key), None)
+                            policy.eviction, policy.built = fresh, True
+                            break
+                    _replay(fresh, batch, said)
+                    replayed += len(batch)
+                while rows:  # freed a slice at a time: freeing a million rows at once holds the GIL for
+                    del rows[-REPLAY_AT_ONCE:]  # most of a second, and every request with it
+                del fresh
+            finally:
+                with self.lock:
+                    policy.pending = None
+        heap.freeze()  # the new policy's containers, as _of froze the first one's
 
     @_locked
     def evict(self, tier, n: int, keep: set[str]) -> list[str] | None:
@@ -200,6 +266,15 @@ class TierPolicies:
                 for _ in range(min(r.hit_count, REPLAY_HITS)):
                     policy.admission.record(r.key)
         policy.built = True
+
+
+def _replay(eviction, changes: list[tuple[str, str | None, bool]], hints: dict) -> None:
+    """Changes reported while a policy was built, in their order: (key, parent, added?)."""
+    for key, parent, added in changes:
+        if not added:
+            eviction.remove(key)
+        elif key not in eviction:
+            eviction.insert(key, parent, hints.get(key))
 
 
 def _choose(eviction, rows: list[VictimRow], protected: set[str], to_free: int, limit: int) -> list:

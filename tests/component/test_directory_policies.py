@@ -3,6 +3,8 @@ survives a restart (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from pydantic import ValidationError
 
@@ -51,6 +53,35 @@ def test_eviction_order_survives_a_directory_restart(database_url, control):
         assert [b.status for b in prepare(s2, chain(2, start=5000)).blocks] == ["admitted"] * 2
         assert hits(s2, old) == 8
         assert hits(s2, recent) == 6  # the two deepest blocks of the colder chain went
+
+
+def test_saves_commit_while_a_tiers_policy_is_built(database_url, control, monkeypatch):
+    """The first eviction after a start builds the tier's policy from all its rows (19 s at 1M
+    blocks): read as a job of the writer, it held every save's commit for as long."""
+    from kvstore.directory.moves import sql
+
+    reading, saved, during = threading.Event(), threading.Event(), []
+
+    def slow(read):
+        def rows(*args):
+            reading.set()
+            during.append(saved.wait(10))  # a save commits while the tier is read, or never
+            return read(*args)
+        return rows
+    for name in ("policy_rows", "ready_replicas_of_tier"):  # whichever the build reads the tier with
+        monkeypatch.setattr(sql, name, slow(getattr(sql, name)))
+    with directory_stack(make_settings(database_url), control) as s:
+        complete(s, prepare(s, chain(4)))
+        evicted = []
+        evicting = threading.Thread(target=lambda: evicted.append(
+            s.client.evict_tier(specs.EvictRequest(tier="dram", limit=2))))
+        evicting.start()
+        assert reading.wait(10)
+        assert complete(s, prepare(s, chain(1, start=100))).committed == 1
+        saved.set()
+        evicting.join(30)
+        assert during == [True] and evicted[0].dropped == 2
+        assert hits(s, chain(1, start=100)) == 1
 
 
 def test_unknown_policies_and_tiers_are_refused_at_start():

@@ -56,3 +56,21 @@ def test_admission_is_per_tier_kind():
     assert p.admit(FakeTier(), "k", 100) == Admit()
     nvme = FakeTier(id=2, kind="nvme")
     assert isinstance(p.admit(nvme, "k", 100), Reject) and p.admit(nvme, "k", 100) == Admit()
+
+
+def test_a_build_replays_what_changed_while_it_read_and_a_second_caller_waits_for_it():
+    p = policies()
+    tier = FakeTier()
+    reads = []
+
+    def read_rows():  # the tier as SQL had it; commits land while it is read
+        reads.append(1)
+        p.changed([("ns/new", None, [tier.id], []), ("ns/b", None, [], [tier.id])])
+        return [("ns", "a", None, 0), ("ns", "b", None, 0), ("ns", "c", "a", 0)]  # oldest first
+
+    p.build(tier, read_rows)
+    p.build(tier, read_rows)  # built: nothing read again
+    assert reads == [1] and p.built(tier)
+    assert p.evict(tier, 10, keep=set()) == ["ns/a", "ns/c", "ns/new"]  # b went meanwhile; new came last
+    p.changed([("ns/later", None, [tier.id], [])])  # once built, changes go straight in
+    assert p.evict(tier, 10, keep=set()) == ["ns/later"]

@@ -60,6 +60,15 @@ def ready_replicas_of_tier(session: Session, tier_id: int) -> list[tuple[VictimR
     return [(*_victim(row), bool(row[10])) for row in rows(session, _VICTIMS.format(f", {_PINNED}"), (tier_id,))]
 
 
+def policy_rows(session: Session, tier_id: int) -> list[tuple[str, str, str | None, int]]:
+    """(namespace id, hash, parent hash, hit count) of every READY replica of a tier, oldest first
+    (deeper blocks first on ties), as a policy is built from them: sorted by the database, which
+    holds no GIL, into plain tuples of plain values."""
+    return rows(session, "SELECT b.namespace_id, b.hash, b.parent, b.hit_count FROM replicas r JOIN blocks b ON "
+                f"b.id = r.block_id WHERE r.tier_id = ? AND r.state = '{READY}' ORDER BY b.last_access, b.depth DESC",
+                (tier_id,))
+
+
 def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]:
     """Per block, the tier kinds holding a READY or MOVING replica."""
     kinds: dict[int, set[str]] = {}

@@ -108,6 +108,8 @@ class Movement:
                      namespace_id: str | None = None, limit: int = MAX_MOVES_PER_ROUND) -> dict:
         outcome = {"replicas": 0, "bytes": 0, "demoted": 0, "dropped": 0}
         total = 0
+        if namespace_id is None:
+            self._build_policy(tier_id)
         while total < to_free and outcome["replicas"] < limit:  # rounds of at most MAX_MOVES_PER_ROUND
             lower = _lower(self._topology, tier_id, worker_id)
             if lower is not None and self.moves.backing_off(lower[0]):
@@ -158,15 +160,18 @@ class Movement:
         if namespace_id is not None:
             candidates = sql.demotion_candidates(tx.session, tier.id, limit + len(protected), namespace_id)
             return _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
-        if dry_run or not self._policies.built(tier):
-            rows = [VictimRow(key=block_key(b.namespace_id, b.hash),
-                              parent=block_key(b.namespace_id, b.parent) if b.parent else None,
-                              last_access=b.last_access, depth=b.depth, hit_count=b.hit_count,
-                              nbytes=r.reserved_bytes, pinned=pinned, row=(r, b))
-                    for r, b, pinned in sql.ready_replicas_of_tier(tx.session, tier.id)]
+        if dry_run or not self._policies.built(tier):  # built before the job (_build_policy) unless it ran dry
+            rows = _victim_rows(tx, tier.id)
             keep = {row.key for row in rows if row.row[1].id in protected}
             return self._policies.victims(tier, rows, keep, to_free, limit, dry_run)
         return self._victims_from_policy(tx, tier, to_free, protected, limit)
+
+    def _build_policy(self, tier_id: int) -> None:
+        """The tier's eviction policy, built the first time from its READY replicas read off the
+        writer (a job that read them held every save's commit for as long: 19 s at 1M blocks)."""
+        tier = self._topology.tiers.get(tier_id)
+        if tier is not None and not self._policies.built(tier):
+            self._policies.build(tier, lambda: self._read(lambda tx: sql.policy_rows(tx.session, tier_id)))
 
     def _victims_from_policy(self, tx: Tx, tier: Tier, to_free: int, protected: set[int],
                              limit: int) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
@@ -279,3 +284,11 @@ def _enough(candidates: list[tuple[sql.VictimReplica, sql.VictimBlock]],
         chosen.append((replica, block))
         freed += replica.reserved_bytes
     return chosen
+
+
+def _victim_rows(tx: Tx, tier_id: int) -> list[VictimRow]:
+    """Every READY replica of the tier, as the policies take them."""
+    return [VictimRow(key=block_key(b.namespace_id, b.hash), parent=block_key(b.namespace_id, b.parent) if b.parent
+                      else None, last_access=b.last_access, depth=b.depth, hit_count=b.hit_count,
+                      nbytes=r.reserved_bytes, pinned=pinned, row=(r, b))
+            for r, b, pinned in sql.ready_replicas_of_tier(tx.session, tier_id)]
