@@ -155,7 +155,8 @@ class TierPolicies:
     @_locked
     def changed(self, changes: list[tuple[str, str | None, list[int], list[int]]]) -> None:
         """(key, parent, added, removed): replicas of `key` became readable on the tiers `added` and
-        left `removed` (tier ids). Tiers whose policy is not built yet learn it at their first sync."""
+        left `removed` (tier ids). Tiers whose policy is not built yet learn it at their first sync;
+        a build under way keeps them to replay."""
         built = {tier_id: p for tier_id, p in self._tiers.items() if p.built and p.pending is None}
         building = {tier_id: p.pending for tier_id, p in self._tiers.items() if p.pending is not None}
         expected = self._expected
@@ -215,9 +216,7 @@ class TierPolicies:
                             break
                     _replay(fresh, batch, said)
                     replayed += len(batch)
-                while rows:  # freed a slice at a time: freeing a million rows at once holds the GIL for
-                    del rows[-REPLAY_AT_ONCE:]  # most of a second, and every request with it
-                del fresh
+                del rows, fresh  # before the collection below
             finally:
                 with self.lock:
                     policy.pending = None
