@@ -43,7 +43,7 @@ from kvstore.policies.hints import Hints
 
 UNBOUNDED_BLOCKS = 1 << 20  # the size policies assume for a tier without a capacity (S3)
 REPLAY_HITS = 3  # at most this many recorded hits per block when rebuilding admission counts
-REPLAY_AT_ONCE = 10_000  # blocks whose hits a build replays under one hold of the lock
+REPLAY_AT_ONCE = 10_000  # what a build replays under one hold of the lock (hits of blocks, reported changes)
 MAX_EXPECTED = 1 << 20  # hints of reserved blocks kept for their commit; the oldest are dropped first
 
 
@@ -157,7 +157,7 @@ class TierPolicies:
         """(key, parent, added, removed): replicas of `key` became readable on the tiers `added` and
         left `removed` (tier ids). Tiers whose policy is not built yet learn it at their first sync;
         a build under way keeps them to replay."""
-        built = {tier_id: p for tier_id, p in self._tiers.items() if p.built and p.pending is None}
+        built = {tier_id: p for tier_id, p in self._tiers.items() if p.built}
         building = {tier_id: p.pending for tier_id, p in self._tiers.items() if p.pending is not None}
         expected = self._expected
         for key, parent, added, removed in changes:
@@ -212,14 +212,15 @@ class TierPolicies:
                             for key in hints.keys() | {key for key, _, added in policy.pending if added}:
                                 if key in fresh:
                                     self._expected.pop((tier.id, key), None)
-                            policy.eviction, policy.built = fresh, True
+                            # in the same hold as the replay: a change reported after it goes to the new policy
+                            policy.eviction, policy.built, policy.pending = fresh, True, None
                             break
                     _replay(fresh, batch, said)
                     replayed += len(batch)
                 del rows, fresh  # before the collection below
             finally:
                 with self.lock:
-                    policy.pending = None
+                    policy.pending = None  # a build that failed keeps nothing
         heap.freeze()  # the new policy's containers, as _of froze the first one's
 
     @_locked
