@@ -86,12 +86,12 @@ class Http:
         self.port = port
         self.conn = _Connection("127.0.0.1", port)
 
-    def post(self, path: str, body: dict) -> tuple[dict, float]:
-        data = json.dumps(body).encode()
+    def post(self, path: str, body: dict | None, method: str = "POST") -> tuple[dict, float]:
+        data = json.dumps(body).encode() if body is not None else None
         for attempt in (0, 1):  # the server closes a connection idle for a few seconds
             try:
                 t0 = time.perf_counter()
-                self.conn.request("POST", path, data, {"content-type": "application/json"})
+                self.conn.request(method, path, data, {"content-type": "application/json"})
                 response = self.conn.getresponse()
                 payload = response.read()
                 elapsed = time.perf_counter() - t0
@@ -288,6 +288,10 @@ def stalls(port: int, namespace_id: str, chains: int, first_chain: int) -> dict:
     return out
 
 
+def indexed(http: Http) -> int:
+    return http.post("/v1/admin/stats", None, method="GET")[0]["indexed_blocks"]
+
+
 def rss_mib(pid: int) -> float:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):
@@ -365,6 +369,7 @@ def main() -> None:
             if len(os.sched_getaffinity(0)) > 1:
                 phases.append(lookups(port, pid, namespace_id, chains, 4, args.seconds, split_cores=True))
             stalled = stalls(port, namespace_id, chains, chains + 50_000)
+            rss_stalls = (rss_mib(pid), indexed(http))  # the dry runs built the tier's policy (or a copy of it)
             stores = {}
             next_chain = chains + 100_000
             for size in (64, 1024):
@@ -378,7 +383,7 @@ def main() -> None:
             engines = [saves(port, pid, namespace_id, n, args.seconds, next_chain + 10_000_000 * n) for n in (1, 4)]
             loaded = loads(http, pid, namespace_id, chains, args.repeats)
             evicted = evictions(http, pid, namespace_id, next_chain + 50_000_000, args.repeats)
-            rss_after = rss_mib(directory.pid)
+            rss_after = (rss_mib(directory.pid), indexed(http))
         finally:
             stop_beating.set()
             stop(directory)
@@ -419,12 +424,16 @@ def main() -> None:
     print_table(["engines saving at once", "blocks/s", "directory CPU µs per block"],
                 [[e["clients"], round(e["blocks_per_s"]), e["directory_cpu_us_per_block"]] for e in engines])
     print(f"\nindexed {chains * CHAIN:,} blocks; fill {chains * CHAIN / fill_s:,.0f} blocks/s; directory RSS "
-          f"{rss:,.0f} MiB after the fill, {rss_after:,.0f} MiB after the run, {rss_restart:,.0f} MiB after a "
+          f"{rss:,.0f} MiB after the fill, {rss_stalls[0]:,.0f} MiB after the dry runs ({rss_stalls[1]:,} blocks), "
+          f"{rss_after[0]:,.0f} MiB after the run ({rss_after[1]:,} blocks), {rss_restart:,.0f} MiB after a "
           f"restart; restart to ready {start_s:.1f} s")
     write_json(args.json, {"machine": machine(), "blocks": chains * CHAIN, "fill_s": fill_s,
                            "fill_blocks_per_s": chains * CHAIN / fill_s, "lookups": dict(zip(names, phases)),
                            "stalls": stalled, "store": stores, "load": loaded, "eviction": evicted,
-                           "engines_saving": engines, "rss_mib": {"filled": rss, "end": rss_after, "restarted": rss_restart},
+                           "engines_saving": engines,
+                           "rss_mib": {"filled": rss, "after_dry_runs": rss_stalls[0], "end": rss_after[0],
+                                       "restarted": rss_restart},
+                           "blocks_indexed": {"after_dry_runs": rss_stalls[1], "end": rss_after[1]},
                            "start_to_ready_s": start_s, "directory_src": str(args.directory_src)})
 
 

@@ -2,6 +2,7 @@
 
     by_hash = heap.frozen_dict()   # an empty dict that no collection walks, however large it grows
     heap.freeze()                  # collect, then freeze everything alive (a tier's new policy)
+    heap.give_back()               # after work that freed much: the C allocator returns what it can
 
 A full collection walks every tracked container it finds, whatever its size: at a million blocks
 the index's dicts and the policies' sets make each one a pause of a fraction of a second with the
@@ -16,6 +17,7 @@ Freezing pins whatever cyclic garbage exists at that moment, so it is done once 
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 
@@ -33,3 +35,21 @@ def frozen_dict() -> dict:
     freeze()
     del new[None]
     return new
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; other C libraries have no such call
+    except (AttributeError, OSError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def give_back() -> None:
+    """Hand the memory freed since to the operating system where the C library kept it. glibc keeps
+    freed blocks for the process unless it is asked: a tier's policy built over a million blocks
+    left about 80 MiB resident that nothing used again."""
+    if _TRIM is not None:
+        _TRIM(0)

@@ -13,11 +13,14 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 
 from kvstore.core.errors import KVStoreError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 HASH_SCHEME = "kvstore-xxh3_128-int32le-v1"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -155,6 +158,8 @@ def num_full_blocks(num_tokens: int, block_tokens: int) -> int:
 
 def block_hashes(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
     """The chained 16-byte hashes of every full block of `token_ids`."""
+    import numpy as np  # here: the directory, which never hashes tokens, runs without it (16 MiB)
+
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:
         raise KVStoreError("invalid", "token ids must be a flat sequence", shape=list(tokens.shape))

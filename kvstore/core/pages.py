@@ -15,6 +15,11 @@ call to the worker.
 A block may span several pages; the allocator prefers one contiguous run
 (first fit) and falls back to several runs, so a fragmented arena still
 accepts a block while it has enough pages in total.
+
+`owners=False` keeps no record of what each token holds (the directory's pools,
+which hand out pages under one tag): a free is checked against the free list
+instead (a run freed twice overlaps it), and a million allocated blocks cost
+about 120 MiB less.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from kvstore.core.specs import PageRun
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_bytes: int) -> None:
+    def __init__(self, num_pages: int, page_bytes: int, owners: bool = True) -> None:
         assert num_pages >= 0 and page_bytes > 0, "an arena needs a page size"
         self.num_pages = num_pages
         self.page_bytes = page_bytes
+        self.owners = owners
         self._lock = threading.Lock()
         self.reset()
 
@@ -57,7 +63,7 @@ class PageAllocator:
             if runs is None:
                 return None
             self.free_pages -= need
-            self._owned.setdefault(token, set()).update(runs)
+            self._own(token, runs)
         return runs
 
     def allocate_many(self, token: str, sizes: list[int]) -> list[list[tuple[int, int]] | None]:
@@ -73,7 +79,7 @@ class PageAllocator:
                 for need in needs:
                     runs.append([(first, need)])
                     first += need
-                self._owned.setdefault(token, set()).update(r[0] for r in runs)
+                self._own(token, [r[0] for r in runs])
                 return runs
         return [self.allocate_pairs(token, n) for n in sizes]
 
@@ -86,19 +92,23 @@ class PageAllocator:
                 return []
             runs = self._take_contiguous(need) or self._take_scattered(need)
             self.free_pages -= need
-            self._owned.setdefault(token, set()).update(runs)
+            self._own(token, runs)
         return [PageRun(first=f, count=c) for f, c in runs]
 
     def free(self, token: str, runs: list) -> bool:
         """`runs`: PageRuns or (first, count) pairs."""
         pairs = {(r.first, r.count) if isinstance(r, PageRun) else (r[0], r[1]) for r in runs}
         with self._lock:
-            owned = self._owned.get(token, set())
-            if not pairs <= owned:
-                return False
-            owned -= pairs
-            if not owned:
-                self._owned.pop(token, None)
+            if not self.owners:
+                if any(self._overlaps_free(first, count) for first, count in pairs):
+                    return False
+            else:
+                owned = self._owned.get(token, set())
+                if not pairs <= owned:
+                    return False
+                owned -= pairs
+                if not owned:
+                    self._owned.pop(token, None)
             for first, count in pairs:
                 self._give_back(first, count)
                 self.free_pages += count
@@ -122,8 +132,17 @@ class PageAllocator:
             for first, count in wanted:
                 self._take_exact(first, count)
                 self.free_pages -= count
-            self._owned.setdefault(token, set()).update(wanted)
+            self._own(token, wanted)
         return True
+
+    def _own(self, token: str, runs: list[tuple[int, int]]) -> None:
+        if self.owners:
+            self._owned.setdefault(token, set()).update(runs)
+
+    def _overlaps_free(self, first: int, count: int) -> bool:
+        i = bisect.bisect_left(self._free, [first, count])
+        return (i > 0 and self._free[i - 1][0] + self._free[i - 1][1] > first) or \
+            (i < len(self._free) and self._free[i][0] < first + count)
 
     def _is_free(self, first: int, count: int) -> bool:
         return any(f <= first and first + count <= f + c for f, c in self._free)

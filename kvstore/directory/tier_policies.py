@@ -2,19 +2,25 @@
 
     policies.admit(tier, key, nbytes)     # placement of a new block, and "keep it one tier down?"
     policies.admit_many(tier, [(key, nbytes, hints)])   # the same for a save's blocks, with its hints
-    policies.expect(tier, [(key, hints)]) # a save reserved these: its hints reach the policy at commit
-    policies.hit_many([(tier ids, key)])  # loads read them: touch + record
+    policies.expect(tier, [(namespace, hash, hints)])   # a save reserved these: hints reach the policy
+    policies.hit_many([(tier ids, block id, key)])      # loads read them: touch + record
     policies.build(tier, read_rows)       # the first time: from the tier's READY replicas, off every path
     policies.victims(tier, rows, ...)     # sync with the tier's READY replicas, then evict
-    policies.changed([(key, parent, added, removed)])   # the index saw blocks' replicas come or go
-    policies.evict(tier, n, keep) -> keys | None    # victims without a sync: O(victims)
+    policies.changed([(block id, parent id, namespace, hash, added, removed)])  # the index saw replicas
+    policies.evict(tier, n, keep) -> block ids | None   # victims without a sync: O(victims)
+    policies.peek(tier, n, keep) -> block ids | None    # what evict would name, nothing changed (a dry run)
 
 SQL stays the truth of what is where; the policy objects are the directory's memory of recency
 and frequency. Before choosing victims, a tier's eviction policy is brought to the tier's READY
 replicas (rows that went are removed, new ones inserted oldest first), so nothing the database
 does not hold is ever named and nothing it holds is forgotten. The first sync after a start
 rebuilds the policy from `last_access` (and replays `hit_count` into the admission's counts).
-Keys are `namespace_id/hash` strings.
+
+An eviction policy's keys are block ids (and a parent its block's id): an int the lookup index
+holds anyway, where a `namespace/hash` string per block cost 112 bytes more at a million blocks,
+and victims come back as the ids SQL names rows by. An admission's keys are `namespace/hash`
+strings (`block_key`): it decides before a block has an id, and remembers a rejected block that
+never gets one; it keeps hashes and small samples of them, not a key per block.
 
 The full sync runs once per tier (the first time it needs victims, which after a
 start rebuilds it); from then on the lookup index reports every replica that
@@ -43,8 +49,9 @@ from kvstore.policies.hints import Hints
 
 UNBOUNDED_BLOCKS = 1 << 20  # the size policies assume for a tier without a capacity (S3)
 REPLAY_HITS = 3  # at most this many recorded hits per block when rebuilding admission counts
-REPLAY_AT_ONCE = 10_000  # what a build replays under one hold of the lock (hits of blocks, reported changes)
+REPLAY_AT_ONCE = 10_000  # changes reported during a build that it replays under one hold of the lock
 MAX_EXPECTED = 1 << 20  # hints of reserved blocks kept for their commit; the oldest are dropped first
+_TIER_ID, _BLOCK_ID = 0, 1  # of an expected hint's key once its block is committed
 
 
 def block_key(namespace_id: str, block_hash: str) -> str:
@@ -54,14 +61,15 @@ def block_key(namespace_id: str, block_hash: str) -> str:
 @dataclass
 class VictimRow:
     """One READY replica of the tier, as `victims` needs it."""
-    key: str
-    parent: str | None
+    key: int  # its block's id
+    parent: int | None  # its parent block's id
     last_access: float
     depth: int
     hit_count: int
     nbytes: int
     pinned: bool
     row: object  # what the caller gets back for a victim
+    name: str = ""  # `namespace/hash`, the admission's key: where hit_count is not 0
 
 
 @dataclass
@@ -71,7 +79,7 @@ class _TierPolicy:
     built: bool = False
     pressure: list = field(default_factory=list)  # Backpressure conditions to update
     blocks: int = 1  # the capacity its policies were made for
-    pending: list | None = None  # while `build` runs: (key, parent, added here?) reported meanwhile
+    pending: list | None = None  # while `build` runs: (block id, parent id, added here?) reported meanwhile
     building: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -90,7 +98,9 @@ class TierPolicies:
     def __init__(self, eviction: dict[str, str], admission: dict[str, str]) -> None:
         self._names = eviction, admission  # by tier kind
         self._tiers: dict[int, _TierPolicy] = {}
-        self._expected: OrderedDict[tuple[int, str], Hints] = OrderedDict()  # (tier id, key) -> its save's hints
+        # a save's hints by (tier id, namespace, hash) while it is reserved, by (tier id, block id) once it
+        # committed on a tier whose policy is not built yet
+        self._expected: OrderedDict[tuple, Hints] = OrderedDict()
         self.lock = threading.RLock()
 
     def _of(self, tier) -> _TierPolicy:
@@ -122,29 +132,32 @@ class TierPolicies:
         return [admit(key, nbytes, hints) for key, nbytes, hints in requests]
 
     @_locked
-    def expect(self, tier, blocks: list[tuple[str, Hints | None]]) -> None:
-        """A save reserved these blocks on `tier`: when they become readable there, the tier's
-        eviction policy gets them with these hints. Hints that say nothing are not kept (a policy
-        takes None for them)."""
-        for key, hints in blocks:
+    def expect(self, tier, blocks: list[tuple[str, str, Hints | None]]) -> None:
+        """A save reserved these blocks (namespace, hash, hints) on `tier`: when they become readable
+        there, the tier's eviction policy gets them with these hints. Hints that say nothing are not
+        kept (a policy takes None for them)."""
+        for namespace_id, block_hash, hints in blocks:
             if hints is not None and hints != NO_HINTS:
-                self._expected[(tier.id, key)] = hints
+                self._expected[(tier.id, namespace_id, block_hash)] = hints
+        self._trim_expected()
+
+    def _trim_expected(self) -> None:
         while len(self._expected) > MAX_EXPECTED:
             self._expected.popitem(last=False)
 
     @_locked
-    def hit_many(self, hits: list[tuple[list[int], str]]) -> None:
-        """Loads read these keys: (the ids of the tiers that hold it, the one that served it first;
-        key). Each holding tier's eviction policy is touched, the serving tier's admission records
-        the key. Tiers without a policy yet are skipped; one hold of the lock for all."""
+    def hit_many(self, hits: list[tuple[list[int], int, str]]) -> None:
+        """Loads read these blocks: (the ids of the tiers that hold it, the one that served it first;
+        block id; key). Each holding tier's eviction policy is touched, the serving tier's admission
+        records the key. Tiers without a policy yet are skipped; one hold of the lock for all."""
         policies = self._tiers
-        for tier_ids, key in hits:
+        for tier_ids, block_id, key in hits:
             for i, tier_id in enumerate(tier_ids):
                 policy = policies.get(tier_id)
                 if policy is None:
                     continue
-                if key in policy.eviction:
-                    policy.eviction.touch(key)
+                if block_id in policy.eviction:
+                    policy.eviction.touch(block_id)
                 if i == 0:
                     policy.admission.record(key)
 
@@ -153,34 +166,43 @@ class TierPolicies:
         return self._of(tier).built
 
     @_locked
-    def changed(self, changes: list[tuple[str, str | None, list[int], list[int]]]) -> None:
-        """(key, parent, added, removed): replicas of `key` became readable on the tiers `added` and
-        left `removed` (tier ids). Tiers whose policy is not built yet learn it at their first sync;
-        a build under way keeps them to replay."""
+    def changed(self, changes: list[tuple[int, int | None, str, str, list[int], list[int]]]) -> None:
+        """(block id, parent block id, namespace, hash, added, removed): replicas of the block became
+        readable on the tiers `added` and left `removed` (tier ids). Tiers whose policy is not built
+        yet learn it at their first sync (a save's hints wait for it under the block's id); a build
+        under way keeps them to replay."""
         built = {tier_id: p for tier_id, p in self._tiers.items() if p.built}
         building = {tier_id: p.pending for tier_id, p in self._tiers.items() if p.pending is not None}
         expected = self._expected
-        for key, parent, added, removed in changes:
+        for block_id, parent, namespace_id, block_hash, added, removed in changes:
             for tier_id in removed:
                 policy = built.get(tier_id)
                 if policy is not None:
-                    policy.eviction.remove(key)
+                    policy.eviction.remove(block_id)
                 elif tier_id in building:
-                    building[tier_id].append((key, parent, False))
+                    building[tier_id].append((block_id, parent, False))
             for tier_id in added:
+                hints = expected.pop((tier_id, namespace_id, block_hash), None) if expected else None
                 policy = built.get(tier_id)
-                if policy is not None and key not in policy.eviction:
-                    policy.eviction.insert(key, parent, expected.pop((tier_id, key), None))
-                elif tier_id in building:
-                    building[tier_id].append((key, parent, True))
+                if policy is not None:
+                    if block_id not in policy.eviction:
+                        policy.eviction.insert(block_id, parent, hints)
+                    continue
+                if tier_id in building:
+                    building[tier_id].append((block_id, parent, True))
+                if hints is not None:
+                    expected[(tier_id, block_id)] = hints
+        self._trim_expected()
 
-    def build(self, tier, read_rows: Callable[[], list[tuple[str, str, str | None, int]]]) -> None:
-        """The tier's eviction policy from its READY replicas, unless it is built: `read_rows` (called
-        without the lock) gives (namespace id, hash, parent hash, hit count) oldest first, as plain
-        tuples, which the garbage collector stops walking (objects per row made each of its full
-        collections during a build a pause of most of a second). A new policy is filled outside
-        the lock, the admission's counts are replayed in chunks under it, the changes reported
-        meanwhile replayed, and then it takes over. A second caller waits for the first's build."""
+    def build(self, tier, read_rows: Callable[[Callable[[list[tuple]], None]], None]) -> None:
+        """The tier's eviction policy from its READY replicas, unless it is built. `read_rows(fill)`
+        (called without the lock) hands `fill` the rows in chunks, oldest first: (block id, parent
+        block id, hit count, namespace id, hash), the namespace and hash only where the hit count is
+        not 0 (the admission's keys). In chunks, the rows of one reuse the memory of the last: a
+        million read at once left 100-150 MiB of freed memory the process could not give back,
+        pinned by the policy's keys allocated between them. A new policy is filled outside the
+        lock, the admission's counts are replayed per chunk under it, the changes reported meanwhile
+        replayed, and then it takes over. A second caller waits for the first's build."""
         with self.lock:
             policy = self._of(tier)
         with policy.building:
@@ -188,20 +210,22 @@ class TierPolicies:
                 if policy.built:
                     return
                 policy.pending = []
-                hints = {key: h for (tier_id, key), h in self._expected.items() if tier_id == tier.id}
+                hints = {key[_BLOCK_ID]: h for key, h in self._expected.items()
+                         if len(key) == 2 and key[_TIER_ID] == tier.id}
             try:
-                rows = read_rows()
                 fresh = make_eviction(self._names[0][tier.kind], policy.blocks)
-                for start in range(0, len(rows), REPLAY_AT_ONCE):
+
+                def fill(rows: list[tuple]) -> None:
                     keys = []
-                    for namespace_id, block_hash, parent, hits in rows[start : start + REPLAY_AT_ONCE]:
-                        key = block_key(namespace_id, block_hash)
-                        fresh.insert(key, block_key(namespace_id, parent) if parent else None, hints.get(key))
-                        keys.append((key, min(hits, REPLAY_HITS)))
+                    for block_id, parent, hits, namespace_id, block_hash in rows:
+                        fresh.insert(block_id, parent, hints.get(block_id))
+                        if hits:
+                            keys.append((block_key(namespace_id, block_hash), min(hits, REPLAY_HITS)))
                     with self.lock:  # the admission's counts, as _sync replays them
                         for key, hits in keys:
                             for _ in range(hits):
                                 policy.admission.record(key)
+                read_rows(fill)
                 replayed = 0
                 while True:  # what was reported meanwhile: outside the lock while there is much of it
                     with self.lock:
@@ -217,14 +241,15 @@ class TierPolicies:
                             break
                     _replay(fresh, batch, said)
                     replayed += len(batch)
-                del rows, fresh  # before the collection below
+                del fresh, fill  # before the collection below
             finally:
                 with self.lock:
                     policy.pending = None  # a build that failed keeps nothing
         heap.freeze()  # the new policy's containers, as _of froze the first one's
+        heap.give_back()  # what the rows and the policy's growth freed
 
     @_locked
-    def evict(self, tier, n: int, keep: set[str]) -> list[str] | None:
+    def evict(self, tier, n: int, keep: set[int]) -> list[int] | None:
         """Up to `n` victims from the tier's policy as it stands (no sync); None when it is empty."""
         policy = self._of(tier)
         victims = policy.eviction.evict(min(n, max(1, len(policy.eviction) - len(keep))), keep)
@@ -233,14 +258,23 @@ class TierPolicies:
         return victims
 
     @_locked
+    def peek(self, tier, n: int, keep: set[int]) -> list[int] | None:
+        """The `n` blocks the tier's policy would evict next, leaving it as it is (a dry run): O(n)
+        under the lock. None when it is not built, or is a policy that cannot tell without evicting
+        (no `order`): the caller then asks `victims` for a dry run on a copy."""
+        policy = self._of(tier)
+        order = getattr(policy.eviction, "order", None)
+        return order(n, keep) if policy.built and order is not None else None
+
+    @_locked
     def unbuild(self, tier) -> None:
         """The next victims() syncs from the rows again (the policy ran dry while the tier is full)."""
         self._of(tier).built = False
 
-    def victims(self, tier, rows: list[VictimRow], protected: set[str], to_free: int, limit: int,
+    def victims(self, tier, rows: list[VictimRow], protected: set[int], to_free: int, limit: int,
                 dry_run: bool = False) -> list:
         """Sync the tier's eviction policy with `rows` (its READY replicas), then evict until
-        `to_free` bytes or `limit` rows. Pinned rows and `protected` keys stay. A dry run asks a
+        `to_free` bytes or `limit` rows. Pinned rows and `protected` blocks (ids) stay. A dry run asks a
         copy, synced and asked outside the lock (only the copy holds it), so it changes nothing and
         admissions do not wait for it."""
         if dry_run:
@@ -264,12 +298,12 @@ class TierPolicies:
             policy.eviction.insert(r.key, r.parent, expected.pop((tier_id, r.key), None))
             if not policy.built:
                 for _ in range(min(r.hit_count, REPLAY_HITS)):
-                    policy.admission.record(r.key)
+                    policy.admission.record(r.name)
         policy.built = True
 
 
-def _replay(eviction, changes: list[tuple[str, str | None, bool]], hints: dict) -> None:
-    """Changes reported while a policy was built, in their order: (key, parent, added?)."""
+def _replay(eviction, changes: list[tuple[int, int | None, bool]], hints: dict) -> None:
+    """Changes reported while a policy was built, in their order: (block id, parent id, added?)."""
     for key, parent, added in changes:
         if not added:
             eviction.remove(key)
@@ -277,8 +311,8 @@ def _replay(eviction, changes: list[tuple[str, str | None, bool]], hints: dict) 
             eviction.insert(key, parent, hints.get(key))
 
 
-def _choose(eviction, rows: list[VictimRow], protected: set[str], to_free: int, limit: int) -> list:
-    """Victims from `eviction` until `to_free` bytes or `limit` rows; pinned and protected keys stay."""
+def _choose(eviction, rows: list[VictimRow], protected: set[int], to_free: int, limit: int) -> list:
+    """Victims from `eviction` until `to_free` bytes or `limit` rows; pinned and protected blocks stay."""
     by_key = {r.key: r for r in rows}
     keep = protected | {r.key for r in rows if r.pinned}
     chosen, freed = [], 0

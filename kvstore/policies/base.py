@@ -6,6 +6,7 @@ Calls, in the order a key lives through them:
     touch(key)                 # the caller guarantees: key present (a hit)
     evict(n, protected)        # n victims not in `protected`, removed, or None and nothing changed
     remove(key)                # dropped for another reason (invalidated, deleted); absent keys are ignored
+    order(n, protected)        # optional: the keys the next evict(n, protected) would name, nothing changed
 
 A policy MUST hold exactly the keys inserted and not yet evicted or removed
 (no phantom, no lost keys), MUST NOT return a protected key, and `evict` MUST

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 
 class LRU:
@@ -32,6 +33,10 @@ class LRU:
 
     def remove(self, key) -> None:
         self._order.pop(key, None)
+
+    def order(self, n: int, protected=()) -> list:
+        protected = set(protected)
+        return list(islice((key for key in self._order if key not in protected), n))
 
     def __contains__(self, key) -> bool:
         return key in self._order

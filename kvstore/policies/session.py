@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from itertools import islice
 
 from kvstore.policies.classes import MAX_LEVEL, ReuseClasses, sampled
 from kvstore.policies.hints import Hints, signature
@@ -121,6 +122,11 @@ class SessionLRU:
     def remove(self, key: Hashable) -> None:
         if key in self._state:
             self._drop(key)
+
+    def order(self, n: int, protected=()) -> list:
+        """The keys `evict(n, protected)` would name, in its order (fewer when it holds fewer)."""
+        protected = protected if isinstance(protected, (set, frozenset, dict)) else set(protected)
+        return list(islice((key for segment in self._eviction_order for key in segment if key not in protected), n))
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._state

@@ -18,8 +18,9 @@ def test_a_saves_hints_reach_the_tiers_policy_and_bad_ones_are_refused(stack):
         specs.BlockToStore(hash=h, parent=p, nbytes=BLOCK) for h, p in zip(hashes, [None, *hashes[:-1]])])
     complete(stack, stack.client.prepare_store(body))
     policies = stack.service.policies
-    keys = [f"{stack.namespace_id}/{h}" for h in hashes]
+    keys = [hit.block_id for hit in stack.service.index.lookup(stack.namespace_id, hashes)]  # the policy's keys
     expected = [policies._expected[key] for key in policies._expected]  # kept until the tier's policy is built
+    assert [key[1:] for key in policies._expected] == [(k,) for k in keys]  # by block id once committed
     assert [(h.retain, h.priority, h.tail) for h in expected] == [("turn", 2, False)] * 2 + [("turn", 2, True)]
     tier = next(iter(stack.service.index.tiers.values()))
     rows = [VictimRow(key=k, parent=None, last_access=0.0, depth=0, hit_count=0, nbytes=BLOCK, pinned=False, row=k)

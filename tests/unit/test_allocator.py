@@ -37,14 +37,27 @@ def test_only_the_owner_token_frees():
     assert allocator.free("owner", runs)
     assert not allocator.free("owner", runs)  # a duplicate free changes nothing
     assert allocator.free_pages == 4
+    assert allocator.free("nobody", [])  # nothing to free, whoever asks
+
+
+def test_a_pool_without_owners_refuses_a_run_freed_twice_by_the_free_list():
+    allocator = PageAllocator(8, PAGE, owners=False)
+    a, b = allocator.allocate("directory", 2 * PAGE), allocator.allocate("directory", 2 * PAGE)
+    assert allocator._owned == {}  # nothing kept per allocation
+    assert allocator.free("directory", a)
+    assert not allocator.free("directory", a)  # overlaps the free list: a double free
+    assert not allocator.free("directory", [PageRun(first=a[0].first + 1, count=2)])  # in part
+    assert allocator.free_pages == 6 and allocator.free("directory", b) and allocator.free_pages == 8
 
 
 class AllocatorMachine(RuleBasedStateMachine):
     """Against a recorder: pages never overlap, none are lost, frees merge back."""
 
+    OWNERS = True
+
     def __init__(self):
         super().__init__()
-        self.allocator = PageAllocator(PAGES, PAGE)
+        self.allocator = PageAllocator(PAGES, PAGE, owners=self.OWNERS)
         self.held: dict[str, list[PageRun]] = {}
         self.counter = 0
 
@@ -80,5 +93,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.allocator.free("probe", [PageRun(first=0, count=PAGES)])
 
 
+class UnownedAllocatorMachine(AllocatorMachine):
+    OWNERS = False  # the directory's pools
+
+
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestUnownedAllocatorMachine = UnownedAllocatorMachine.TestCase
+TestUnownedAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -46,16 +46,19 @@ def test_a_reload_without_rows_forgets_the_block_and_tells_the_policies():
     changes = []
     index._apply([], {1}, changes)
     assert index.lookup("ns", ["h1"]) == [] and index.num_blocks == 2
-    assert changes == [("ns/h1", None, (), [11])]
+    assert changes == [(1, None, "ns", "h1", (), [11])]  # block id, parent id, namespace, hash, added, removed
 
 
 def test_an_update_tells_the_policies_once_and_its_entries_leave_the_garbage_collectors_sight():
     told = []
     index = index_with()
     index.on_change = told.append
-    index.add([(7, "ns", "h7", "h2", 256, "0123456789abcdef", 107, 10, 1, [[20, 2]]),
-               (8, "ns", "h8", "h7", 256, "0123456789abcdef", 108, 10, 1, [[22, 2]])])
-    assert told == [[("ns/h7", "ns/h2", (10,), ()), ("ns/h8", "ns/h7", (10,), ())]]
+    sizes = [int("4096"), int("4096")]  # equal, two objects (as two rows read from SQL)
+    index.add([(7, "ns", "h7", "h2", sizes[0], "0123456789abcdef", 107, 10, 1, [[20, 2]]),
+               (8, "ns", "h8", "h7", sizes[1], "0123456789abcdef", 108, 10, 1, [[22, 2]])])
+    assert told == [[(7, 2, "ns", "h7", (10,), ()), (8, 7, "ns", "h8", (10,), ())]]  # parents by their ids
+    assert index._by_id[8][5] == ((108, 10, 1, 22, 2),)  # a replica keeps its pages in its own tuple
+    assert index._by_id[7][3] is index._by_id[8][3]  # one size object for the blocks of that size
     hits = index.lookup("ns", ["h7", "h8"])
     assert [(h.hash, h.block_id, h.runs()) for h in hits] == [("h7", 7, [(20, 2)]), ("h8", 8, [(22, 2)])]
     for _ in range(4):  # a collection untracks a plain tuple of untracked values: one level each time

@@ -84,7 +84,10 @@ def test_a_policy_holds_exactly_what_a_set_would(name, capacity, seed):
             n = rng.randrange(1, 8)
             protected = set(rng.sample(sorted(model), min(len(model), rng.randrange(0, 20))))
             before = set(policy)
+            said = policy.order(n, protected) if hasattr(policy, "order") else None  # a dry run's answer
             victims = policy.evict(n, protected)
+            if said is not None:  # what evict then named, in its order, and order() changed nothing
+                assert said == victims if victims is not None else len(said) < n, (step, said, victims)
             if victims is None:
                 assert len(model - protected) < n and set(policy) == before, step
             else:

@@ -47,7 +47,7 @@ def test_hits_reorder_and_protected_keys_stay():
     tier, p = FakeTier(), policies()
     table = rows(("a", 1.0, False), ("b", 2.0, False), ("c", 3.0, False))
     p.victims(tier, table, set(), to_free=0, limit=10)  # sync only
-    p.hit_many([([tier.id], "a")])
+    p.hit_many([([tier.id], "a", "ns/a")])
     assert p.victims(tier, table, {"b"}, to_free=200, limit=10) == ["c", "a"]
 
 
@@ -63,14 +63,15 @@ def test_a_build_replays_what_changed_while_it_read_and_a_second_caller_waits_fo
     tier = FakeTier()
     reads = []
 
-    def read_rows():  # the tier as SQL had it; commits land while it is read
+    def read_rows(fill):  # the tier as SQL had it, in two chunks; commits land while it is read
         reads.append(1)
-        p.changed([("ns/new", None, [tier.id], []), ("ns/b", None, [], [tier.id])])
-        return [("ns", "a", None, 0), ("ns", "b", None, 0), ("ns", "c", "a", 0)]  # oldest first
+        fill([(1, None, 0, None, None), (2, None, 0, None, None)])  # oldest first
+        p.changed([(4, None, "ns", "new", [tier.id], []), (2, None, "ns", "b", [], [tier.id])])
+        fill([(3, 1, 0, None, None)])
 
     p.build(tier, read_rows)
     p.build(tier, read_rows)  # built: nothing read again
     assert reads == [1] and p.built(tier)
-    assert p.evict(tier, 10, keep=set()) == ["ns/a", "ns/c", "ns/new"]  # b went meanwhile; new came last
-    p.changed([("ns/later", None, [tier.id], [])])  # once built, changes go straight in
-    assert p.evict(tier, 10, keep=set()) == ["ns/later"]
+    assert p.evict(tier, 10, keep=set()) == [1, 3, 4]  # b (2) went meanwhile; new (4) came last
+    p.changed([(5, None, "ns", "later", [tier.id], [])])  # once built, changes go straight in
+    assert p.evict(tier, 10, keep=set()) == [5]

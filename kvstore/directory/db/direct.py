@@ -49,6 +49,14 @@ def driver(session: Session, sql: str) -> tuple:
     return connection, sql
 
 
+def shrink(session: Session) -> None:
+    """A SQLite connection that read a whole tier gives its page cache back (it stays with the
+    connection in the pool otherwise: up to the cache size, 64 MiB, per connection)."""
+    connection = session.connection()
+    if connection.dialect.name == "sqlite":
+        connection.exec_driver_sql("PRAGMA shrink_memory")
+
+
 def execute(session: Session, sql: str, params: tuple = ()) -> None:
     """One statement that returns no rows, through the driver."""
     connection, sql = driver(session, sql)

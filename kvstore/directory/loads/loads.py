@@ -158,7 +158,7 @@ class Loads:
             best = self._index.best(entry)
             if best is not None:  # still readable
                 tier_id = best[1].id
-                hits.append(([tier_id] + [r.tier_id for r in entry.replicas if r.tier_id != tier_id],
+                hits.append(([tier_id] + [r.tier_id for r in entry.replicas if r.tier_id != tier_id], entry.block_id,
                              block_key(entry.namespace_id, entry.hash)))
         for start in range(0, len(hits), POLICY_HITS_AT_ONCE):  # the writer's admissions wait between
             self._policies.hit_many(hits[start : start + POLICY_HITS_AT_ONCE])

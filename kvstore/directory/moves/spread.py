@@ -58,7 +58,7 @@ class Spread:
             if own is None:
                 return {}, 0
             rows = sql.ready_replicas_of_tier(tx.session, own.id)[:MAX_COPIES_PER_ROUND]
-            return self._plan(tx, [b.id for _, b, _ in rows], drop_held=True, only_from=own.id)
+            return self._plan(tx, [b.id for _, b, _, _ in rows], drop_held=True, only_from=own.id)
         copies, dropped = self._write(plan)
         moved = self._copy(copies, source_stays=False) + dropped
         if moved:

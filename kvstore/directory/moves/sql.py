@@ -6,12 +6,13 @@ a move handles a row per block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from sqlalchemy import case, distinct, func, select
 from sqlalchemy.orm import Session, aliased
 
-from kvstore.directory.db.direct import chunks, json_value, marks, rows
+from kvstore.directory.db.direct import chunks, driver, json_value, marks, rows, shrink
 from kvstore.directory.db.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import MOVING, READY, VISIBLE, WRITING
 
@@ -36,9 +37,10 @@ _VICTIM_COLUMNS = ("r.id, r.reserved_bytes, b.id, b.namespace_id, b.hash, b.pare
                    "b.hit_count")
 _VICTIMS = (f"SELECT {_VICTIM_COLUMNS}{{}} FROM replicas r JOIN blocks b ON b.id = r.block_id "
             f"WHERE r.tier_id = ? AND r.state = '{READY}'")
-# Blocks named by hash: tier and state compared in Python (`direct.py`: statements that name rows)
-_BY_HASH = (f"SELECT {_VICTIM_COLUMNS}, r.tier_id, r.state FROM blocks b JOIN replicas r ON r.block_id = b.id "
-            "WHERE b.namespace_id = ? AND b.hash IN ({})")
+# Blocks named by id: tier and state compared in Python (`direct.py`: statements that name rows)
+_BY_ID = (f"SELECT {_VICTIM_COLUMNS}, r.tier_id, r.state FROM replicas r JOIN blocks b ON b.id = r.block_id "
+          "WHERE r.block_id IN ({})")
+_PARENT = "LEFT JOIN blocks p ON p.namespace_id = b.namespace_id AND p.hash = b.parent"
 _PINNED = "EXISTS (SELECT 1 FROM leases l WHERE l.replica_id = r.id)"
 
 
@@ -55,18 +57,30 @@ def demotion_candidates(session: Session, tier_id: int, limit: int,
         (tier_id, *params, limit))]
 
 
-def ready_replicas_of_tier(session: Session, tier_id: int) -> list[tuple[VictimReplica, VictimBlock, bool]]:
-    """Every READY replica of a tier with its block, and whether a reader pins it."""
-    return [(*_victim(row), bool(row[10])) for row in rows(session, _VICTIMS.format(f", {_PINNED}"), (tier_id,))]
+def ready_replicas_of_tier(session: Session, tier_id: int) -> list[tuple[VictimReplica, VictimBlock, bool, int | None]]:
+    """Every READY replica of a tier with its block, whether a reader pins it, and its parent
+    block's id (None: no parent, or not stored)."""
+    return [(*_victim(row), bool(row[10]), row[11]) for row in rows(
+        session, f"SELECT {_VICTIM_COLUMNS}, {_PINNED}, p.id FROM replicas r JOIN blocks b ON b.id = r.block_id "
+        f"{_PARENT} WHERE r.tier_id = ? AND r.state = '{READY}'", (tier_id,))]
 
 
-def policy_rows(session: Session, tier_id: int) -> list[tuple[str, str, str | None, int]]:
-    """(namespace id, hash, parent hash, hit count) of every READY replica of a tier, oldest first
-    (deeper blocks first on ties), as a policy is built from them: sorted by the database, which
-    holds no GIL, into plain tuples of plain values."""
-    return rows(session, "SELECT b.namespace_id, b.hash, b.parent, b.hit_count FROM replicas r JOIN blocks b ON "
-                f"b.id = r.block_id WHERE r.tier_id = ? AND r.state = '{READY}' ORDER BY b.last_access, b.depth DESC",
-                (tier_id,))
+def policy_rows(session: Session, tier_id: int, fill: Callable[[list[tuple]], None], at_once: int = 10_000) -> None:
+    """(block id, parent block id, hit count, namespace id, hash) of every READY replica of a tier,
+    the namespace and hash only where the hit count is not 0, oldest first (deeper blocks first
+    on ties), handed to `fill` `at_once` at a time as a policy is built from them: sorted by the
+    database, which holds no GIL, into plain tuples of plain values."""
+    connection, statement = driver(session, (
+        "SELECT b.id, p.id, b.hit_count, CASE WHEN b.hit_count > 0 THEN b.namespace_id END, "
+        f"CASE WHEN b.hit_count > 0 THEN b.hash END FROM replicas r JOIN blocks b ON b.id = r.block_id {_PARENT} "
+        f"WHERE r.tier_id = ? AND r.state = '{READY}' ORDER BY b.last_access, b.depth DESC"))
+    result = connection.exec_driver_sql(statement, (tier_id,))
+    try:
+        while chunk := result.cursor.fetchmany(at_once):
+            fill(chunk)
+    finally:
+        result.close()
+    shrink(session)
 
 
 def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]:
@@ -161,36 +175,21 @@ def replica_block_pairs(session: Session, replica_ids: list[int]) -> list[tuple[
     return [found[i] for i in replica_ids if i in found]
 
 
-def pinned_keys(session: Session, tier_id: int) -> set[str]:
-    """`namespace/hash` of the blocks whose replica on this tier a reader pins."""
-    query = (select(Block.namespace_id, Block.hash, Replica.tier_id).select_from(Lease)
-             .join(Replica, Lease.replica_id == Replica.id).join(Block, Replica.block_id == Block.id))
-    return {f"{n}/{h}" for n, h, tier in session.execute(query) if tier == tier_id}  # from the leases, which are
+def pinned_blocks(session: Session, tier_id: int) -> set[int]:
+    """Ids of the blocks whose replica on this tier a reader pins."""
+    query = select(Replica.block_id, Replica.tier_id).select_from(Lease).join(Replica, Lease.replica_id == Replica.id)
+    return {block_id for block_id, tier in session.execute(query) if tier == tier_id}  # from the leases, which are
     # few: a WHERE on the tier would walk every replica of it (`direct.py`: statements that name rows)
 
 
-def keys_of(session: Session, block_ids) -> set[str]:
-    keys: set[str] = set()
-    for chunk in chunks(list(block_ids)):
-        keys.update(f"{n}/{h}" for n, h in session.execute(
-            select(Block.namespace_id, Block.hash).where(Block.id.in_(chunk))))
-    return keys
-
-
-def ready_replicas_by_key(session: Session, tier_id: int,
-                          keys: list[str]) -> list[tuple[VictimReplica, VictimBlock]]:
-    """READY replicas on this tier of the blocks named `namespace/hash`, in the order of `keys`."""
-    by_namespace: dict[str, list[str]] = {}
-    for key in keys:
-        namespace_id, _, block_hash = key.partition("/")
-        by_namespace.setdefault(namespace_id, []).append(block_hash)
-    found: dict[str, tuple[VictimReplica, VictimBlock]] = {}
-    for namespace_id, hashes in by_namespace.items():
-        for chunk in chunks(hashes):
-            found.update((f"{namespace_id}/{row[4]}", _victim(row)) for row in rows(
-                session, _BY_HASH.format(marks(len(chunk))), (namespace_id, *chunk))
-                if row[10] == tier_id and row[11] == READY)
-    return [found[k] for k in keys if k in found]
+def ready_replicas_of_blocks(session: Session, tier_id: int,
+                             block_ids: list[int]) -> list[tuple[VictimReplica, VictimBlock]]:
+    """READY replicas on this tier of these blocks, in the order of `block_ids`."""
+    found: dict[int, tuple[VictimReplica, VictimBlock]] = {}
+    for chunk in chunks(block_ids):
+        found.update((row[2], _victim(row)) for row in rows(session, _BY_ID.format(marks(len(chunk))), tuple(chunk))
+                     if row[10] == tier_id and row[11] == READY)
+    return [found[i] for i in block_ids if i in found]
 
 
 def replicated_namespaces(session: Session) -> dict[str, int]:

@@ -39,7 +39,7 @@ EVICT_BATCH = 64  # victims asked of a policy at once
 
 
 class _Plan(NamedTuple):
-    copy: dict[int, str]  # replica id -> policy key, to copy one tier down
+    copy: dict[int, tuple[int, str, str]]  # replica id -> (block id, namespace, hash), to copy one tier down
     copy_bytes: int  # what they need below
     dest_kind: str | None
     dropped: int  # replicas dropped (nothing below, or a copy below exists)
@@ -97,6 +97,8 @@ class Movement:
         names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
         to_free = max_bytes if max_bytes is not None else 1 << 62
         if dry_run:  # at the bottom every victim would be dropped, above it moved down; read off the writer
+            if namespace_id is None:
+                self._build_policy(tier_id)  # then asked without a copy, or a read of the tier per dry run
             chosen = self._read(lambda tx: self._victims(tx, repo.tier(tx.session, tier_id), to_free, set(),
                                                          namespace_id, limit, dry_run=True))
             lower = _lower(self._topology, tier_id, worker_id)
@@ -121,9 +123,9 @@ class Movement:
                 self.make_room(lower[0], worker_id, plan.copy_bytes, protected)
             moved = self.moves.copy(worker_id, tier_id, plan.dest_kind, list(plan.copy), source_stays=False) \
                 if plan.copy else {}
-            for replica_id, key in plan.copy.items():
+            for replica_id, (block_id, its_namespace, block_hash) in plan.copy.items():
                 if replica_id not in moved:  # still READY here: the policy must name it again
-                    self._policies.changed([(key, None, [tier_id], [])])
+                    self._policies.changed([(block_id, None, its_namespace, block_hash, [tier_id], [])])
             freed = sum(moved.values()) + plan.dropped_bytes
             outcome = {"replicas": outcome["replicas"] + len(plan.copy) + plan.dropped,
                        "bytes": outcome["bytes"] + freed, "demoted": outcome["demoted"] + len(moved),
@@ -143,7 +145,7 @@ class Movement:
         lower = own.get(lower_kind) if lower_kind else None
         victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
         kinds = sql.replica_kinds(tx.session, [b.id for _, b in victims])
-        copy = {r.id: block_key(b.namespace_id, b.hash) for r, b in victims
+        copy = {r.id: (b.id, b.namespace_id, b.hash) for r, b in victims
                 if lower is not None and lower.kind not in kinds.get(b.id, set()) and self._keep_below(lower, b)}
         drop = [(r, b) for r, b in victims if r.id not in copy]  # the bottom tier, or a lower copy exists
         direct.set_states(tx.session, {r.id: DELETING for r, _ in drop})
@@ -160,10 +162,12 @@ class Movement:
         if namespace_id is not None:
             candidates = sql.demotion_candidates(tx.session, tier.id, limit + len(protected), namespace_id)
             return _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
+        if dry_run:
+            peeked = self._policies.peek(tier, limit, sql.pinned_blocks(tx.session, tier.id) | protected)
+            if peeked is not None:
+                return _enough(sql.ready_replicas_of_blocks(tx.session, tier.id, peeked), to_free)
         if dry_run or not self._policies.built(tier):  # built before the job (_build_policy) unless it ran dry
-            rows = _victim_rows(tx, tier.id)
-            keep = {row.key for row in rows if row.row[1].id in protected}
-            return self._policies.victims(tier, rows, keep, to_free, limit, dry_run)
+            return self._policies.victims(tier, _victim_rows(tx, tier.id), protected, to_free, limit, dry_run)
         return self._victims_from_policy(tx, tier, to_free, protected, limit)
 
     def _build_policy(self, tier_id: int) -> None:
@@ -171,25 +175,25 @@ class Movement:
         writer (a job that read them held every save's commit for as long: 19 s at 1M blocks)."""
         tier = self._topology.tiers.get(tier_id)
         if tier is not None and not self._policies.built(tier):
-            self._policies.build(tier, lambda: self._read(lambda tx: sql.policy_rows(tx.session, tier_id)))
+            self._policies.build(tier, lambda fill: self._read(lambda tx: sql.policy_rows(tx.session, tier_id, fill)))
 
     def _victims_from_policy(self, tx: Tx, tier: Tier, to_free: int, protected: set[int],
                              limit: int) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
         """Ask the policy in batches and keep the keys the tier still holds READY and unpinned:
         the cost follows the victims, not the tier. A policy that runs dry is rebuilt once."""
-        keep = sql.pinned_keys(tx.session, tier.id) | sql.keys_of(tx.session, protected)
+        keep = sql.pinned_blocks(tx.session, tier.id) | protected
         chosen, freed = [], 0
         while freed < to_free and len(chosen) < limit:
-            keys = self._policies.evict(tier, min(EVICT_BATCH, limit - len(chosen)), keep)
-            if keys is None:
+            ids = self._policies.evict(tier, min(EVICT_BATCH, limit - len(chosen)), keep)
+            if ids is None:
                 if chosen:
                     break
                 self._policies.unbuild(tier)  # ran dry with the tier over its mark: sync it again
                 return self._victims(tx, tier, to_free, protected, None, limit)
-            for replica, block in sql.ready_replicas_by_key(tx.session, tier.id, keys):
+            for replica, block in sql.ready_replicas_of_blocks(tx.session, tier.id, ids):
                 if freed >= to_free or len(chosen) >= limit:
-                    keep.add(block_key(block.namespace_id, block.hash))
-                    self._policies.changed([(block_key(block.namespace_id, block.hash), None, [tier.id], [])])
+                    keep.add(block.id)
+                    self._policies.changed([(block.id, None, block.namespace_id, block.hash, [tier.id], [])])
                     continue
                 chosen.append((replica, block))
                 freed += replica.reserved_bytes
@@ -288,7 +292,7 @@ def _enough(candidates: list[tuple[sql.VictimReplica, sql.VictimBlock]],
 
 def _victim_rows(tx: Tx, tier_id: int) -> list[VictimRow]:
     """Every READY replica of the tier, as the policies take them."""
-    return [VictimRow(key=block_key(b.namespace_id, b.hash), parent=block_key(b.namespace_id, b.parent) if b.parent
-                      else None, last_access=b.last_access, depth=b.depth, hit_count=b.hit_count,
-                      nbytes=r.reserved_bytes, pinned=pinned, row=(r, b))
-            for r, b, pinned in sql.ready_replicas_of_tier(tx.session, tier_id)]
+    return [VictimRow(key=b.id, parent=parent_id, last_access=b.last_access, depth=b.depth, hit_count=b.hit_count,
+                      nbytes=r.reserved_bytes, pinned=pinned, row=(r, b),
+                      name=block_key(b.namespace_id, b.hash) if b.hit_count else "")
+            for r, b, pinned, parent_id in sql.ready_replicas_of_tier(tx.session, tier_id)]

@@ -183,7 +183,7 @@ class Store:
         if placed:
             self.reservations.add(Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
                                               expires_at, placed))
-            self._policies.expect(tier, [(keys[b.hash], hints_of(b.hash)) for b in placed])
+            self._policies.expect(tier, [(namespace_id, b.hash, hints_of(b.hash)) for b in placed])
         return len(placed)
 
     def _admitted(self, tier: PlacementTier, wanted: list, decisions: dict, keys: dict, hints_of) -> list:

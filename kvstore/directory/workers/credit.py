@@ -41,7 +41,7 @@ class PagePools:
     def add(self, tier_id: int, epoch: int, page_bytes: int, runs: list[specs.PageRun]) -> None:
         found = self._pools.get(tier_id)
         if found is None or found[0] != epoch:  # first grant of this epoch: the old pages are void
-            found = (epoch, PageAllocator(0, page_bytes))
+            found = (epoch, PageAllocator(0, page_bytes, owners=False))  # one tag: no record per block
             self._pools[tier_id] = found
         found[1].add_free(runs)
 
