@@ -28,9 +28,10 @@ becomes readable or goes (`changed`), so choosing victims costs what the victims
 cost, not what the tier holds. A key the policy names that the tier no longer
 holds is dropped by the caller, and a policy that runs dry is synced again.
 `build` makes that first sync a new policy filled without the lock, from rows
-read off the writer: at a million blocks it takes about 20 s, and as a writer
-job it held every save's commit that long (and every admission, behind the
-lock). Changes reported while it runs are kept and replayed before it takes over.
+read off the writer: at a million blocks it took about 20 s as a writer job,
+which held every save's commit that long (and every admission, behind the
+lock); read in chunks it takes 4-10 s beside them. Changes reported while it
+runs are kept and replayed before it takes over.
 """
 
 from __future__ import annotations
@@ -220,11 +221,10 @@ class TierPolicies:
                     for block_id, parent, hits, namespace_id, block_hash in rows:
                         fresh.insert(block_id, parent, hints.get(block_id))
                         if hits:
-                            keys.append((block_key(namespace_id, block_hash), min(hits, REPLAY_HITS)))
+                            keys.append((block_key(namespace_id, block_hash), hits))
                     with self.lock:  # the admission's counts, as _sync replays them
                         for key, hits in keys:
-                            for _ in range(hits):
-                                policy.admission.record(key)
+                            _record_hits(policy.admission, key, hits)
                 read_rows(fill)
                 replayed = 0
                 while True:  # what was reported meanwhile: outside the lock while there is much of it
@@ -297,9 +297,14 @@ class TierPolicies:
         for r in sorted((r for r in rows if r.key not in policy.eviction), key=lambda r: (r.last_access, -r.depth)):
             policy.eviction.insert(r.key, r.parent, expected.pop((tier_id, r.key), None))
             if not policy.built:
-                for _ in range(min(r.hit_count, REPLAY_HITS)):
-                    policy.admission.record(r.name)
+                _record_hits(policy.admission, r.name, r.hit_count)
         policy.built = True
+
+
+def _record_hits(admission, key: str, hits: int) -> None:
+    """A block's recorded hits, replayed into a rebuilt admission (at most REPLAY_HITS)."""
+    for _ in range(min(hits, REPLAY_HITS)):
+        admission.record(key)
 
 
 def _replay(eviction, changes: list[tuple[int, int | None, bool]], hints: dict) -> None:

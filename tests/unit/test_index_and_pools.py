@@ -7,7 +7,8 @@ import itertools
 
 from kvstore.core import heap
 from kvstore.core.tiers import tier_runs
-from kvstore.directory.db.index import Index, TierView, WorkerView
+from kvstore.directory.db.index import Index
+from kvstore.directory.db.views import TierView, WorkerView
 from kvstore.directory.workers.credit import PagePools
 from kvstore.core import specs
 

@@ -10,7 +10,8 @@ from sqlalchemy.exc import OperationalError
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.db import engine as db
 from kvstore.directory.db import writer as writer_module
-from kvstore.directory.db.index import Index, TierView, WorkerView
+from kvstore.directory.db.index import Index
+from kvstore.directory.db.views import TierView, WorkerView
 from kvstore.directory.db.models import NamespaceRow
 from kvstore.directory.db.writer import Writer
 

@@ -23,7 +23,6 @@ import sys
 import threading
 from collections import Counter
 from operator import itemgetter
-from typing import NamedTuple
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -32,6 +31,7 @@ from kvstore.core import heap, tiers
 from kvstore.directory.db import direct
 from kvstore.directory.db.models import Block, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import VISIBLE
+from kvstore.directory.db.views import Entry, Hit, ReplicaView, TierView, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -40,71 +40,8 @@ _BLOCK_ID, _HOME = itemgetter(0), itemgetter(6)  # of an Entry
 REBUILD_BATCH = 20_000  # rows read and applied at a time when the index is built
 
 
-class TierView(NamedTuple):
-    id: int
-    worker_id: int
-    kind: str
-    page_bytes: int
-    base_addr: int
-    capacity_bytes: int | None = None
-
-
-class WorkerView(NamedTuple):
-    id: int
-    name: str
-    agent_name: str
-    epoch: int
-    state: str
-    control_url: str = ""
-    backends: tuple[str, ...] = ()
-
-
-class ReplicaView(NamedTuple):
-    """A replica as a lookup hands it out. The index keeps the same fields (and an entry's) as plain
-    tuples: the garbage collector stops tracking those, never a tuple subclass's instances, and a
-    full collection walks every tracked one (171 ms at 307,200 blocks, measured). A replica is kept
-    as (id, tier id, epoch, first, count, ...): its pages in the same tuple, 64 bytes less a block."""
-    id: int
-    tier_id: int
-    epoch: int
-    pages: tuple  # (first, count, first, count, ...): flat, a tuple less per block
-
-    def runs(self) -> list[tuple[int, int]]:
-        return list(zip(self.pages[::2], self.pages[1::2]))
-
-    @classmethod
-    def of(cls, replica: tuple) -> ReplicaView:
-        return cls(replica[0], replica[1], replica[2], replica[3:])
-
-
-class Entry(NamedTuple):
-    block_id: int
-    namespace_id: str
-    hash: str
-    nbytes: int
-    checksum: str
-    replicas: tuple  # ReplicaViews, best tier first
-    home: tuple  # of replicas[0] (see Index._home)
-
-
 _ID, _NAMESPACE, _HASH, _NBYTES, _CHECKSUM, _REPLICAS = range(6)  # a stored entry: an Entry's fields
 _TIER, _EPOCH = 1, 2  # of a stored replica (a ReplicaView's fields)
-
-
-class Hit(NamedTuple):
-    """One leading block of a lookup and the replica a reader gets."""
-    hash: str
-    block_id: int
-    nbytes: int
-    checksum: str
-    replica_id: int
-    entry: tuple  # the block's entry as the index keeps it (an Entry's fields)
-    replica: tuple  # the replica read, as kept (a ReplicaView's fields)
-    tier: TierView
-    worker: WorkerView
-
-    def runs(self) -> list[tuple[int, int]]:  # of the replica read
-        return ReplicaView.of(self.replica).runs()
 
 
 class Index:

@@ -22,7 +22,8 @@ from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.loads import sql
 from kvstore.directory.db import repository as repo
-from kvstore.directory.db.index import Hit, Index
+from kvstore.directory.db.index import Index
+from kvstore.directory.db.views import Hit
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.db.models.replica import DELETING
 from kvstore.directory.tier_policies import TierPolicies, block_key

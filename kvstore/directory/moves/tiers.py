@@ -23,7 +23,8 @@ from typing import NamedTuple
 from kvstore.core import tiers
 from kvstore.directory.moves import sql
 from kvstore.directory.db import direct, repository as repo
-from kvstore.directory.db.index import Hit, Index
+from kvstore.directory.db.index import Index
+from kvstore.directory.db.views import Hit
 from kvstore.directory.db.models import Tier
 from kvstore.directory.db.models.replica import DELETING
 from kvstore.directory.moves.move import Moves

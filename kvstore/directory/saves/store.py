@@ -28,7 +28,8 @@ from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.saves import sql
 from kvstore.directory.db import direct, repository as repo
-from kvstore.directory.db.index import Index, WorkerView
+from kvstore.directory.db.index import Index
+from kvstore.directory.db.views import WorkerView
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.tier_policies import TierPolicies, block_key
 from kvstore.directory.workers.credit import PagePools
