@@ -417,6 +417,23 @@ def test_a_full_bottom_tier_drops_least_recently_used_blocks_deepest_first(stack
     assert hits(stack, recent) == 8
 
 
+def test_a_full_tier_makes_room_for_the_whole_pages_of_blocks_smaller_than_a_page(stack):
+    """Blocks of 96 bytes take a 128-byte page each: room for a new save is counted in pages, not in
+    KV bytes (which would free 6 pages for 8 blocks and reject 2 of them)."""
+    small = Namespace(model_id="small", num_layers=1, num_kv_heads=1, head_dim=3, dtype="float32", block_tokens=4)
+    namespace_id = stack.client.register_namespace(small)
+
+    def save(start: int, n: int) -> list[str]:
+        hashes = [h.hex() for h in block_hashes(small, list(range(start, start + 4 * n)))]
+        prepared = stack.client.prepare_store(specs.PrepareStore(namespace_id=namespace_id, blocks=[
+            specs.BlockToStore(hash=h, parent=p, nbytes=small.block_nbytes) for h, p in zip(hashes, [None] + hashes)]))
+        complete(stack, prepared)
+        return [b.status for b in prepared.blocks]
+
+    assert small.block_nbytes == 96 and save(0, 32) == ["admitted"] * 32 and stack.free_pages() == 0
+    assert save(1000, 8) == ["admitted"] * 8  # 8 pages made free, not 768 bytes' worth
+
+
 def test_operator_eviction_by_bytes_with_a_dry_run(stack):
     complete(stack, prepare(stack, chain(4)))
     ask = dict(tier="dram", bytes=2 * BLOCK)

@@ -156,7 +156,7 @@ class Store:
                 decisions[block.hash] = _rejected(block.hash, "no_worker")
             return 0
         tier, worker = choice
-        need = sum(b.nbytes for b in wanted)
+        need = sum(-(-b.nbytes // tier.page_bytes) for b in wanted) * tier.page_bytes  # whole pages each
         if room_first and need > self._pools.free_bytes(tier.id, worker.epoch):
             return _NeedRoom(tier.id, worker.id, need)
         said = hints or NO_HINTS
@@ -175,7 +175,8 @@ class Store:
                 runs = None
             if runs is None:
                 rejected.add(block.hash)
-                room = self._pools.free_bytes(tier.id, worker.epoch) >= block.nbytes
+                pages = -(-block.nbytes // tier.page_bytes)
+                room = self._pools.free_bytes(tier.id, worker.epoch) >= pages * tier.page_bytes
                 decisions[block.hash] = _rejected(block.hash, "parent_rejected" if room else "no_space")
             else:
                 placed.append(Reserved(block.hash, block.parent, block.nbytes, runs))
