@@ -260,8 +260,13 @@ class ProcessStack:
         self.worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", self.url, "--name", self.worker_name,
                                         *self.worker_memory, *self.worker_args), self.log("worker", self.runs),
                              env=self.env)
-        wait_until(lambda: any(w.name == self.worker_name and w.state == "active" and w.epoch > before
-                               for w in self.client.workers()), self.worker_start_s, "worker active under a new epoch")
+        def active() -> bool:
+            if self.worker.poll() is not None:  # it will not register: say why now, not at the timeout
+                raise RuntimeError(f"the worker exited with {self.worker.returncode}: "
+                                   + self.log("worker", self.runs).read_text()[-2000:])
+            return any(w.name == self.worker_name and w.state == "active" and w.epoch > before
+                       for w in self.client.workers())
+        wait_until(active, self.worker_start_s, "worker active under a new epoch")
         return self.client.worker(self.worker_name).epoch
 
     def kill(self, proc: subprocess.Popen) -> None:

@@ -44,13 +44,26 @@ log = logging.getLogger(__name__)
 DEFAULT_FOLDER = "/tmp/kvstore"
 RETRY_S = 10.0  # a worker that could not be mapped is asked again after this long
 HANDOVER_TIMEOUT_S = 2.0
-COPY_THREADS = 2  # same-host copies run on this many threads (numpy and xxhash release the GIL)
+
+
+def _copy_threads() -> int:
+    """Threads for same-host copies and checksums (numpy and xxhash release the GIL): KVSTORE_COPY_THREADS,
+    else half the cores, 2 to 8."""
+    said = os.environ.get("KVSTORE_COPY_THREADS", "")
+    if said.isdigit() and int(said) > 0:
+        return int(said)
+    if said:
+        log.warning("KVSTORE_COPY_THREADS=%r is not a positive whole number: the default is used", said)
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
+COPY_THREADS = _copy_threads()
 CHUNK_BYTES = 256 << 10  # copied, then hashed while it is still in cache
 HASH_SHARE = 4  # blocks read in place are hashed this many to a task
 Transform = Callable[[int, np.ndarray], list[Callable[[], None]]]  # (first item, its bytes and those after) -> copies
 
 
-@dataclass
+@dataclass(eq=False)  # one mapping each: compared (and weakly keyed) by identity
 class _Arena:
     agent_name: str
     epoch: int

@@ -47,10 +47,11 @@ T_VISIBLE = Histogram("kvstore_connector_layer_visible_seconds", "time a caller 
 POLL_S = 200e-6  # the poller shares the cores with the model: not a busy loop
 
 
-def slice_rows(blocks: list[tuple[int, list[tuple[int, int]]]], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+def slice_rows(blocks: list[tuple[int, list[tuple[int, int]]]], start: int, end: int,
+               device: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(local, remote) descriptors moving bytes [start, end) of stored blocks: for each block, the
     local address that byte `start` goes to, and the (addr, len) runs the block lives in remotely
-    (split where the runs are)."""
+    (split where the runs are). With `device` (a GPU's index) local rows are (addr, len, device)."""
     local, remote = [], []
     for dest, runs in blocks:
         offset = 0  # position within the block of the current run
@@ -60,7 +61,10 @@ def slice_rows(blocks: list[tuple[int, list[tuple[int, int]]]], start: int, end:
                 local.append((dest + lo - start, hi - lo))
                 remote.append((run_addr + lo - offset, hi - lo))
             offset += run_len
-    return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+    local_rows = np.array(local, dtype=np.uint64).reshape(-1, 2)
+    if device is not None:
+        local_rows = np.c_[local_rows, np.full(len(local_rows), device, dtype=np.uint64)]
+    return local_rows, np.array(remote, dtype=np.uint64)
 
 
 def layer_rows(namespace, hits: list[tuple[int, specs.BlockHit]], staging: np.ndarray,

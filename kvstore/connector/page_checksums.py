@@ -100,13 +100,13 @@ class ArenaHashes:
         for block_id in block_ids:
             self._next[block_id] = -1
 
-    def hash(self, block_ids, pool: Executor) -> None:
-        """Start hashing these blocks in their arena, as one task (a save: only once its copies ended)."""
+    def hash(self, block_ids, pool: Executor, tasks: int = 1) -> None:
+        """Start hashing these blocks in their arena, as `tasks` tasks (a save: only once its copies ended)."""
         share = [b for b in block_ids if b in self._where and b not in self._digests and self._next[b] != -1]
-        if share:
-            where = [self._where[b] for b in share]
-            future = pool.submit(lambda: [arena_digest(arena, runs) for arena, runs in where])
-            self._digests.update((b, (future, k)) for k, b in enumerate(share))
+        for part in (share[i::tasks] for i in range(min(tasks, len(share)))):
+            where = [self._where[b] for b in part]
+            future = pool.submit(lambda where=where: [arena_digest(arena, runs) for arena, runs in where])
+            self._digests.update((b, (future, k)) for k, b in enumerate(part))
 
     def hexdigest(self, block_id: int) -> str | None:
         if self._next.get(block_id) != self._num_layers:

@@ -18,11 +18,13 @@ Pitfalls handled here: the Python binding makes the
 UCX progress thread busy-poll a core, so we give it a 1 ms delay; agents are
 shared by threads, so sync mode is STRICT; on hosts without RDMA the IB module
 is left out, which avoids a segfault at interpreter exit; the cu12 wheel is
-imported explicitly because `import nixl` picks cu13 on CPU-only hosts.
+imported explicitly because `import nixl` picks cu13 on CPU-only hosts, and the cu13 wheel where
+cu12 is not installed or KVSTORE_NIXL_MODULE=nixl_cu13 says so (a CUDA 13 host).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -37,8 +39,23 @@ if not os.path.isdir("/sys/class/infiniband"):
     os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-import nixl_cu12._api as nixl_api  # noqa: E402  (env above must be set first)
-import nixl_cu12._bindings as nixl_bindings  # noqa: E402
+
+def _import_nixl():
+    """NIXL's Python modules (after the env above): KVSTORE_NIXL_MODULE's, else nixl_cu12's, else nixl_cu13's."""
+    chosen = os.environ.get("KVSTORE_NIXL_MODULE")
+    errors = []
+    for name in [chosen] if chosen else ["nixl_cu12", "nixl_cu13"]:
+        try:
+            return importlib.import_module(f"{name}._api"), importlib.import_module(f"{name}._bindings")
+        except ImportError as exc:
+            if chosen:
+                raise
+            errors.append(f"{name}: {exc}")
+    raise ImportError("NIXL cannot be imported (pip install nixl-cu12, or nixl-cu13 on a CUDA 13 host): "
+                      + "; ".join(errors))
+
+
+nixl_api, nixl_bindings = _import_nixl()
 
 log = logging.getLogger(__name__)
 _SETTLING = threading.Lock()  # an abandoned request is checked and released by one caller at a time
@@ -297,7 +314,11 @@ class Agent:
         for peer in list(self._peers):
             self.remove_peer(peer)
         for reg in list(self._regs):
-            self.deregister(reg)
+            try:
+                self.deregister(reg)
+            except Exception as exc:  # noqa: BLE001 - a backend that never took it (cuFile refused a file)
+                log.warning("deregistering %s memory at close: %s", reg.mem_type, exc)
+                self._regs.remove(reg)
 
 
 def _with_dev(rows: np.ndarray) -> np.ndarray:

@@ -4,9 +4,10 @@
     arena.register(agent)              # VRAM registration with the agent's backends (UCX, GDS)
     arena.rows(runs, nbytes)           # (device address, len, device) rows of a block's pages
     arena.checksum(runs, nbytes)       # xxh3_64 of the bytes, copied to the host to hash
+    arena.gds_probe(agent, file_row)   # whether GDS reads the NVMe tier's files into it (at start-up)
 
-GPU path: written to the same interfaces as the DRAM arena, exercised only by
-the tests marked `gpu` (skipped without CUDA); it has not run on a GPU yet.
+GPU path: written to the same interfaces as the DRAM arena, exercised by the tests marked `gpu`
+(skipped without CUDA).
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ class HbmArena:
 
     def register(self, agent) -> None:
         agent.register_vram(self.addr, self.nbytes, self.device)
+
+    def gds_probe(self, agent, file_row: tuple[int, int, int]) -> str:
+        """Whether GDS moves bytes between this arena and the NVMe tier's files ("done", "failed", or
+        "pending" after 10 s): one page read from a file into the first page (free at start-up).
+        cuFile refuses files on a filesystem it cannot reach (NIXL then has no backend for the
+        request), and fails reads it cannot do."""
+        local = self.rows([specs.PageRun(first=0, count=1)], file_row[1])
+        remote = np.array([file_row], dtype=np.uint64)
+        return agent.submit("READ", local, remote, agent.name, "VRAM", "FILE").wait(10.0)
 
     def rows(self, runs: list[specs.PageRun], nbytes: int) -> np.ndarray:
         spans = specs.page_spans(self.addr, self.page_bytes, runs, nbytes)

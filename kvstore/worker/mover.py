@@ -13,8 +13,8 @@ never become a replica.
                    contiguous DRAM pages, since OBJ writes whole objects at offset 0)
     s3 -> dram     OBJ READ (ranged GETs; promotion)
     nvme -> s3     through the bounce buffer (registered once): one POSIX READ into it, one OBJ WRITE
-    hbm <-> dram   UCX on VRAM, loopback (GPU path, never run here)
-    hbm <-> nvme   GDS_MT (cuFile), VRAM <-> slab file, when the worker has it (GPU path, never run here)
+    hbm <-> dram   UCX on VRAM, loopback (GPU path)
+    hbm <-> nvme   GDS_MT (cuFile), VRAM <-> slab file, when the worker has it (checked at start)
     dram -> a peer's dram   UCX WRITE into another worker's arena (the request names the peer: its
                    agent metadata and arena); the directory has the peer check what arrived
 

@@ -64,7 +64,7 @@ class StorageWorker:
         self.gds = bool(self.hbm and self.nvme and settings.gds != "off" and self.agent.add_backend("GDS_MT", {}))
         if self.hbm and self.nvme and settings.gds == "on" and not self.gds:
             raise KVStoreError("unavailable", "--gds on: the GDS_MT backend cannot be loaded here (it needs "
-                               "CUDA 12 and cuFile); start with --gds auto or off")
+                               "CUDA and cuFile); start with --gds auto or off")
         self.agent.register_dram(self.arena.addr, self.arena.nbytes)
         allocators = {"dram": self.allocator}
         if self.hbm:
@@ -73,6 +73,19 @@ class StorageWorker:
         if self.nvme:
             self.nvme.register(self.agent)
             allocators["nvme"] = self.nvme.allocator
+        probe = self.hbm.gds_probe(self.agent, tuple(self.nvme.rows([specs.PageRun(first=0, count=1)],
+                                                                     settings.page_bytes)[0])) if self.gds else "done"
+        if probe == "pending":  # it may still write into HBM page 0: never start with it in flight
+            raise KVStoreError("unavailable", "a GDS read of one page into HBM did not finish in 10 s; "
+                               "start with --gds off")
+        if probe != "done":
+            if settings.gds == "on":
+                raise KVStoreError("unavailable", f"--gds on: GDS cannot read the NVMe tier's files under "
+                                   f"{settings.nvme_dir} (cuFile refused them); start with --gds auto or off")
+            log.warning("GDS cannot read the NVMe tier's files under %s (cuFile refused them): HBM <-> NVMe "
+                        "moves go through DRAM", settings.nvme_dir)
+            self.gds = False
+            self.agent.backends.remove("GDS_MT")  # the directory routes HBM <-> NVMe by it
         self.metrics = WorkerMetrics()
         fence = MoveFence()
         self.mover = Mover(self.agent, self.arena, settings.page_bytes, self.nvme, self.s3, settings.bounce_bytes,

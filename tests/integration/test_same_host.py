@@ -19,10 +19,11 @@ import torch
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import KVStoreClient, Namespace
-from kvstore.connector.vllm.worker import BlockPlan, PagedKVWorker
+from kvstore.connector.vllm.worker import PagedKVWorker
 from kvstore.core.keys import block_hashes
 from tests.fault.prompts import NS, load, prompt, save
 from tests.helpers import wait_until
+from tests.paged import load_pages, save_pages
 from tests.stacks import ProcessStack
 
 
@@ -130,26 +131,15 @@ def test_the_paged_path_copies_with_the_arena_and_a_block_bad_there_fails_from_t
     try:
         worker.register({name: pages[i] for i, name in enumerate(names)})
         hashes = [h.hex() for h in block_hashes(ns, list(range(64)))]
-        save = [BlockPlan("save", hashes, [0, 1, 2, 3])]
-        for name in names:
-            worker.save_layer(namespace_id, save, name)
-        worker.finish_step(namespace_id, save)
-        worker.flush({"save"})
+        save_pages(worker, namespace_id, "save", hashes, [0, 1, 2, 3])
         assert directory.lookup(namespace_id, hashes).num_hit_blocks == 4
-
-        def load(req_id: str, block_ids: list[int]) -> set[int]:
-            worker.start_loads(namespace_id, [BlockPlan(req_id, hashes, block_ids)])
-            for name in names:
-                worker.wait_layer(name)
-            worker.finish_step(namespace_id, [])
-            return worker.take_load_errors()
-
-        assert load("intact", [4, 5, 6, 7]) == set() and torch.equal(pages[:, 4:8], pages[:, 0:4])
+        assert load_pages(worker, namespace_id, "intact", hashes, [4, 5, 6, 7]) == set()
+        assert torch.equal(pages[:, 4:8], pages[:, 0:4])
         assert worker.posts["nixl"] == 0 and worker.posts["local"] == 2 * ns.num_layers  # a save and a load
         location = directory.lookup(namespace_id, hashes, locations=True).blocks[2].location
         arena = worker.arenas._arenas["w0"]
         arena.array[location.runs[0][0] - arena.base_addr + 100] ^= 0xFF
-        assert load("bad", [8, 9, 10, 11]) == {10, 11}
+        assert load_pages(worker, namespace_id, "bad", hashes, [8, 9, 10, 11]) == {10, 11}
         assert torch.equal(pages[:, 8:10], pages[:, 0:2])
         assert directory.lookup(namespace_id, hashes).num_hit_blocks == 2  # block 2's replica invalidated
     finally:

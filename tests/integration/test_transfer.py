@@ -5,6 +5,9 @@ every unmapped destination untouched."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 
 import numpy as np
@@ -102,3 +105,15 @@ def test_metadata_nixl_cannot_load_is_a_kvstore_error_not_a_nixl_one():
         assert refused.value.kind == "unavailable" and "metadata" in refused.value.message
     finally:
         agent.close()
+
+
+def test_the_nixl_build_is_chosen_by_kvstore_nixl_module():
+    """KVSTORE_NIXL_MODULE names the NIXL build to import (nixl_cu13 on a CUDA 13 host); one that is
+    not installed fails at import, naming it, rather than falling back to another build."""
+    probe = "import kvstore.transfer.agent as a; print(a.nixl_api.__name__)"
+    unset = {k: v for k, v in os.environ.items() if k != "KVSTORE_NIXL_MODULE"}
+    default = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=unset)
+    assert default.returncode == 0 and default.stdout.strip() == "nixl_cu12._api", default.stderr
+    missing = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "KVSTORE_NIXL_MODULE": "nixl_cu99"})
+    assert missing.returncode != 0 and "nixl_cu99" in missing.stderr, missing.stderr

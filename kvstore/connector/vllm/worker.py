@@ -1,6 +1,6 @@
 """The worker half of the vLLM connector: vLLM's paged KV buffer <-> the storage workers, one
 request per (layer, storage worker), no staging copy: plain copies with the DRAM arena of a worker
-on this host (host pages; KVSTORE_SAME_HOST=off turns it off), NIXL otherwise. It imports nothing
+on this host (by the GPU for GPU pages; KVSTORE_SAME_HOST=off turns it off), NIXL otherwise. It imports nothing
 from vLLM; `kvstore.connector.vllm` hands it plain plans.
 
 Loads. `start_loads` leases the step's synchronous loads in one directory call (asynchronous ones
@@ -32,7 +32,8 @@ from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
 from kvstore.connector.copies import COPY_THREADS, LocalArenas
-from kvstore.connector.layer_copies import HostMemory, PoolCopy, copy_layer
+from kvstore.connector.gpu_copies import gpu_copy_layer
+from kvstore.connector.layer_copies import HostMemory, copy_layer
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
 from kvstore.connector.page_checksums import ArenaHashes, LayerwiseChecksum, checksums
 from kvstore.connector.peers import Peers, own_hosts
@@ -94,6 +95,7 @@ class PagedKVWorker:
         self.arenas, self.memory = LocalArenas(), HostMemory()
         self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstore-copy")  # same-host copies
         self.posts = {"local": 0, "nixl": 0}  # requests per layer and storage worker, by path
+        self._after: torch.cuda.Event | None = None  # this step's loads start after it (GPU pages)
         self._load_errors: set[int] = set()
         self._sync: list[_Load] = []  # loads of this forward
         self._async: dict[str, _Load] = {}  # req_id -> a load vLLM polls for between steps
@@ -112,53 +114,51 @@ class PagedKVWorker:
         storages = checked_pages(kv_caches, self.layer_names, self.page_shape, self.dtype, layout)
         for addr, (nbytes, device) in storages.items():  # vLLM backs every layer with one allocation
             if device.type == "cuda":
-                self.agent.register_vram(addr, nbytes, device.index or 0)  # GPU path, not run here
+                self.agent.register_vram(addr, nbytes, device.index or 0)
             else:
                 self.agent.register_dram(addr, nbytes)
                 self.memory.add(addr, nbytes)
         self.caches = {name: kv_caches[name] for name in self.layer_names}
 
-    def _page_nbytes(self, layer: str) -> int:
-        page = self.caches[layer][0]
-        return page.numel() * page.element_size()
-
     def _by_worker(self, items: list[tuple[int, specs.ReplicaLocation]]) -> list[tuple[str | None, list]]:
-        """(peer agent name or None, [(block id, location)]) per storage worker."""
-        groups: dict[tuple[str, int], list] = {}
+        """(peer agent name or None, [(block id, location)]) per storage worker and tier (one memory type)."""
+        groups: dict[tuple[str, int, str], list] = {}
         for block_id, location in items:
-            groups.setdefault((location.worker, location.epoch), []).append((block_id, location))
-        return [(self.peers.agent_for(worker, epoch), group) for (worker, epoch), group in groups.items()]
+            groups.setdefault((location.worker, location.epoch, location.tier), []).append((block_id, location))
+        return [(self.peers.agent_for(worker, epoch), group) for (worker, epoch, _), group in groups.items()]
 
     def _post(self, op: str, layer_index: int, groups: list[tuple[str | None, list]], hashes: ArenaHashes) -> list:
-        """One request per storage worker moving this layer's page of every block (block id <-> bytes
-        [l x page, (l+1) x page) of the stored block): on the copy threads when the worker's arena is
-        mapped and the pages are host memory (a load also hashes a share of its blocks there), else NIXL."""
-        cache, page = self.caches[self.layer_names[layer_index]], self._page_nbytes(self.layer_names[layer_index])
-        base, step = cache.data_ptr(), cache.stride(0) * cache.element_size()  # block id b's page: base + b x step
+        """One request per worker and tier moving layer l's page of every block (bytes [l x page, (l+1) x page) of
+        it): a copy with the worker's arena mapped here (copy threads; the GPU for GPU pages), else NIXL."""
+        cache = self.caches[self.layer_names[layer_index]]  # block b's page: base + b x step
+        base, step, page = cache.data_ptr(), cache.stride(0) * cache.element_size(), cache[0].nbytes
         start, end = layer_index * page, (layer_index + 1) * page
         transfers = []
         for peer, group in groups:
-            near = not cache.is_cuda and all(location.tier == "dram" for _, location in group)
-            arena = self.arenas.view(group[0][1]) if near else None
-            self.posts["local" if arena is not None else "nixl"] += 1
+            arena, copy = self.arenas.view(group[0][1]), None  # DRAM tiers of this host's workers only
             pages = [(base + block_id * step, location.runs) for block_id, location in group]
-            if arena is not None:
+            if arena is not None:  # None from gpu_copy_layer: the GPU cannot address the arena
+                copy = gpu_copy_layer(op, pages, start, end, cache, arena, self._after) if cache.is_cuda \
+                    else copy_layer(op, pages, start, end, self.memory, arena, self._pool)
+            self.posts["local" if copy is not None else "nixl"] += 1
+            if copy is not None:
                 hashes.copied([(block_id, location.runs) for block_id, location in group], layer_index, arena)
-                transfers.append(copy_layer(op, pages, start, end, self.memory, arena, self._pool))
+                transfers.append(copy)
                 if op == "READ":
                     hashes.hash([block_id for block_id, _ in group[layer_index::len(self.layer_names)]], self._pool)
                 continue
             hashes.spoil(block_id for block_id, _ in group)
-            local, remote = slice_rows(pages, start, end)
-            mem = "VRAM" if cache.is_cuda else "DRAM"
-            transfers.append(self.agent.submit(op, local, remote, peer, mem, "DRAM") if peer else None)
+            local, remote = slice_rows(pages, start, end, (cache.device.index or 0) if cache.is_cuda else None)
+            mem, remote_mem = "VRAM" if cache.is_cuda else "DRAM", "VRAM" if group[0][1].tier == "hbm" else "DRAM"
+            transfers.append(self.agent.submit(op, local, remote, peer, mem, remote_mem) if peer else None)
         return transfers
 
     def start_loads(self, namespace_id: str, plans: list[BlockPlan]) -> None:
         """Lease the plans' blocks and post their reads, layer 0 first. The step's synchronous loads
         share one lease (one directory call), waited for layer by layer in this forward;
-        asynchronous ones get a lease each, as they finish at different steps."""
-        sync = [p for p in plans if not p.load_async]
+        asynchronous ones get a lease each, as they finish at different steps. GPU copies into the
+        pages wait for what the engine's stream has queued by now (`_after`)."""
+        sync, self._after = [p for p in plans if not p.load_async], self._written()
         if sync:
             self._sync += self._start(namespace_id, sync)
         for plan in plans:
@@ -285,7 +285,7 @@ class PagedKVWorker:
         step.layers.put((self.layer_names.index(layer), self._written()))
 
     def _written(self):
-        """An event the saver waits for before posting: what the stream has written by now (GPU path)."""
+        """An event for what the stream has written by now (GPU pages): saves and loads wait for it."""
         if not self.caches[self.layer_names[0]].is_cuda:
             return None
         event = torch.cuda.Event()
@@ -323,7 +323,7 @@ class PagedKVWorker:
                     self._saved.notify_all()
 
     def _reserve(self, namespace_id: str, plan: BlockPlan):
-        nbytes = sum(self._page_nbytes(name) for name in self.layer_names)
+        nbytes = sum(self.caches[name][0].nbytes for name in self.layer_names)
         parents = [plan.parent] + plan.hashes[:-1]
         try:
             prepared = self.directory.prepare_store(specs.PrepareStore(
@@ -358,10 +358,10 @@ class PagedKVWorker:
                 if groups:
                     transfers += self._post("WRITE", index, groups, hashes)
             ok = posted == len(self.layer_names) and all(t and t.wait(self.timeout_s) == "done" for t in transfers)
-            for late in [t for t in transfers if isinstance(t, PoolCopy)]:  # none may write once the pages go
+            for late in [t for t in transfers if hasattr(t, "settle")]:  # none may write once the pages go
                 late.settle()
             if ok:  # the copies have ended: the arena holds what is hashed
-                hashes.hash([b for _, _, admitted in reserved for b, _ in admitted], self._pool)
+                hashes.hash([b for _, _, admitted in reserved for b, _ in admitted], self._pool, COPY_THREADS)
             for plan, prepared, admitted in reserved:
                 good = ok and plan.req_id not in step.failed_loads
                 sums = checksums(self.caches, self.layer_names, [b for b, _ in admitted], hashes) if good \
