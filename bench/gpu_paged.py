@@ -35,8 +35,9 @@ from kvstore.client import DirectoryClient  # noqa: E402
 from kvstore.connector import Namespace  # noqa: E402
 from kvstore.connector.gpu_copies import gpu_copy_layer  # noqa: E402
 from kvstore.connector.layerwise import slice_rows  # noqa: E402
-from kvstore.connector.vllm.worker import BlockPlan, PagedKVWorker  # noqa: E402
+from kvstore.connector.vllm.worker import PagedKVWorker  # noqa: E402
 from kvstore.core.keys import block_hashes  # noqa: E402
+from tests.paged import load_pages, save_pages  # noqa: E402
 
 HEADS, HEAD_DIM, PAGE_TOKENS = 8, 128, 16
 
@@ -49,14 +50,19 @@ def synced(fn) -> float:
     return time.perf_counter() - t0
 
 
+def layer_pages(worker: PagedKVWorker, layer: int, block_ids: list[int], locations):
+    """(cache, (page address, runs) per block, page bytes) of one layer, as the connector addresses them."""
+    cache = worker.caches[worker.layer_names[layer]]
+    step = cache.stride(0) * cache.element_size()
+    return cache, [(cache.data_ptr() + b * step, loc.runs) for b, loc in zip(block_ids, locations)], cache[0].nbytes
+
+
 def raw_nixl(worker: PagedKVWorker, op: str, block_ids: list[int], locations, remote_mem: str) -> float:
     """One NIXL request moving every layer's page of the blocks, the connector's descriptors."""
     rows = []
-    for i, name in enumerate(worker.layer_names):  # layer i: bytes [i x page, (i+1) x page) of each block
-        cache = worker.caches[name]
-        base, step, page = cache.data_ptr(), cache.stride(0) * cache.element_size(), cache[0].nbytes
-        blocks = [(base + b * step, location.runs) for b, location in zip(block_ids, locations)]
-        rows.append(slice_rows(blocks, i * page, (i + 1) * page, cache.device.index or 0))
+    for i in range(len(worker.layer_names)):  # layer i: bytes [i x page, (i+1) x page) of each block
+        cache, pages, page = layer_pages(worker, i, block_ids, locations)
+        rows.append(slice_rows(pages, i * page, (i + 1) * page, cache.device.index or 0))
     local, remote = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
     raw = worker.agent._raw  # the bench reaches under kvstore's wrapper on purpose
     peer = worker.peers.agent_for(locations[0].worker, locations[0].epoch)
@@ -81,10 +87,8 @@ def raw_gpu(worker: PagedKVWorker, op: str, block_ids: list[int], locations, rem
 
     def run():
         copies = []
-        for i, name in enumerate(worker.layer_names):
-            cache = worker.caches[name]
-            step, page = cache.stride(0) * cache.element_size(), cache[0].nbytes
-            pages = [(cache.data_ptr() + b * step, location.runs) for b, location in zip(block_ids, locations)]
+        for i in range(len(worker.layer_names)):
+            cache, pages, page = layer_pages(worker, i, block_ids, locations)
             copies.append(gpu_copy_layer(op, pages, i * page, (i + 1) * page, cache, arena))
         for copy in copies:
             copy.settle()
@@ -117,24 +121,13 @@ def bench_path(path: str, args) -> dict:
                 pages[:, blocks:].zero_()
                 hashes = [h.hex() for h in block_hashes(ns, [rep * args.tokens + t for t in range(args.tokens)])]
 
-                def store():
-                    plans = [BlockPlan(f"store-{rep}", hashes, saved)]
-                    for name in names:  # as the forward hands each layer over
-                        worker.save_layer(namespace_id, plans, name)
-                    worker.finish_step(namespace_id, plans)
-                    worker.flush({plans[0].req_id})
-
-                def retrieve():
-                    worker.start_loads(namespace_id, [BlockPlan(f"load-{rep}", hashes, loaded)])
-                    for name in names:
-                        worker.wait_layer(name)
-                    worker.finish_step(namespace_id, [])
-
-                store_s = synced(store)
+                store_s = synced(lambda: save_pages(worker, namespace_id, f"store-{rep}", hashes, saved))
                 hits = directory.lookup(namespace_id, hashes, locations=True).blocks
                 assert len(hits) == blocks and all(h.location.tier == tier for h in hits), "not all stored in the tier"
-                retrieve_s = synced(retrieve)
-                assert not worker.take_load_errors(), "the load reported errors"
+                errors: set[int] = set()
+                retrieve_s = synced(lambda: errors.update(load_pages(worker, namespace_id, f"load-{rep}", hashes,
+                                                                     loaded)))
+                assert not errors, "the load reported errors"
                 assert torch.equal(pages[:, :blocks].view(torch.int16), pages[:, blocks:].view(torch.int16))
                 remote_mem, locations = "VRAM" if tier == "hbm" else "DRAM", [h.location for h in hits]
                 measured = {"store": store_s, "retrieve": retrieve_s,

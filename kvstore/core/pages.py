@@ -30,6 +30,11 @@ import threading
 from kvstore.core.specs import PageRun
 
 
+def pages_for(nbytes: int, page_bytes: int) -> int:
+    """Pages of `page_bytes` that `nbytes` take: a block takes whole pages."""
+    return -(-nbytes // page_bytes)
+
+
 class PageAllocator:
     def __init__(self, num_pages: int, page_bytes: int, owners: bool = True) -> None:
         assert num_pages >= 0 and page_bytes > 0, "an arena needs a page size"
@@ -46,7 +51,7 @@ class PageAllocator:
             self.free_pages = self.num_pages
 
     def pages_for(self, nbytes: int) -> int:
-        return -(-nbytes // self.page_bytes)
+        return pages_for(nbytes, self.page_bytes)
 
     def allocate(self, token: str, nbytes: int, contiguous: bool = False) -> list[PageRun] | None:
         runs = self.allocate_pairs(token, nbytes, contiguous)

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
+from kvstore.core.pages import pages_for
 from kvstore.directory.saves import sql
 from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.index import Index
@@ -156,7 +157,7 @@ class Store:
                 decisions[block.hash] = _rejected(block.hash, "no_worker")
             return 0
         tier, worker = choice
-        need = sum(-(-b.nbytes // tier.page_bytes) for b in wanted) * tier.page_bytes  # whole pages each
+        need = sum(pages_for(b.nbytes, tier.page_bytes) for b in wanted) * tier.page_bytes
         if room_first and need > self._pools.free_bytes(tier.id, worker.epoch):
             return _NeedRoom(tier.id, worker.id, need)
         said = hints or NO_HINTS
@@ -175,7 +176,7 @@ class Store:
                 runs = None
             if runs is None:
                 rejected.add(block.hash)
-                pages = -(-block.nbytes // tier.page_bytes)
+                pages = pages_for(block.nbytes, tier.page_bytes)
                 room = self._pools.free_bytes(tier.id, worker.epoch) >= pages * tier.page_bytes
                 decisions[block.hash] = _rejected(block.hash, "parent_rejected" if room else "no_space")
             else:
