@@ -9,8 +9,8 @@ A decision is Admit, Reject(reason) or Throttled(retry_after_s). Admission decid
 (a new block) and demotion alike: "keep it one tier down?" is the lower tier's `admit`.
 
 Doorkeeper: admitted on the second sighting within a window of `WINDOW` x capacity distinct
-keys (the set of sightings is cleared when full, which also ages it), so blocks seen once never
-displace others. TinyLFU and the adaptive doorkeeper are in `tinylfu.py` and `adaptive.py`.
+keys (a Bloom filter of sightings, cleared when full, which also ages it), so blocks seen once
+rarely displace others. TinyLFU and the adaptive doorkeeper are in `tinylfu.py` and `adaptive.py`.
 """
 
 from __future__ import annotations
@@ -48,20 +48,36 @@ class Always:
 
 
 class Doorkeeper:
+    """Second sightings, remembered in a Bloom filter of `BITS_PER_KEY` bits a key and two probes (two
+    parts of `hash(key)`): two bytes a key of the window instead of a set's 64, and never more than
+    `MAX_BYTES` whatever the tier's size. A first sighting is admitted by mistake with a chance of at
+    most 1.4 % (`(1 - e^(-2/16))^2`, when the filter is full); the filter is cleared after `window`
+    keys, or when its bits are full, whichever comes first."""
     WINDOW = 16  # remember this many times the tier's capacity in keys
+    BITS_PER_KEY = 16
+    MIN_BYTES, MAX_BYTES = 8 << 10, 16 << 20
 
     def __init__(self, capacity: int, window: int | None = None) -> None:
         assert capacity > 0, "a doorkeeper needs a capacity"
-        self.capacity = capacity * (window or self.WINDOW)
-        self._seen: set[int] = set()  # hash(key): an int, not a key string held per block
+        keys = capacity * (window or self.WINDOW)
+        nbytes = 1 << max(self.MIN_BYTES, min(self.MAX_BYTES, keys * self.BITS_PER_KEY // 8) - 1).bit_length()
+        self.capacity = min(keys, nbytes * 8 // self.BITS_PER_KEY)  # keys remembered before it is cleared
+        self._bits = bytearray(nbytes)
+        self._mask = nbytes * 8 - 1
+        self._keys = 0
 
     def admit(self, key: Hashable, nbytes: int = 0, hints=None) -> Decision:
-        h = hash(key)
-        if h in self._seen:
+        h = hash(key)  # cached by a str (keys are `namespace/hash` strings): no second pass over the key
+        bits, mask = self._bits, self._mask
+        a, b = h & mask, (h >> 32) & mask
+        if bits[a >> 3] >> (a & 7) & 1 and bits[b >> 3] >> (b & 7) & 1:
             return ADMIT
-        if len(self._seen) >= self.capacity:
-            self._seen.clear()
-        self._seen.add(h)
+        if self._keys >= self.capacity:
+            self._bits = bits = bytearray(len(bits))
+            self._keys = 0
+        bits[a >> 3] |= 1 << (a & 7)
+        bits[b >> 3] |= 1 << (b & 7)
+        self._keys += 1
         return FIRST_SIGHTING
 
     def record(self, key: Hashable) -> None:

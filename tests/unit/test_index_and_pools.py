@@ -33,6 +33,13 @@ def test_a_lookup_stops_at_the_first_miss_and_takes_the_best_replica():
     index._apply([(0, "ns", "h0", None, 256, "0123456789abcdef", 200, 11, 1, [[9, 2]]),
                   (0, "ns", "h0", None, 256, "0123456789abcdef", 100, 10, 1, [[0, 2]])], {0}, None)
     assert index.lookup("ns", ["h0"])[0].tier.kind == "dram"  # dram before nvme, whatever the row order
+    assert index._by_id[0][5] == ((100, 10, 1, 0, 2), (200, 11, 1, 9, 2))  # two replicas: a tuple of them
+    index.add([(0, "ns", "h0", None, 256, "0123456789abcdef", 300, 12, 1, [])])  # a third, merged in
+    assert [r[0] for r in index._by_id[0][5]] == [100, 200, 300]
+    index.record([index._by_id[0]])  # a load read it
+    assert [r.id for r in index.drain_accesses()[1][0].replicas] == [100, 200, 300]
+    index._apply([(0, "ns", "h0", None, 256, "0123456789abcdef", 300, 12, 1, [])], {0}, None)  # two dropped
+    assert index._by_id[0][5] == (300, 12, 1) and index.lookup("ns", ["h0"])[0].replica_id == 300
 
 
 def test_memory_replicas_of_an_old_epoch_or_a_dead_worker_are_not_readable():
@@ -58,7 +65,7 @@ def test_an_update_tells_the_policies_once_and_its_entries_leave_the_garbage_col
     index.add([(7, "ns", "h7", "h2", sizes[0], "0123456789abcdef", 107, 10, 1, [[20, 2]]),
                (8, "ns", "h8", "h7", sizes[1], "0123456789abcdef", 108, 10, 1, [[22, 2]])])
     assert told == [[(7, 2, "ns", "h7", (10,), ()), (8, 7, "ns", "h8", (10,), ())]]  # parents by their ids
-    assert index._by_id[8][5] == ((108, 10, 1, 22, 2),)  # a replica keeps its pages in its own tuple
+    assert index._by_id[8][5] == (108, 10, 1, 22, 2)  # one replica, its pages in its tuple, not in a tuple of one
     assert index._by_id[7][3] is index._by_id[8][3]  # one size object for the blocks of that size
     hits = index.lookup("ns", ["h7", "h8"])
     assert [(h.hash, h.block_id, h.runs()) for h in hits] == [("h7", 7, [(20, 2)]), ("h8", 8, [(22, 2)])]

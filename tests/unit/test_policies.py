@@ -124,6 +124,23 @@ def test_doorkeeper_admits_on_the_second_sighting_and_forgets_when_full():
     assert isinstance(door.admit("a"), Reject)
 
 
+def test_the_doorkeeper_is_a_bounded_bloom_filter_that_rarely_admits_a_first_sighting():
+    from kvstore.policies.admission import Doorkeeper
+
+    huge = Doorkeeper(64_000_000)  # a 256 GiB tier of 4 KiB pages: a set would grow to a billion keys
+    assert len(huge._bits) == Doorkeeper.MAX_BYTES and huge.capacity == Doorkeeper.MAX_BYTES * 8 // 16
+    door = Doorkeeper(1000)  # a window of 16,000 keys
+    assert door.capacity == 16_000
+    keys = [f"{i:032x}" for i in range(16_000)] + list(range(16_000))
+    admitted_first = sum(isinstance(door.admit(k), Admit) for k in keys[:16_000])
+    assert admitted_first < 16_000 * 0.02  # (1 - e^(-1/8))^2 = 1.4 % when full, less on the way
+    assert all(isinstance(door.admit(k), Admit) for k in keys[:16_000])  # no second sighting is refused
+    assert door._keys == 16_000 - admitted_first
+    assert sum(isinstance(door.admit(k), Admit) for k in keys[16_000:]) < 16_000 * 0.02
+    assert door._keys < 16_000  # full on the way: cleared, which forgot the first keys
+    assert sum(isinstance(door.admit(k), Admit) for k in keys[:1000]) < 1000 * 0.05
+
+
 def test_an_admission_chain_answers_with_the_first_refusal():
     busy = Backpressure(threshold=0.9, retry_after_s=0.5)
     chain = make_admission("size:1KiB-4KiB,backpressure", 8)

@@ -40,7 +40,8 @@ _BLOCK_ID, _HOME = itemgetter(0), itemgetter(6)  # of an Entry
 REBUILD_BATCH = 20_000  # rows read and applied at a time when the index is built
 
 
-_ID, _NAMESPACE, _HASH, _NBYTES, _CHECKSUM, _REPLICAS = range(6)  # a stored entry: an Entry's fields
+_ID, _NAMESPACE, _HASH, _NBYTES, _CHECKSUM, _REPLICAS = range(6)  # a stored entry: an Entry's fields,
+# except that one replica is kept as itself, not in a tuple of one (`_replicas`)
 _TIER, _EPOCH = 1, 2  # of a stored replica (a ReplicaView's fields)
 
 
@@ -73,7 +74,7 @@ class Index:
         hits = []
         for entry, home in zip(entries, homes):
             tier, worker, _ = self._readable[home[0]]
-            replica = next(r for r in entry[_REPLICAS] if self._home(r) == home)
+            replica = next(r for r in _replicas(entry) if self._home(r) == home)
             hits.append(Hit(entry[_HASH], entry[_ID], entry[_NBYTES], entry[_CHECKSUM], replica[0], entry, replica,
                             tier, worker))
         return hits
@@ -133,7 +134,7 @@ class Index:
     def drain_accesses(self) -> tuple[Counter, dict[int, Entry]]:
         counts, hits = self._counts, self._hits
         self._counts, self._hits = Counter(), {}
-        return counts, {block_id: Entry(*e[:_REPLICAS], tuple(map(ReplicaView.of, e[_REPLICAS])), _HOME(e))
+        return counts, {block_id: Entry(*e[:_REPLICAS], tuple(map(ReplicaView.of, _replicas(e))), _HOME(e))
                         for block_id, e in hits.items()}
 
     # ---- updates (the writer thread, or start-up) -----------------------------------------------
@@ -201,7 +202,7 @@ class Index:
             if old is None and block_id not in self._by_id:  # a new block (a save): no merge, no sort
                 self._new(row, changes)
                 continue
-            others = [r for r in old[_REPLICAS] if r[0] != replica_id] if old is not None else []
+            others = [r for r in _replicas(old) if r[0] != replica_id] if old is not None else []
             merged += [(block_id, namespace_id, block_hash, parent, nbytes, checksum, *r[:3], r[3:]) for r in others]
             merged.append(row)
         if merged:
@@ -213,7 +214,7 @@ class Index:
         block_id, namespace_id, block_hash, parent, nbytes, checksum, replica_id, tier_id, epoch, pages = row
         namespace_id = sys.intern(namespace_id)
         replica = (replica_id, tier_id, epoch, *_flat(pages))
-        entry = (block_id, namespace_id, block_hash, self._sizes.setdefault(nbytes, nbytes), checksum, (replica,),
+        entry = (block_id, namespace_id, block_hash, self._sizes.setdefault(nbytes, nbytes), checksum, replica,
                  self._home(replica))
         self._namespace(namespace_id)[block_hash] = entry
         self._by_id[block_id] = entry
@@ -263,7 +264,7 @@ class Index:
 
     def _best(self, entry: tuple) -> tuple | None:
         """The first readable replica of a stored entry (they are kept best tier first)."""
-        for replica in entry[_REPLICAS]:
+        for replica in _replicas(entry):
             where = self._readable.get(replica[_TIER])
             if where is not None and (where[2] is None or where[2] == replica[_EPOCH]):
                 return replica
@@ -284,7 +285,7 @@ class Index:
         if self._blocks.get(namespace_id, {}).get(block_hash) is old:
             del self._blocks[namespace_id][block_hash]
         if changes is not None:
-            changes.append((block_id, None, namespace_id, block_hash, (), [r[_TIER] for r in old[_REPLICAS]]))
+            changes.append((block_id, None, namespace_id, block_hash, (), [r[_TIER] for r in _replicas(old)]))
 
     def _id_of(self, namespace_id: str, block_hash: str | None) -> int | None:
         entry = self._blocks[namespace_id].get(block_hash) if block_hash else None
@@ -311,15 +312,22 @@ class Index:
             if old is not None and old[_ID] != block_id:  # the block was deleted and saved again
                 self._by_id.pop(old[_ID], None)
             entry = (block_id, namespace_id, block_hash, self._sizes.setdefault(nbytes, nbytes), checksum,
-                     tuple(replicas), self._home(replicas[0]))
+                     replicas[0] if len(replicas) == 1 else tuple(replicas), self._home(replicas[0]))
             by_hash[block_hash] = entry
             self._by_id[block_id] = entry
             if changes is not None:
-                before = {r[_TIER] for r in old[_REPLICAS]} if old is not None else set()
+                before = {r[_TIER] for r in _replicas(old)} if old is not None else set()
                 after = {r[_TIER] for r in replicas}
                 if before != after:
                     changes.append((block_id, self._id_of(namespace_id, parent), namespace_id, block_hash,
                                     sorted(after - before), sorted(before - after)))
+
+
+def _replicas(entry: tuple) -> tuple:
+    """An entry's replicas, best tier first. A block with one replica (most blocks) keeps it in place of
+    the tuple of them: 48 bytes less a block."""
+    replicas = entry[_REPLICAS]
+    return (replicas,) if type(replicas[0]) is int else replicas
 
 
 def _flat(pages) -> tuple:
