@@ -1,0 +1,133 @@
+"""What a saved block costs in SQL alone: the directory's own statements with nothing around them.
+
+The directory's schema (its migrations) in a fresh SQLite database with the directory's settings; then
+saves of `--chain` blocks, as the save path's commit writes them (one multi-row INSERT ... RETURNING of
+the block rows, one of the replica rows, COMMIT), straight through `sqlite3`, until `--blocks` are
+stored. Each step's thread CPU per block, per stretch of the fill. Beside it, the same blocks as one
+row per save (the chain's hashes and pages packed in two BLOBs): what a schema without a row per block
+would cost.
+
+    .venv/bin/python bench/sql_floor.py --blocks 1000000 --json bench/out/sql_floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.common import machine  # noqa: E402
+from kvstore.directory.db import engine as db  # noqa: E402
+
+PRAGMAS = ("PRAGMA journal_mode=WAL", "PRAGMA foreign_keys=ON", "PRAGMA synchronous=NORMAL",
+           "PRAGMA cache_size=-65536", "PRAGMA temp_store=MEMORY")  # as `db/engine.py` sets them
+STEPS = ("blocks", "replicas", "commit")
+
+
+def schema(path: Path) -> sqlite3.Connection:
+    url = f"sqlite:///{path}"
+    db.upgrade(url)
+    conn = sqlite3.connect(path, isolation_level=None)
+    for pragma in PRAGMAS:
+        conn.execute(pragma)
+    now = time.time()
+    conn.execute("INSERT INTO namespaces (id, spec, created_at, write_through, replicas) VALUES ('ns', '{}', ?, 0, 1)",
+                 (now,))
+    conn.execute("INSERT INTO workers (id, name, agent_name, agent_metadata, epoch, state, pid, control_url, backends, "
+                 "heartbeat_at, registered_at, owner) VALUES (1, 'w', 'a', x'00', 1, 'active', 1, 'http://x', "
+                 "'[\"UCX\"]', ?, ?, '')", (now, now))
+    conn.execute("INSERT INTO tiers (id, worker_id, kind, capacity_bytes, used_bytes, page_bytes, base_addr, "
+                 "high_watermark, low_watermark) VALUES (1, 1, 'dram', ?, 0, 4096, 0, 0.9, 0.8)", (1 << 50,))
+    conn.execute("CREATE TABLE packed_saves (id INTEGER PRIMARY KEY, namespace_id TEXT, first_hash TEXT, "
+                 "hashes BLOB, pages BLOB, checksums BLOB, created_at REAL)")
+    conn.execute("CREATE INDEX ix_packed_first ON packed_saves (namespace_id, first_hash)")
+    return conn
+
+
+def save_rows(conn: sqlite3.Connection, chain: int, n: int, clock) -> list[float]:
+    """One save of `n` blocks as the directory commits it; the CPU of each step."""
+    now = time.time()
+    hashes = [f"{chain:016x}{k:016x}" for k in range(n)]
+    spent = []
+    t = clock()
+    conn.execute("BEGIN")
+    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, 0)"] * n)
+    params = tuple(x for k, h in enumerate(hashes)
+                   for x in ("ns", h, hashes[k - 1] if k else None, k, 65536, f"{k:016x}", now, now))
+    ids = conn.execute("INSERT INTO blocks (namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
+                       f"last_access, hit_count) VALUES {values} ON CONFLICT (namespace_id, hash) DO NOTHING "
+                       "RETURNING id, hash", params).fetchall()
+    spent.append(clock() - t)
+    t = clock()
+    values = ", ".join(["(?, ?, ?, 'ready', ?, ?, ?, ?, ?)"] * n)
+    params = tuple(x for k, (block_id, _) in enumerate(ids)
+                   for x in (block_id, 1, 1, f"tok{chain}", f"[[{16 * (chain * n + k)}, 16]]", 65536, None, now))
+    conn.execute("INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, expires_at, "
+                 f"created_at) VALUES {values} RETURNING id, block_id", params).fetchall()
+    spent.append(clock() - t)
+    t = clock()
+    conn.execute("COMMIT")
+    spent.append(clock() - t)
+    return spent
+
+
+def save_packed(conn: sqlite3.Connection, chain: int, n: int, clock) -> float:
+    now = time.time()
+    t = clock()
+    conn.execute("BEGIN")
+    hashes = b"".join(bytes.fromhex(f"{chain:016x}{k:016x}") for k in range(n))
+    pages = b"".join((16 * (chain * n + k)).to_bytes(8, "little") for k in range(n))
+    conn.execute("INSERT INTO packed_saves (namespace_id, first_hash, hashes, pages, checksums, created_at) "
+                 "VALUES (?, ?, ?, ?, ?, ?)", ("ns", f"{chain:016x}{0:016x}", hashes, pages, bytes(8 * n), now))
+    conn.execute("COMMIT")
+    return clock() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--chain", type=int, default=128, help="blocks a save")
+    parser.add_argument("--stretches", type=int, default=5, help="report the fill in this many stretches")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    clock = time.thread_time
+    saves = max(1, args.blocks // args.chain)
+    per_stretch = max(1, saves // args.stretches)
+    stretches = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-sql-floor-") as tmp:
+        conn = schema(Path(tmp) / "directory.db")
+        totals, packed, wall, since = [0.0] * len(STEPS), 0.0, time.perf_counter(), 0
+        for chain in range(saves):
+            for i, s in enumerate(save_rows(conn, chain, args.chain, clock)):
+                totals[i] += s
+            packed += save_packed(conn, chain, args.chain, clock)
+            since += args.chain
+            if chain + 1 == saves or ((chain + 1) % per_stretch == 0 and len(stretches) < args.stretches - 1):
+                stretches.append({"blocks_stored": (chain + 1) * args.chain,
+                                  **{f"{step}_us": 1e6 * s / since for step, s in zip(STEPS, totals)},
+                                  "rows_us": 1e6 * sum(totals) / since, "packed_us": 1e6 * packed / since})
+                totals, packed, since = [0.0] * len(STEPS), 0.0, 0
+                print(f"\r{(chain + 1) * args.chain:>10,} blocks", end="", flush=True)
+        conn.close()
+    print(f"\r{saves * args.chain:,} blocks in saves of {args.chain}, {time.perf_counter() - wall:.0f} s\n")
+    header = ["blocks stored", "INSERT blocks", "INSERT replicas", "COMMIT", "rows: total", "one row a save"]
+    print("  ".join(f"{h:>15}" for h in header) + "   (thread CPU, µs per block)")
+    for s in stretches:
+        print("  ".join(f"{v:>15}" for v in [f"{s['blocks_stored']:,}", *(f"{s[k]:.2f}" for k in (
+            "blocks_us", "replicas_us", "commit_us", "rows_us", "packed_us"))]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"benchmark": "sql_floor", "machine": machine(), "chain": args.chain,
+                                               "sqlite": sqlite3.sqlite_version, "stretches": stretches}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
