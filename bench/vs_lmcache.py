@@ -277,27 +277,22 @@ class PagedOps:
             page[n:].zero_()
 
     def store(self, rep: int) -> None:
-        from kvstore.connector.vllm.worker import BlockPlan
+        from tests.paged import save_pages
 
-        plans = [BlockPlan(f"store-{rep}", self.hashes, list(range(self.blocks)))]
-        for name in self.names:  # as the forward hands each layer over
-            self.worker.save_layer(self.namespace_id, plans, name)
-        self.worker.finish_step(self.namespace_id, plans)
-        self.worker.flush({plans[0].req_id})  # until the save is committed
+        # as the forward hands each layer over, then until the save is committed
+        save_pages(self.worker, self.namespace_id, f"store-{rep}", self.hashes, list(range(self.blocks)))
         assert self.lookup(rep) == self.args.tokens, "the paged save did not commit every block"
 
     def lookup(self, rep: int) -> int:
         return self.directory.lookup(self.namespace_id, self.hashes).num_hit_blocks * PAGE_TOKENS
 
     def retrieve(self, rep: int) -> None:
-        from kvstore.connector.vllm.worker import BlockPlan
+        from tests.paged import load_pages
 
-        plan = BlockPlan(f"load-{rep}", self.hashes, list(range(self.blocks, 2 * self.blocks)))
-        self.worker.start_loads(self.namespace_id, [plan])
-        for name in self.names:  # as the forward waits for each layer
-            self.worker.wait_layer(name)
-        self.worker.finish_step(self.namespace_id, [])  # verifies the checksums and releases the lease
-        assert not self.worker.take_load_errors(), "the paged load reported errors"
+        # as the forward waits for each layer; the step's end verifies the checksums and releases the lease
+        failed = load_pages(self.worker, self.namespace_id, f"load-{rep}", self.hashes,
+                            list(range(self.blocks, 2 * self.blocks)))
+        assert not failed, "the paged load reported errors"
 
     def same(self) -> bool:
         n = self.blocks
