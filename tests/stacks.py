@@ -138,13 +138,15 @@ def directory_stack(settings: DirectorySettings, control: ControlServer | None =
 
 
 @contextmanager
-def worker_endpoint(pages: int = 32, nvme_pages: int = 0, verifier: "Verdicts | None" = None,
+def worker_endpoint(pages: int = 32, nvme_pages: int = 0, verifier: "Verdicts | None" = None, hbm_pages: int = 0,
                     **options) -> Iterator[ControlServer]:
-    """A worker's control endpoint (DRAM of `pages` pages, NVMe of `nvme_pages` if any; real page
-    allocators, no NIXL), for `directory_stack(control=...)` or to register by hand; stopped on exit."""
+    """A worker's control endpoint (DRAM of `pages` pages, NVMe of `nvme_pages` and HBM of `hbm_pages` if
+    any; real page allocators, no NIXL), for `directory_stack(control=...)` or to register by hand;
+    stopped on exit."""
     allocators = {"dram": PageAllocator(num_pages=pages, page_bytes=PAGE)}
-    if nvme_pages:
-        allocators["nvme"] = PageAllocator(num_pages=nvme_pages, page_bytes=PAGE)
+    for kind, n in (("nvme", nvme_pages), ("hbm", hbm_pages)):
+        if n:
+            allocators[kind] = PageAllocator(num_pages=n, page_bytes=PAGE)
     control = ControlServer(allocators, verifier=verifier, **options)
     control.start()
     try:

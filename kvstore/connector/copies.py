@@ -274,10 +274,10 @@ class BlockCopier:
         for k, (_, location) in enumerate(items):
             by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
         transfers: list[tuple[Transfer | None, list[int]]] = []
-        for (worker, epoch, tier), ks in by_worker.items():
+        for (worker, epoch, _), ks in by_worker.items():
             peer = self.peers.agent_for(worker, epoch)
             local, remote = rows([items[k] for k in ks])
-            remote_mem = "VRAM" if tier == "hbm" else "DRAM"  # hbm: a GPU path (UCX on VRAM)
+            remote, remote_mem = remote_side(remote, items[ks[0]][1])  # one tier of one worker: one device
             transfers.append((self.agent.submit(op, local, remote, peer, "DRAM", remote_mem) if peer else None, ks))
         for transfer, ks in transfers:
             state = transfer.wait(self.timeout_s) if transfer else "failed"
@@ -357,6 +357,18 @@ def rows(items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> tuple[np.ndar
             addr += run_len
         assert addr == int(buffer.ctypes.data) + buffer.nbytes, "replica runs do not match the block size"
     return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
+
+
+def on_device(rows_: np.ndarray, device: int) -> np.ndarray:
+    """(address, length) rows as (address, length, device) rows: memory on that GPU."""
+    return np.c_[rows_, np.full(len(rows_), device, dtype=np.uint64)]
+
+
+def remote_side(remote: np.ndarray, location: specs.ReplicaLocation) -> tuple[np.ndarray, str]:
+    """(address, length) rows of replicas in `location`'s worker and tier as NIXL addresses them, and
+    their memory type: an HBM tier's are in its GPU's memory (VRAM, on that device), the others in
+    the worker's host memory."""
+    return (on_device(remote, location.device), "VRAM") if location.tier == "hbm" else (remote, "DRAM")
 
 
 def scatter(indices: list[int], oks: list[bool], sums: list[str], done: list[bool], digests: list[str]) -> None:

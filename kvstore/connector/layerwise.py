@@ -31,7 +31,7 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.connector import layout
-from kvstore.connector.copies import COPY_THREADS
+from kvstore.connector.copies import COPY_THREADS, on_device, remote_side
 from kvstore.connector.layer_copies import HostMemory, copy_layer
 from kvstore.connector.page_checksums import ArenaHashes
 from kvstore.core import specs
@@ -62,9 +62,7 @@ def slice_rows(blocks: list[tuple[int, list[tuple[int, int]]]], start: int, end:
                 remote.append((run_addr + lo - offset, hi - lo))
             offset += run_len
     local_rows = np.array(local, dtype=np.uint64).reshape(-1, 2)
-    if device is not None:
-        local_rows = np.c_[local_rows, np.full(len(local_rows), device, dtype=np.uint64)]
-    return local_rows, np.array(remote, dtype=np.uint64)
+    return local_rows if device is None else on_device(local_rows, device), np.array(remote, dtype=np.uint64)
 
 
 def layer_rows(namespace, hits: list[tuple[int, specs.BlockHit]], staging: np.ndarray,
@@ -189,10 +187,11 @@ class LayerwiseLoad:
         self.num_tokens = len(self.hits) * self.namespace.block_tokens
         self._raw = client.staging.view(0, len(self.hits) * self.namespace.block_nbytes)
         self._blocks = layout.block_view(self.namespace, self._raw) if self.hits else None
-        self._by_worker: dict[tuple[str, int], list[tuple[int, specs.BlockHit]]] = {}
+        self._by_worker: dict[tuple[str, int, str], list[tuple[int, specs.BlockHit]]] = {}  # worker and tier
         for i, hit in enumerate(self.hits):
-            self._by_worker.setdefault((hit.location.worker, hit.location.epoch), []).append((i, hit))
-        self._peers = {key: client.peers.agent_for(*key) for key in self._by_worker}
+            where = hit.location
+            self._by_worker.setdefault((where.worker, where.epoch, where.tier), []).append((i, hit))
+        self._peers = {key: client.peers.agent_for(*key[:2]) for key in self._by_worker}
         self._memory, self._hashes = HostMemory(), ArenaHashes(list(range(len(self.hits))), self.namespace.num_layers)
         if self.hits:
             self._memory.add(int(self._raw.ctypes.data), self._raw.nbytes)
@@ -215,8 +214,9 @@ class LayerwiseLoad:
                 continue
             self._hashes.spoil(i for i, _ in group)
             local, remote = layer_rows(self.namespace, group, self._raw, layer)
+            remote, remote_mem = remote_side(remote, group[0][1].location)  # an HBM tier: its GPU's memory
             transfers.append(self.client.agent.submit("READ", local, remote, self._peers[key],
-                                                      "DRAM", "DRAM") if self._peers[key] else None)
+                                                      "DRAM", remote_mem) if self._peers[key] else None)
         return transfers
 
     def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -38,6 +38,7 @@ class TierSpec(_Spec):
     capacity_bytes: int | None = Field(ge=0, lt=1 << 62, description="null = unbounded")
     page_bytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
     base_addr: int = Field(0, ge=0, lt=1 << 63, description="address of page 0 in the worker's address space")
+    device: int = Field(0, ge=0, lt=1 << 16, description="the CUDA device an HBM tier is on (0 for other tiers)")
     high_watermark: float = Field(0.95, gt=0, le=1)
     low_watermark: float = Field(0.85, gt=0, le=1)
 
@@ -125,6 +126,7 @@ class ReplicaLocation(_Spec):
     agent_name: str
     tier: TierKind
     runs: list[tuple[int, int]]
+    device: int = Field(0, ge=0, lt=1 << 16, description="the CUDA device of an HBM tier's runs")
 
 
 class BlockToStore(_Spec):

@@ -118,7 +118,8 @@ class StorageWorker:
                                 page_bytes=self.settings.page_bytes, base_addr=self.arena.addr)]
         if self.hbm:
             tiers.append(specs.TierSpec(kind="hbm", capacity_bytes=self.hbm.nbytes,
-                                        page_bytes=self.settings.page_bytes, base_addr=self.hbm.addr))
+                                        page_bytes=self.settings.page_bytes, base_addr=self.hbm.addr,
+                                        device=self.hbm.device))
         if self.nvme:
             tiers.append(specs.TierSpec(kind="nvme", capacity_bytes=self.nvme.capacity_bytes,
                                         page_bytes=self.nvme.page_bytes))

@@ -213,7 +213,9 @@ def test_a_registration_the_document_refuses_is_refused(stack):
     good = json.loads(registration("wz").model_dump_json())
     survivor = {"kind": "nvme", "token": "t", "runs": [{"first": False, "count": 1}], "namespace_id": "0" * 16,
                 "hash": "0" * 32, "nbytes": 1, "checksum": "0" * 16}
-    for bad in ({"agent_metadata": ""}, {"inventory": [survivor]}, {"control_url": "ftp://host"}):
+    hbm = {**good["tiers"][0], "kind": "hbm", "device": -1}
+    for bad in ({"agent_metadata": ""}, {"inventory": [survivor]}, {"control_url": "ftp://host"},
+                {"tiers": [hbm]}, {"tiers": [{**hbm, "device": 1 << 16}]}):
         answer = stack.http.post("/v1/workers", json={**good, **bad})
         assert answer.status_code == 400 and answer.json()["error"] == "invalid", (bad, answer.text)
     assert "wz" not in {w.name for w in stack.client.workers()}

@@ -14,13 +14,15 @@ import pytest
 import torch
 
 from kvstore.client import DirectoryClient
-from kvstore.connector import Namespace
+from kvstore.connector import KVStoreClient, Namespace
+from kvstore.connector.hf import layerwise_cache
 from kvstore.connector.vllm.worker import PagedKVWorker
 from kvstore.core.keys import block_hashes
 from tests.helpers import kvstore_cmd
 from tests.paged import load_pages, save_pages
 from tests.stacks import ProcessStack, run_engine
-from tests.integration.engine import BLOCK_TOKENS, PROMPT_TOKENS
+from tests.integration.engine import (BLOCK_TOKENS, CONTINUATION_TOKENS, PROMPT_TOKENS, build_model, namespace_of,
+                                      tokens)
 
 pytestmark = pytest.mark.gpu
 FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
@@ -42,6 +44,7 @@ def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):
 
         loaded = run_engine(url, "load", tmp_path, 1)  # the CPU engine reads VRAM over UCX
         assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+        assert layerwise_diff(url) <= 1e-4  # and so do layer-wise loads
 
         moved = subprocess.run(kvstore_cmd("evict", "--tier", "hbm", "--all", "--url", url), capture_output=True,
                                text=True, timeout=120)
@@ -51,6 +54,21 @@ def test_hbm_blocks_are_read_over_ucx_and_demoted_to_dram(tmp_path):
         assert (tiers["hbm"]["num_blocks"], tiers["dram"]["num_blocks"]) == (0, FULL // BLOCK_TOKENS)
         loaded = run_engine(url, "load", tmp_path, 1)
         assert loaded["loaded_tokens"] == FULL and loaded["max_abs_diff"] <= 1e-4, loaded
+
+
+@torch.no_grad()
+def layerwise_diff(url: str) -> float:
+    """A layer-wise load of prompt 1 (every block), each layer handed to the model as it arrives: the
+    largest difference of its logits from a full prefill's."""
+    model = build_model()
+    full = tokens(PROMPT_TOKENS, seed=1) + tokens(CONTINUATION_TOKENS, seed=10_001)
+    with KVStoreClient(url, namespace_of(model), staging_bytes=8 << 20) as client:
+        load = client.start_load_layers(full)
+        assert load.num_tokens == FULL
+        with layerwise_cache(model, load) as cache:
+            logits = model(torch.tensor([full[FULL:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        assert load.finish() == FULL // BLOCK_TOKENS, "a layer-wise load of the HBM tier failed"
+    return float((logits - model(torch.tensor([full])).logits[0, -1]).abs().max())
 
 
 def cufile_config(tmp_path, monkeypatch, **properties) -> None:

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from kvstore.connector import layer_copies
-from kvstore.connector.copies import BlockCopier, _Arena, arena_digest, reindexed
+from kvstore.connector.copies import BlockCopier, _Arena, arena_digest, reindexed, remote_side
 from kvstore.connector.layer_copies import HostMemory, copy_layer, copy_pages
 from kvstore.connector.page_checksums import ArenaHashes, block_checksums, checksums
 from kvstore.core import specs
@@ -249,3 +249,12 @@ def test_a_block_in_several_runs_of_a_mapped_arena_goes_through_its_buffer_both_
         assert digests == [xxhash.xxh3_64_hexdigest(source.tobytes())]
     finally:
         copier.close()
+
+
+def test_an_hbm_replica_is_addressed_on_its_gpu_and_a_dram_one_in_host_memory():
+    runs = np.array([(1 << 40, 4096), ((1 << 40) + 8192, 4096)], dtype=np.uint64)
+    hbm = specs.ReplicaLocation(worker="w", epoch=1, agent_name="a", tier="hbm", runs=[], device=3)
+    rows, mem = remote_side(runs, hbm)
+    assert mem == "VRAM" and rows.tolist() == [[1 << 40, 4096, 3], [(1 << 40) + 8192, 4096, 3]]
+    rows, mem = remote_side(runs, hbm.model_copy(update={"tier": "dram", "device": 0}))
+    assert mem == "DRAM" and rows is runs

@@ -31,7 +31,7 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
-from kvstore.connector.copies import COPY_THREADS, LocalArenas
+from kvstore.connector.copies import COPY_THREADS, LocalArenas, remote_side
 from kvstore.connector.gpu_copies import gpu_copy_layer
 from kvstore.connector.layer_copies import HostMemory, copy_layer
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
@@ -149,7 +149,7 @@ class PagedKVWorker:
                 continue
             hashes.spoil(block_id for block_id, _ in group)
             local, remote = slice_rows(pages, start, end, (cache.device.index or 0) if cache.is_cuda else None)
-            mem, remote_mem = "VRAM" if cache.is_cuda else "DRAM", "VRAM" if group[0][1].tier == "hbm" else "DRAM"
+            mem, (remote, remote_mem) = "VRAM" if cache.is_cuda else "DRAM", remote_side(remote, group[0][1])
             transfers.append(self.agent.submit(op, local, remote, peer, mem, remote_mem) if peer else None)
         return transfers
 

@@ -227,7 +227,8 @@ class Index:
                    for w in session.execute(select(Worker.id, Worker.name, Worker.agent_name, Worker.epoch,
                                                    Worker.state, Worker.control_url, Worker.backends))}
         self.set_topology(workers, {t.id: TierView(*t) for t in session.execute(
-            select(Tier.id, Tier.worker_id, Tier.kind, Tier.page_bytes, Tier.base_addr, Tier.capacity_bytes))})
+            select(Tier.id, Tier.worker_id, Tier.kind, Tier.page_bytes, Tier.base_addr, Tier.capacity_bytes,
+                   Tier.device))})
 
     def set_topology(self, workers: dict[int, WorkerView], tiers_: dict[int, TierView]) -> None:
         """Workers and tiers, and from them which tiers can be read: objects in S3 whatever their

@@ -19,6 +19,7 @@ class TierView(NamedTuple):
     page_bytes: int
     base_addr: int
     capacity_bytes: int | None = None
+    device: int = 0  # an HBM tier's CUDA device
 
 
 class WorkerView(NamedTuple):
@@ -71,3 +72,14 @@ class Hit(NamedTuple):
 
     def runs(self) -> list[tuple[int, int]]:  # of the replica read
         return ReplicaView.of(self.replica).runs()
+
+
+def location(worker: WorkerView, tier, runs: list[tuple[int, int]]) -> dict:
+    """Where a replica's bytes are, for a connector (a ReplicaLocation's fields): `runs` are absolute
+    (address, length) runs in the worker's memory, or offsets in one object. An HBM tier's CUDA device
+    is said when it is not 0 (an engine reads the runs there, over NIXL)."""
+    body = {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name, "tier": tier.kind,
+            "runs": runs}
+    if tier.device:
+        body["device"] = tier.device
+    return body

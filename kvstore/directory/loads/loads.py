@@ -23,6 +23,7 @@ from kvstore.core.errors import KVStoreError
 from kvstore.directory.loads import sql
 from kvstore.directory.db import repository as repo
 from kvstore.directory.db.index import Index
+from kvstore.directory.db import views
 from kvstore.directory.db.views import Hit
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.db.models.replica import DELETING
@@ -181,8 +182,7 @@ def hit_body(hit: Hit) -> dict:
     else:
         runs = specs.page_spans(tier.base_addr, tier.page_bytes, hit.runs(), hit.nbytes)
     return {"hash": hit.hash, "nbytes": hit.nbytes, "checksum": hit.checksum,
-            "location": {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name,
-                         "tier": tier.kind, "runs": runs}}
+            "location": views.location(worker, tier, runs)}
 
 
 def by_tier(hits: list[Hit]) -> dict[str, int]:

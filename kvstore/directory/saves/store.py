@@ -30,6 +30,7 @@ from kvstore.core.pages import pages_for
 from kvstore.directory.saves import sql
 from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.index import Index
+from kvstore.directory.db import views
 from kvstore.directory.db.views import WorkerView
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.tier_policies import TierPolicies, block_key
@@ -330,6 +331,7 @@ class PlacementTier(NamedTuple):
     used_bytes: int  # its pages not in the page credit: committed replicas and reservations
     page_bytes: int
     base_addr: int
+    device: int  # an HBM tier's CUDA device
 
 
 def _placement(index: Index, pools: PagePools, hosts: frozenset[str] = frozenset(),
@@ -346,7 +348,7 @@ def _placement(index: Index, pools: PagePools, hosts: frozenset[str] = frozenset
             tier, worker = max(local or candidates, key=lambda tw: pools.free_bytes(tw[0].id, tw[1].epoch))
             used = pools.granted_bytes(tier.id, worker.epoch) - pools.free_bytes(tier.id, worker.epoch)
             return PlacementTier(tier.id, tier.worker_id, kind, tier.capacity_bytes, used, tier.page_bytes,
-                                 tier.base_addr), worker
+                                 tier.base_addr, tier.device), worker
     return None
 
 
@@ -371,8 +373,7 @@ def location(worker, tier, runs, nbytes: int) -> dict:
     """Where a replica's bytes are, for a connector (ReplicaLocation): absolute (address, length)
     runs in the worker's memory, or offsets in one object."""
     runs = [(0, nbytes)] if tier.kind == "s3" else specs.page_spans(tier.base_addr, tier.page_bytes, runs, nbytes)
-    return {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name, "tier": tier.kind,
-            "runs": runs}
+    return views.location(worker, tier, runs)
 
 
 def _hints(said) -> Hints | None:

@@ -146,6 +146,7 @@ class Membership:
         for spec in tiers:
             tier = existing.get(spec.kind) or Tier(worker_id=worker.id, kind=spec.kind, used_bytes=0)
             tier.capacity_bytes, tier.page_bytes, tier.base_addr = spec.capacity_bytes, spec.page_bytes, spec.base_addr
+            tier.device = spec.device
             tier.high_watermark, tier.low_watermark = spec.high_watermark, spec.low_watermark
             tx.session.add(tier)
 

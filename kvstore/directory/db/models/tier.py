@@ -15,5 +15,6 @@ class Tier(Base):
     used_bytes: Mapped[int] = mapped_column(BigInteger)
     page_bytes: Mapped[int] = mapped_column(BigInteger)
     base_addr: Mapped[int] = mapped_column(BigInteger)
+    device: Mapped[int] = mapped_column(Integer, server_default="0", default=0)  # an HBM tier's CUDA device
     high_watermark: Mapped[float] = mapped_column(Float)
     low_watermark: Mapped[float] = mapped_column(Float)
