@@ -33,6 +33,7 @@ from common import local_stack, machine, median, print_table, write_json  # noqa
 
 from kvstore.client import DirectoryClient  # noqa: E402
 from kvstore.connector import Namespace  # noqa: E402
+from kvstore.connector.copies import remote_side  # noqa: E402
 from kvstore.connector.gpu_copies import gpu_copy_layer  # noqa: E402
 from kvstore.connector.layerwise import slice_rows  # noqa: E402
 from kvstore.connector.vllm.worker import PagedKVWorker  # noqa: E402
@@ -57,7 +58,7 @@ def layer_pages(worker: PagedKVWorker, layer: int, block_ids: list[int], locatio
     return cache, [(cache.data_ptr() + b * step, loc.runs) for b, loc in zip(block_ids, locations)], cache[0].nbytes
 
 
-def raw_nixl(worker: PagedKVWorker, op: str, block_ids: list[int], locations, remote_mem: str) -> float:
+def raw_nixl(worker: PagedKVWorker, op: str, block_ids: list[int], locations) -> float:
     """One NIXL request moving every layer's page of the blocks, the connector's descriptors."""
     rows = []
     for i in range(len(worker.layer_names)):  # layer i: bytes [i x page, (i+1) x page) of each block
@@ -66,7 +67,8 @@ def raw_nixl(worker: PagedKVWorker, op: str, block_ids: list[int], locations, re
     local, remote = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
     raw = worker.agent._raw  # the bench reaches under kvstore's wrapper on purpose
     peer = worker.peers.agent_for(locations[0].worker, locations[0].epoch)
-    remote3 = np.c_[remote, np.zeros(len(remote), dtype=np.uint64)]
+    remote, remote_mem = remote_side(remote, locations[0])  # the worker's HBM on its GPU, or its DRAM
+    remote3 = remote if remote.shape[1] == 3 else np.c_[remote, np.zeros(len(remote), dtype=np.uint64)]
     t0 = time.perf_counter()
     handle = raw.initialize_xfer(op, raw.get_xfer_descs(local, "VRAM"), raw.get_xfer_descs(remote3, remote_mem), peer)
     state = raw.transfer(handle)
@@ -81,7 +83,7 @@ def raw_nixl(worker: PagedKVWorker, op: str, block_ids: list[int], locations, re
 PATHS = {"gpu-copy": ("dram", "auto"), "nixl": ("dram", "off"), "hbm": ("hbm", "auto")}  # (tier, same host)
 
 
-def raw_gpu(worker: PagedKVWorker, op: str, block_ids: list[int], locations, remote_mem: str) -> float:
+def raw_gpu(worker: PagedKVWorker, op: str, block_ids: list[int], locations) -> float:
     """The GPU copies alone (a gather or scatter per layer with the mapped arena), nothing else."""
     arena = worker.arenas.view(locations[0])
 
@@ -129,10 +131,10 @@ def bench_path(path: str, args) -> dict:
                                                                      loaded)))
                 assert not errors, "the load reported errors"
                 assert torch.equal(pages[:, :blocks].view(torch.int16), pages[:, blocks:].view(torch.int16))
-                remote_mem, locations = "VRAM" if tier == "hbm" else "DRAM", [h.location for h in hits]
+                locations = [h.location for h in hits]
                 measured = {"store": store_s, "retrieve": retrieve_s,
-                            "raw_write": raw(worker, "WRITE", saved, locations, remote_mem),
-                            "raw_read": raw(worker, "READ", loaded, locations, remote_mem)}
+                            "raw_write": raw(worker, "WRITE", saved, locations),
+                            "raw_read": raw(worker, "READ", loaded, locations)}
                 for key, seconds in measured.items() if rep else ():
                     samples[key].append(nbytes / seconds / 1e9)
             posts = dict(worker.posts)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from kvstore.core.keys import MAX_BLOCK_BYTES
 
@@ -31,7 +31,19 @@ class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class TierSpec(_Spec):
+class _OnDevice(_Spec):
+    """A spec with an HBM tier's `device`: written only when it is not 0, so that a directory or an
+    engine from before the field (which refuses fields it does not know) reads the rest as it did."""
+
+    @model_serializer(mode="wrap")
+    def _device_when_set(self, write):
+        body = write(self)
+        if isinstance(body, dict) and not body.get("device"):
+            body.pop("device", None)
+        return body
+
+
+class TierSpec(_OnDevice):
     """A tier as a worker announces it at registration."""
 
     kind: TierKind
@@ -118,7 +130,7 @@ class WorkerInfo(_Spec):
     agent_metadata: str | None = None
 
 
-class ReplicaLocation(_Spec):
+class ReplicaLocation(_OnDevice):
     """Where a replica's bytes are: absolute (addr, nbytes) runs in a worker's memory."""
 
     worker: str

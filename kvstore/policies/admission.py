@@ -60,7 +60,7 @@ class Doorkeeper:
     def __init__(self, capacity: int, window: int | None = None) -> None:
         assert capacity > 0, "a doorkeeper needs a capacity"
         keys = capacity * (window or self.WINDOW)
-        nbytes = 1 << max(self.MIN_BYTES, min(self.MAX_BYTES, keys * self.BITS_PER_KEY // 8) - 1).bit_length()
+        nbytes = 1 << (max(self.MIN_BYTES, min(self.MAX_BYTES, keys * self.BITS_PER_KEY // 8)) - 1).bit_length()
         self.capacity = min(keys, nbytes * 8 // self.BITS_PER_KEY)  # keys remembered before it is cleared
         self._bits = bytearray(nbytes)
         self._mask = nbytes * 8 - 1

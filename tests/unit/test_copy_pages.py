@@ -258,3 +258,13 @@ def test_an_hbm_replica_is_addressed_on_its_gpu_and_a_dram_one_in_host_memory():
     assert mem == "VRAM" and rows.tolist() == [[1 << 40, 4096, 3], [(1 << 40) + 8192, 4096, 3]]
     rows, mem = remote_side(runs, hbm.model_copy(update={"tier": "dram", "device": 0}))
     assert mem == "DRAM" and rows is runs
+
+
+def test_a_device_is_written_only_when_it_is_not_0():
+    """A directory or an engine from before the field refuses bodies with fields it does not know."""
+    dram = specs.TierSpec(kind="dram", capacity_bytes=4096, page_bytes=4096)
+    hbm = specs.TierSpec(kind="hbm", capacity_bytes=4096, page_bytes=4096, device=3)
+    assert "device" not in dram.model_dump_json() and '"device":3' in hbm.model_dump_json()
+    assert specs.TierSpec.model_validate_json(hbm.model_dump_json()).device == 3
+    at = specs.ReplicaLocation(worker="w", epoch=1, agent_name="a", tier="hbm", runs=[(1, 2)])
+    assert "device" not in at.model_dump() and at.model_copy(update={"device": 1}).model_dump()["device"] == 1

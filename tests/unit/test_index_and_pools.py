@@ -37,7 +37,9 @@ def test_a_lookup_stops_at_the_first_miss_and_takes_the_best_replica():
     index.add([(0, "ns", "h0", None, 256, "0123456789abcdef", 300, 12, 1, [])])  # a third, merged in
     assert [r[0] for r in index._by_id[0][5]] == [100, 200, 300]
     index.record([index._by_id[0]])  # a load read it
-    assert [r.id for r in index.drain_accesses()[1][0].replicas] == [100, 200, 300]
+    drained = index.drain_accesses()[1][0]
+    assert [r.id for r in drained.replicas] == [100, 200, 300]
+    assert index.best(drained)[0] == (100, 10, 1, (0, 2))  # a drained entry's best replica, pages as kept
     index._apply([(0, "ns", "h0", None, 256, "0123456789abcdef", 300, 12, 1, [])], {0}, None)  # two dropped
     assert index._by_id[0][5] == (300, 12, 1) and index.lookup("ns", ["h0"])[0].replica_id == 300
 

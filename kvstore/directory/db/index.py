@@ -261,7 +261,7 @@ class Index:
         if replica is None:
             return None
         tier, worker, _ = self._readable[replica[_TIER]]
-        return ReplicaView.of(replica), tier, worker
+        return replica if isinstance(replica, ReplicaView) else ReplicaView.of(replica), tier, worker
 
     def _best(self, entry: tuple) -> tuple | None:
         """The first readable replica of a stored entry (they are kept best tier first)."""

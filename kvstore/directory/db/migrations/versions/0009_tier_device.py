@@ -13,10 +13,11 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("tiers") as batch:
-        batch.add_column(sa.Column("device", sa.Integer(), nullable=False, server_default="0"))
+    op.add_column("tiers", sa.Column("device", sa.Integer(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("tiers") as batch:
+    # ALTER TABLE ... DROP COLUMN in place (SQLite 3.35+): a batch table rebuild would drop `tiers`,
+    # and with foreign keys on, every replica and grant row with it (ON DELETE CASCADE)
+    with op.batch_alter_table("tiers", recreate="never") as batch:
         batch.drop_column("device")
