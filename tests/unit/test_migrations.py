@@ -20,9 +20,10 @@ def test_the_migrated_schema_is_the_models_schema(tmp_path):
     assert differences == []
 
 
-def test_taking_the_tier_device_back_keeps_every_replica(tmp_path):
-    """0009's downgrade drops a column of `tiers` in place: rebuilding the table would delete it, and
-    with foreign keys on, every replica and grant with it."""
+def test_taking_migrations_back_keeps_every_replica(tmp_path):
+    """Downgrades drop columns in place: rebuilding a table (alembic's batch mode on SQLite) drops it,
+    and with foreign keys on, that deleted every replica and grant of `tiers` (0009) or failed on
+    `namespaces` (0006)."""
     import sqlite3
 
     from alembic import command
@@ -49,6 +50,9 @@ def test_taking_the_tier_device_back_keeps_every_replica(tmp_path):
     with sqlite3.connect(tmp_path / "directory.db") as db:
         assert db.execute("SELECT count(*) FROM replicas").fetchone() == (1,)
         assert "device" not in {row[1] for row in db.execute("PRAGMA table_info(tiers)")}
+    command.downgrade(_alembic(url), "0001")
+    with sqlite3.connect(tmp_path / "directory.db") as db:
+        assert db.execute("SELECT count(*) FROM replicas").fetchone() == (1,)
     upgrade(url)
     with sqlite3.connect(tmp_path / "directory.db") as db:
         assert db.execute("SELECT device FROM tiers").fetchall() == [(0,)]

@@ -13,10 +13,10 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("namespaces") as batch_op:
+    with op.batch_alter_table("namespaces", recreate="never") as batch_op:  # in place: a rebuild cascades deletes
         batch_op.add_column(sa.Column("write_through", sa.Boolean(), server_default=sa.false(), nullable=False))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("namespaces") as batch_op:
+    with op.batch_alter_table("namespaces", recreate="never") as batch_op:  # in place: a rebuild cascades deletes
         batch_op.drop_column("write_through")

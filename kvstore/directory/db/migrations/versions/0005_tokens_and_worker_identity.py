@@ -23,13 +23,13 @@ def upgrade() -> None:
         sa.Column("created_at", sa.Float(), nullable=False),
         sa.Column("revoked_at", sa.Float(), nullable=True),
     )
-    with op.batch_alter_table("workers") as batch_op:
+    with op.batch_alter_table("workers", recreate="never") as batch_op:  # in place: a rebuild cascades deletes
         batch_op.add_column(sa.Column("owner", sa.String(64), server_default="", nullable=False))
         batch_op.add_column(sa.Column("control_secret", sa.String(128), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("workers") as batch_op:
+    with op.batch_alter_table("workers", recreate="never") as batch_op:  # in place: a rebuild cascades deletes
         batch_op.drop_column("control_secret")
         batch_op.drop_column("owner")
     op.drop_table("tokens")

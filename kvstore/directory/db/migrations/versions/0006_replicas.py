@@ -31,12 +31,12 @@ def upgrade() -> None:
         sa.Column("topology", sa.Boolean(), nullable=False),
         sa.Column("namespaces", sa.Boolean(), nullable=False),
     )
-    with op.batch_alter_table("namespaces") as batch_op:
+    with op.batch_alter_table("namespaces", recreate="never") as batch_op:  # in place: a rebuild cascades deletes
         batch_op.add_column(sa.Column("replicas", sa.Integer(), server_default="1", nullable=False))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("namespaces") as batch_op:
+    with op.batch_alter_table("namespaces", recreate="never") as batch_op:  # in place: a rebuild cascades deletes
         batch_op.drop_column("replicas")
     op.drop_table("changes")
     op.drop_table("directory_leader")
