@@ -204,7 +204,7 @@ class JsonHttp:
                         raise _unreachable(server, path, exc) from None
                     reused = False
                     self._arm(conn, timeout_s)
-                except (OSError, http.client.HTTPException) as exc:
+                except (OSError, http.client.HTTPException, UnicodeError) as exc:  # UnicodeError: a host not in ASCII
                     conn.close()
                     raise _unreachable(server, path, exc) from None
         except BaseException:

@@ -98,7 +98,7 @@ class WorkerRegistration(_Spec):
     agent_name: str = Field(pattern=r"^[!-~]{1,200}$")
     agent_metadata: str = Field(min_length=4, max_length=16 << 20, pattern=r"^(?:[A-Za-z0-9+/]{4})+$|^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)$",
                                 description="base64 of the NIXL agent metadata")
-    control_url: str = Field(pattern=r"^(https?://[^\s/?#@]+/?)?$", max_length=500,
+    control_url: str = Field(pattern=r"^(https?://[A-Za-z0-9._~%:\[\]-]+/?)?$", max_length=500,
                              description="the worker's control endpoint, an http(s) origin; empty: a worker "
                              "the directory cannot call (no tier moves, no checks of written bytes)")
     pid: int = Field(0, ge=0, lt=1 << 31)

@@ -215,7 +215,7 @@ def test_a_registration_the_document_refuses_is_refused(stack):
                 "hash": "0" * 32, "nbytes": 1, "checksum": "0" * 16}
     hbm = {**good["tiers"][0], "kind": "hbm", "device": -1}
     for bad in ({"agent_metadata": ""}, {"inventory": [survivor]}, {"control_url": "ftp://host"},
-                {"tiers": [hbm]}, {"tiers": [{**hbm, "device": 1 << 16}]}):
+                {"tiers": [hbm]}, {"tiers": [{**hbm, "device": 1 << 16}]}, {"control_url": "http://\x9e\x80:1"}):
         answer = stack.http.post("/v1/workers", json={**good, **bad})
         assert answer.status_code == 400 and answer.json()["error"] == "invalid", (bad, answer.text)
     assert "wz" not in {w.name for w in stack.client.workers()}
