@@ -33,7 +33,7 @@ from common import local_stack, machine, median, print_table, write_json  # noqa
 
 from kvstore.client import DirectoryClient  # noqa: E402
 from kvstore.connector import Namespace  # noqa: E402
-from kvstore.connector.copies import remote_side  # noqa: E402
+from kvstore.connector.copies import on_device, remote_side  # noqa: E402
 from kvstore.connector.gpu_copies import gpu_copy_layer  # noqa: E402
 from kvstore.connector.layerwise import slice_rows  # noqa: E402
 from kvstore.connector.vllm.worker import PagedKVWorker  # noqa: E402
@@ -68,7 +68,7 @@ def raw_nixl(worker: PagedKVWorker, op: str, block_ids: list[int], locations) ->
     raw = worker.agent._raw  # the bench reaches under kvstore's wrapper on purpose
     peer = worker.peers.agent_for(locations[0].worker, locations[0].epoch)
     remote, remote_mem = remote_side(remote, locations[0])  # the worker's HBM on its GPU, or its DRAM
-    remote3 = remote if remote.shape[1] == 3 else np.c_[remote, np.zeros(len(remote), dtype=np.uint64)]
+    remote3 = remote if remote.shape[1] == 3 else on_device(remote, 0)  # NIXL's rows name a device
     t0 = time.perf_counter()
     handle = raw.initialize_xfer(op, raw.get_xfer_descs(local, "VRAM"), raw.get_xfer_descs(remote3, remote_mem), peer)
     state = raw.transfer(handle)

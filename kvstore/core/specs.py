@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvstore.core.keys import MAX_BLOCK_BYTES
 
@@ -31,26 +31,15 @@ class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class _OnDevice(_Spec):
-    """A spec with an HBM tier's `device`: written only when it is not 0, so that a directory or an
-    engine from before the field (which refuses fields it does not know) reads the rest as it did."""
-
-    @model_serializer(mode="wrap")
-    def _device_when_set(self, write):
-        body = write(self)
-        if isinstance(body, dict) and not body.get("device"):
-            body.pop("device", None)
-        return body
-
-
-class TierSpec(_OnDevice):
-    """A tier as a worker announces it at registration."""
+class TierSpec(_Spec):
+    """A tier as a worker announces it at registration. `device` here and in a ReplicaLocation is written only
+    when it is not 0: a directory or an engine from before the field refuses fields it does not know."""
 
     kind: TierKind
     capacity_bytes: int | None = Field(ge=0, lt=1 << 62, description="null = unbounded")
     page_bytes: int = Field(gt=0, le=MAX_BLOCK_BYTES)
     base_addr: int = Field(0, ge=0, lt=1 << 63, description="address of page 0 in the worker's address space")
-    device: int = Field(0, ge=0, lt=1 << 16, description="the CUDA device an HBM tier is on (0 for other tiers)")
+    device: int = Field(0, ge=0, lt=1 << 16, exclude_if=lambda d: not d, description="an HBM tier's CUDA device")
     high_watermark: float = Field(0.95, gt=0, le=1)
     low_watermark: float = Field(0.85, gt=0, le=1)
 
@@ -130,7 +119,7 @@ class WorkerInfo(_Spec):
     agent_metadata: str | None = None
 
 
-class ReplicaLocation(_OnDevice):
+class ReplicaLocation(_Spec):
     """Where a replica's bytes are: absolute (addr, nbytes) runs in a worker's memory."""
 
     worker: str
@@ -138,7 +127,7 @@ class ReplicaLocation(_OnDevice):
     agent_name: str
     tier: TierKind
     runs: list[tuple[int, int]]
-    device: int = Field(0, ge=0, lt=1 << 16, description="the CUDA device of an HBM tier's runs")
+    device: int = Field(0, ge=0, lt=1 << 16, exclude_if=lambda d: not d, description="an HBM tier's CUDA device")
 
 
 class BlockToStore(_Spec):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvstore.core import specs
+
 
 class TierView(NamedTuple):
     id: int
@@ -74,10 +76,11 @@ class Hit(NamedTuple):
         return ReplicaView.of(self.replica).runs()
 
 
-def location(worker: WorkerView, tier, runs: list[tuple[int, int]]) -> dict:
-    """Where a replica's bytes are, for a connector (a ReplicaLocation's fields): `runs` are absolute
-    (address, length) runs in the worker's memory, or offsets in one object. An HBM tier's CUDA device
-    is said when it is not 0 (an engine reads the runs there, over NIXL)."""
+def location(worker: WorkerView, tier, pages, nbytes: int) -> dict:
+    """Where a replica of `nbytes` in `pages` (page runs) of `tier` is, for a connector (a ReplicaLocation's
+    fields): absolute (address, length) runs in the worker's memory, or offsets in one object. An HBM
+    tier's CUDA device is said when it is not 0 (an engine reads the runs there, over NIXL)."""
+    runs = [(0, nbytes)] if tier.kind == "s3" else specs.page_spans(tier.base_addr, tier.page_bytes, pages, nbytes)
     body = {"worker": worker.name, "epoch": worker.epoch, "agent_name": worker.agent_name, "tier": tier.kind,
             "runs": runs}
     if tier.device:

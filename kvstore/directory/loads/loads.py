@@ -176,13 +176,8 @@ class Loads:
 
 
 def hit_body(hit: Hit) -> dict:
-    tier, worker = hit.tier, hit.worker
-    if tier.kind == "s3":
-        runs = [(0, hit.nbytes)]
-    else:
-        runs = specs.page_spans(tier.base_addr, tier.page_bytes, hit.runs(), hit.nbytes)
     return {"hash": hit.hash, "nbytes": hit.nbytes, "checksum": hit.checksum,
-            "location": views.location(worker, tier, runs)}
+            "location": views.location(hit.worker, hit.tier, hit.runs(), hit.nbytes)}
 
 
 def by_tier(hits: list[Hit]) -> dict[str, int]:

@@ -183,7 +183,7 @@ class Store:
             else:
                 placed.append(Reserved(block.hash, block.parent, block.nbytes, runs))
                 decisions[block.hash] = {"hash": block.hash, "status": "admitted",
-                                         "location": location(worker, tier, runs, block.nbytes)}
+                                         "location": views.location(worker, tier, runs, block.nbytes)}
         if placed:
             self.reservations.add(Reservation(token, namespace_id, tier.id, worker.id, worker.epoch, tier.page_bytes,
                                               expires_at, placed))
@@ -367,13 +367,6 @@ class _NeedRoom(NamedTuple):
 
 def _rejected(block_hash: str, reason: str, retry_after_s: float | None = None) -> dict:
     return {"hash": block_hash, "status": "rejected", "reason": reason, "retry_after_s": retry_after_s}
-
-
-def location(worker, tier, runs, nbytes: int) -> dict:
-    """Where a replica's bytes are, for a connector (ReplicaLocation): absolute (address, length)
-    runs in the worker's memory, or offsets in one object."""
-    runs = [(0, nbytes)] if tier.kind == "s3" else specs.page_spans(tier.base_addr, tier.page_bytes, runs, nbytes)
-    return views.location(worker, tier, runs)
 
 
 def _hints(said) -> Hints | None:
