@@ -3,6 +3,7 @@ worker's mapped DRAM arena (the same-host path of the vLLM connector and of laye
 
     memory = HostMemory(); memory.add(addr, nbytes)  # an engine's own buffers (vLLM's pages)
     copy = copy_layer(op, [(addr, runs), ...], start, end, memory, arena, pool)   # a transfer
+    copier = LayerCopier(slots, runs); copier.copy(op, base, step, start, end, memory, arena, pool)  # planned once
     copy.poll() / copy.wait(timeout_s) -> "pending" | "done" | "failed"          # as NIXL's
     copy_pages(op, [(addr, runs, hasher), ...], start, end, memory, arena) -> LocalCopy  # page by page, hashed
 
@@ -123,17 +124,71 @@ def copy_layer(op: str, pages: list[tuple[int, list[tuple[int, int]]]], start: i
     """`op` "WRITE" copies here -> arena, "READ" arena -> here. A piece outside the registered
     memory or the mapped arena fails the whole copy before anything is copied. Planned with numpy:
     the thread posting a layer holds the GIL for little, so the copy threads are not kept waiting."""
-    here, at, n = _pieces(pages, start, end)
-    at -= arena.base_addr
-    if len(n) and (at.min() < 0 or (at + n).max() > arena.array.size):
+    return _start(op, _plan(*_pieces(pages, start, end), threads), 0, -arena.base_addr, memory, arena, pool)
+
+
+class LayerCopier:
+    """`copy_layer` for one set of blocks, layer after layer (a load's or a save's): block k's page
+    of a layer is at `base + slots[k] x step` here, and at bytes [start, end) of its `runs` there.
+    When every block is one run, a layer's pieces are the first layer's shifted on both sides, so
+    they are planned once: posting a layer is then a few numpy views, not a plan per block."""
+
+    def __init__(self, slots: list[int], runs: list[list[tuple[int, int]]]) -> None:
+        self._slots, self._runs = slots, runs
+        self._whole = min((r[0][1] for r in runs), default=0) if all(len(r) == 1 for r in runs) else 0
+        self._plans: dict[tuple[int, int, int], Plan] = {}  # (step, bytes, threads) -> plan from 0
+
+    def copy(self, op: str, base: int, step: int, start: int, end: int, memory: HostMemory, arena: _Arena,
+             pool: Executor, threads: int = COPY_THREADS) -> PoolCopy:
+        if end > self._whole:  # a block in several runs, or shorter than [start, end): planned as it is
+            pages = [(base + slot * step, runs) for slot, runs in zip(self._slots, self._runs)]
+            return copy_layer(op, pages, start, end, memory, arena, pool, threads)
+        plan = self._plans.get((step, end - start, threads))
+        if plan is None:
+            here = np.array(self._slots, dtype=np.int64) * step
+            there = np.array([runs[0][0] for runs in self._runs], dtype=np.int64)
+            plan = self._plans[(step, end - start, threads)] = _plan(
+                here, there, np.full(len(here), end - start, dtype=np.int64), threads)
+        return _start(op, plan, base, start - arena.base_addr, memory, arena, pool)
+
+
+class BlockGroup:
+    """Blocks in one storage worker's tier, moved layer by layer: (block id, location) and (block id,
+    runs) of each, their pages in a layer here (`pages`: block b's at base + b x step), their copier."""
+
+    def __init__(self, peer: str | None, items: list) -> None:
+        self.peer, self.items = peer, items  # the worker's agent (None: unknown); [(block id, location)]
+        self.blocks = [(block_id, location.runs) for block_id, location in items]
+        self.copier = LayerCopier([block_id for block_id, _ in self.blocks], [runs for _, runs in self.blocks])
+
+    def pages(self, base: int, step: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        return [(base + block_id * step, runs) for block_id, runs in self.blocks]
+
+
+Plan = tuple[list[list[Batch]], int, int]  # each thread's batches; the lowest and highest address there
+
+
+def _plan(here: np.ndarray, at: np.ndarray, n: np.ndarray, threads: int) -> Plan:
+    if not len(n):
+        return [], 0, 0
+    shares = _shares(_batches(here, at, n), threads if int(n.sum()) >= INLINE_BYTES else 1)
+    return shares, int(at.min()), int((at + n).max())
+
+
+def _start(op: str, plan: Plan, here_shift: int, there_shift: int, memory: HostMemory, arena: _Arena,
+           pool: Executor) -> PoolCopy:
+    """The planned batches moved by the shifts (here; there, to offsets in the arena), started."""
+    shares, lowest, highest = plan
+    if shares and (lowest + there_shift < 0 or highest + there_shift > arena.array.size):
         return PoolCopy([], "a page outside the mapped arena")
     views = []
-    for share in _shares(_batches(here, at, n), threads if int(n.sum()) >= INLINE_BYTES else 1):
+    for share in shares:
         pairs = []
         for mine_at, there_at, size, count, step_here, step_there in share:
-            mine = memory.view(mine_at, (count - 1) * step_here + size)
+            mine = memory.view(mine_at + here_shift, (count - 1) * step_here + size)
             if mine is None:
                 return PoolCopy([], "a page outside the registered memory")
+            there_at += there_shift
             theirs = arena.array[there_at:there_at + (count - 1) * step_there + size]
             pairs.append((as_strided(mine, (count, size), (step_here, 1)),
                           as_strided(theirs, (count, size), (step_there, 1))))

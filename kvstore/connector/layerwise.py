@@ -32,7 +32,7 @@ from prometheus_client import Histogram
 
 from kvstore.connector import layout
 from kvstore.connector.copies import COPY_THREADS, on_device, remote_side
-from kvstore.connector.layer_copies import HostMemory, copy_layer
+from kvstore.connector.layer_copies import HostMemory, LayerCopier
 from kvstore.connector.page_checksums import ArenaHashes
 from kvstore.core import specs
 from kvstore.core.keys import checksum
@@ -192,6 +192,8 @@ class LayerwiseLoad:
             where = hit.location
             self._by_worker.setdefault((where.worker, where.epoch, where.tier), []).append((i, hit))
         self._peers = {key: client.peers.agent_for(*key[:2]) for key in self._by_worker}
+        self._copiers = {key: LayerCopier([i for i, _ in group], [hit.location.runs for _, hit in group])
+                         for key, group in self._by_worker.items()}
         self._memory, self._hashes = HostMemory(), ArenaHashes(list(range(len(self.hits))), self.namespace.num_layers)
         if self.hits:
             self._memory.add(int(self._raw.ctypes.data), self._raw.nbytes)
@@ -207,9 +209,9 @@ class LayerwiseLoad:
             if arena is not None:
                 base = int(self._raw.ctypes.data) + layer * size
                 self._hashes.copied([(i, hit.location.runs) for i, hit in group], layer, arena)
-                pages = [(base + i * self.namespace.block_nbytes, hit.location.runs) for i, hit in group]
-                transfers.append(copy_layer("READ", pages, layer * size, (layer + 1) * size, self._memory, arena, pool,
-                                            1 if layer == 0 else COPY_THREADS))
+                transfers.append(self._copiers[key].copy(
+                    "READ", base, self.namespace.block_nbytes, layer * size, (layer + 1) * size, self._memory, arena,
+                    pool, 1 if layer == 0 else COPY_THREADS))
                 self._hashes.hash([i for i, _ in group[layer::self.namespace.num_layers]], pool)
                 continue
             self._hashes.spoil(i for i, _ in group)

@@ -103,6 +103,51 @@ def test_a_layer_copy_with_a_page_outside_the_arena_or_the_registered_memory_cop
     assert not there.array.any()
 
 
+def test_a_copier_planned_at_the_first_layer_moves_every_layer_as_a_plan_per_layer_does():
+    """LayerCopier plans once for blocks that are one run each (the shifted plan must put every
+    layer where copy_layer's own plan does), plans per layer for a block in two runs, and still
+    refuses a layer whose shifted pieces leave the arena, copying nothing of it."""
+    layers, page, slots = 4, 2048, [3, 0, 1, 2, 7, 6]
+    block = layers * page
+    pages = np.random.default_rng(11).integers(0, 255, (layers, 8, page), dtype=np.uint8)  # [layer, slot, page]
+    memory = HostMemory()
+    back = {name: np.zeros_like(pages) for name in ("planned", "per layer")}
+    for buffer in (pages, *back.values()):
+        memory.add(int(buffer.ctypes.data), buffer.nbytes)
+    whole = [[(BASE + 5 * block + k * block, block)] for k in range(6)]  # in the arena 5 blocks in, in order
+    split = whole[:5] + [[(BASE, page + 8), (BASE + 64 * block, block - page - 8)]]
+    step = pages.strides[1]
+    with ThreadPoolExecutor(2) as pool:
+        layer_copies.INLINE_BYTES, inline = 0, layer_copies.INLINE_BYTES
+        try:
+            for runs in (whole, split):
+                arenas = {name: arena(128 * block) for name in back}
+                copier = layer_copies.LayerCopier(slots, runs)
+                for op in ("WRITE", "READ"):
+                    for layer in range(layers):
+                        start, end = layer * page, (layer + 1) * page
+                        source = pages if op == "WRITE" else back["planned"]
+                        planned = copier.copy(op, int(source[layer].ctypes.data), step, start, end, memory,
+                                              arenas["planned"], pool)
+                        source = pages if op == "WRITE" else back["per layer"]
+                        rows = [(int(source[layer, s].ctypes.data), r) for s, r in zip(slots, runs)]
+                        alone = copy_layer(op, rows, start, end, memory, arenas["per layer"], pool)
+                        assert planned.wait(5) == alone.wait(5) == "done"
+                assert (arenas["planned"].array == arenas["per layer"].array).all()
+                assert (back["planned"] == back["per layer"]).all()
+                assert (back["planned"][:, slots] == pages[:, slots]).all()
+                assert len(copier._plans) == (1 if runs is whole else 0)
+        finally:
+            layer_copies.INLINE_BYTES = inline
+        near_end = arena(6 * block + page // 2)  # the last layer of block 5 ends past the end
+        copier = layer_copies.LayerCopier(slots, [[(BASE + k * block + page, block)] for k in range(6)])
+        states = [copier.copy("WRITE", int(pages[layer].ctypes.data), step, layer * page, (layer + 1) * page,
+                              memory, near_end, pool).wait(5) for layer in range(layers)]
+    assert states == ["done", "done", "done", "failed"]
+    assert not any(near_end.array[(4 * k + 4) * page:(4 * k + 5) * page].any() for k in range(6))  # layer 3
+    assert near_end.array[(4 * 5 + 3) * page:(4 * 5 + 4) * page].any()  # layer 2 of block 5
+
+
 def test_batches_cover_every_piece_once_at_steps_that_never_overlap():
     rng = np.random.default_rng(3)
     for _ in range(500):

@@ -33,7 +33,7 @@ from prometheus_client import Histogram
 from kvstore.client import DirectoryClient
 from kvstore.connector.copies import COPY_THREADS, LocalArenas, remote_side
 from kvstore.connector.gpu_copies import gpu_copy_layer
-from kvstore.connector.layer_copies import HostMemory, copy_layer
+from kvstore.connector.layer_copies import BlockGroup, HostMemory
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
 from kvstore.connector.page_checksums import ArenaHashes, LayerwiseChecksum, checksums
 from kvstore.connector.peers import Peers, own_hosts
@@ -120,37 +120,37 @@ class PagedKVWorker:
                 self.memory.add(addr, nbytes)
         self.caches = {name: kv_caches[name] for name in self.layer_names}
 
-    def _by_worker(self, items: list[tuple[int, specs.ReplicaLocation]]) -> list[tuple[str | None, list]]:
-        """(peer agent name or None, [(block id, location)]) per storage worker and tier (one memory type)."""
+    def _by_worker(self, items: list[tuple[int, specs.ReplicaLocation]]) -> list[BlockGroup]:
+        """The blocks per storage worker and tier (one memory type), each with its peer agent (None if unknown)."""
         groups: dict[tuple[str, int, str], list] = {}
         for block_id, location in items:
             groups.setdefault((location.worker, location.epoch, location.tier), []).append((block_id, location))
-        return [(self.peers.agent_for(worker, epoch), group) for (worker, epoch, _), group in groups.items()]
+        return [BlockGroup(self.peers.agent_for(worker, epoch), group) for (worker, epoch, _), group in groups.items()]
 
-    def _post(self, op: str, layer_index: int, groups: list[tuple[str | None, list]], hashes: ArenaHashes) -> list:
+    def _post(self, op: str, layer_index: int, groups: list[BlockGroup], hashes: ArenaHashes) -> list:
         """One request per worker and tier moving layer l's page of every block (bytes [l x page, (l+1) x page) of
         it): a copy with the worker's arena mapped here (copy threads; the GPU for GPU pages), else NIXL."""
         cache = self.caches[self.layer_names[layer_index]]  # block b's page: base + b x step
         base, step, page = cache.data_ptr(), cache.stride(0) * cache.element_size(), cache[0].nbytes
         start, end = layer_index * page, (layer_index + 1) * page
         transfers = []
-        for peer, group in groups:
-            arena, copy = self.arenas.view(group[0][1]), None  # DRAM tiers of this host's workers only
-            pages = [(base + block_id * step, location.runs) for block_id, location in group]
+        for group in groups:
+            arena, copy = self.arenas.view(group.items[0][1]), None  # DRAM tiers of this host's workers only
             if arena is not None:  # None from gpu_copy_layer: the GPU cannot address the arena
-                copy = gpu_copy_layer(op, pages, start, end, cache, arena, self._after) if cache.is_cuda \
-                    else copy_layer(op, pages, start, end, self.memory, arena, self._pool)
+                copy = gpu_copy_layer(op, group.pages(base, step), start, end, cache, arena, self._after) \
+                    if cache.is_cuda else group.copier.copy(op, base, step, start, end, self.memory, arena, self._pool)
             self.posts["local" if copy is not None else "nixl"] += 1
             if copy is not None:
-                hashes.copied([(block_id, location.runs) for block_id, location in group], layer_index, arena)
+                hashes.copied(group.blocks, layer_index, arena)
                 transfers.append(copy)
                 if op == "READ":
-                    hashes.hash([block_id for block_id, _ in group[layer_index::len(self.layer_names)]], self._pool)
+                    hashes.hash([b for b, _ in group.blocks[layer_index::len(self.layer_names)]], self._pool)
                 continue
-            hashes.spoil(block_id for block_id, _ in group)
-            local, remote = slice_rows(pages, start, end, (cache.device.index or 0) if cache.is_cuda else None)
-            mem, (remote, remote_mem) = "VRAM" if cache.is_cuda else "DRAM", remote_side(remote, group[0][1])
-            transfers.append(self.agent.submit(op, local, remote, peer, mem, remote_mem) if peer else None)
+            hashes.spoil(block_id for block_id, _ in group.blocks)
+            device = (cache.device.index or 0) if cache.is_cuda else None
+            local, remote = slice_rows(group.pages(base, step), start, end, device)
+            mem, (remote, remote_mem) = "VRAM" if cache.is_cuda else "DRAM", remote_side(remote, group.items[0][1])
+            transfers.append(self.agent.submit(op, local, remote, group.peer, mem, remote_mem) if group.peer else None)
         return transfers
 
     def start_loads(self, namespace_id: str, plans: list[BlockPlan]) -> None:
