@@ -136,11 +136,11 @@ class DirectoryService:
         t0 = time.perf_counter()
 
         def job(tx: Tx) -> None:
-            adopt(tx.session)
             with self.store.paused():
                 self._build(tx, True)
             for tier_id in list(self.index.tiers):
                 self.policies.forget(tier_id)
+            adopt(tx.session)  # last: a reread that fails part way is made again at the next round
         self.writer.run_alone(job)
         log.info("index of %d blocks read again in %.1f s", self.index.num_blocks, time.perf_counter() - t0)
 
