@@ -1,6 +1,6 @@
 """kvstore against LMCache's multiprocess cache server, the same prompts side by side in one run.
 
-    python bench/vs_lmcache.py [--tokens 4096] [--layers 16] [--repeats 5] [--json OUT]
+    python bench/vs_lmcache.py [--tokens 4096] [--layers 16] [--repeats 5] [--rounds 1] [--json OUT]
 
 Needs LMCache in its own venv: `make setup-lmcache` (`lmcache==0.5.6` beside torch's CPU build
 in .venv-lmcache).
@@ -22,6 +22,9 @@ Per repeat a new prompt is stored, looked up (--lookups times: LMCache's lookup 
 that also takes and releases read locks; kvstore's hashes the tokens and asks the directory),
 and retrieved into new tensors, which are compared byte for byte with what was stored.
 Medians over --repeats (after one warm-up prompt); ratios kvstore / LMCache; JSON + a table.
+With --rounds N the three sides run N times, one after the other, and each round's ratios are
+taken against the LMCache of that round: on a shared machine whose speed drifts between runs,
+the rounds' ratios and their median say more than one run.
 """
 
 from __future__ import annotations
@@ -333,6 +336,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--lookups", type=int, default=50, help="lookups per prompt")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the three sides this many times, one after the other; ratios per round, "
+                        "and their median")
     parser.add_argument("--json", default="bench/out/vs_lmcache.json")
     parser.add_argument("--side", choices=("lmcache", "kvstore", "kvstore-paged"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -340,36 +346,60 @@ def main() -> None:
     args = parser.parse_args()
     if args.side:
         return finish_side((lmcache_side if args.side == "lmcache" else kvstore_side)(args), args.out)
-    if args.tokens <= 0 or args.tokens % CHUNK or args.layers < 1 or args.lookups < 1 or args.repeats < 1:
-        sys.exit(f"error: --tokens must be a positive multiple of {CHUNK}; --layers, --lookups, --repeats positive")
+    if args.tokens <= 0 or args.tokens % CHUNK or args.layers < 1 or args.lookups < 1 or args.repeats < 1 \
+            or args.rounds < 1:
+        sys.exit(f"error: --tokens must be a positive multiple of {CHUNK}; --layers, --lookups, --repeats, --rounds "
+                 "positive")
     lmcache_python = peer_python(".venv-lmcache", "setup-lmcache")
     from common import machine, print_table, write_json
 
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="kvstore-vs-lmcache-") as tmp:
         args.tmp = tmp
-        print("LMCache ...", flush=True)
-        lm = run_side(lmcache_python, __file__, "lmcache", side_argv(args), tmp, {"LMCACHE_TRACK_USAGE": "false"})
-        print("kvstore (tensor API) ...", flush=True)
-        kv = run_side(sys.executable, __file__, "kvstore", side_argv(args), tmp)
-        print("kvstore (paged, as its vLLM connector) ...", flush=True)
-        paged = run_side(sys.executable, __file__, "kvstore-paged", side_argv(args), tmp)
+        for k in range(args.rounds):
+            said = f"round {k + 1} of {args.rounds}: " if args.rounds > 1 else ""
+            print(f"{said}LMCache ...", flush=True)
+            lm = run_side(lmcache_python, __file__, "lmcache", side_argv(args), tmp, {"LMCACHE_TRACK_USAGE": "false"})
+            print(f"{said}kvstore (tensor API) ...", flush=True)
+            kv = run_side(sys.executable, __file__, "kvstore", side_argv(args), tmp)
+            print(f"{said}kvstore (paged, as its vLLM connector) ...", flush=True)
+            paged = run_side(sys.executable, __file__, "kvstore-paged", side_argv(args), tmp)
+            rounds.append({"lmcache": lm, "kvstore": kv, "kvstore_paged": paged, "ratios": ratios_of(lm, kv, paged)})
+    sides = {side: {key: statistics.median(r[side][key] for r in rounds) for key in rounds[0][side]
+                    if isinstance(rounds[0][side][key], (int, float))}
+             for side in ("lmcache", "kvstore", "kvstore_paged")}
+    lm, kv, paged = sides["lmcache"], sides["kvstore"], sides["kvstore_paged"]
     print()
+    if args.rounds > 1:
+        print(f"each figure: the median over {args.rounds} rounds of that side's median over its prompts")
     print_table(["", "store GB/s", "retrieve GB/s", "store ms", "retrieve ms", "lookup ms"],
                 [[name, s["store_gbps"], s["retrieve_gbps"], s["store_ms"], s["retrieve_ms"], s["lookup_ms"]]
                  for name, s in (("LMCache", lm), ("kvstore tensor API", kv), ("kvstore paged", paged))])
-    ratios = {}
-    for name, side in (("tensor_api", kv), ("paged", paged)):
-        ratios[name] = {"store": side["store_gbps"] / lm["store_gbps"],
-                        "retrieve": side["retrieve_gbps"] / lm["retrieve_gbps"],
-                        "lookup_speedup": lm["lookup_ms"] / side["lookup_ms"]}
+    ratios = {name: {key: statistics.median(r["ratios"][name][key] for r in rounds) for key in RATIOS}
+              for name in ("tensor_api", "paged")}
+    for name in ratios:
+        each = "" if args.rounds == 1 else " (rounds: retrieve " + ", ".join(
+            f"{r['ratios'][name]['retrieve']:.2f}x" for r in rounds) + ")"
         print(f"kvstore {name} / LMCache: store {ratios[name]['store']:.2f}x, retrieve "
-              f"{ratios[name]['retrieve']:.2f}x; lookups {ratios[name]['lookup_speedup']:.2f}x as fast")
+              f"{ratios[name]['retrieve']:.2f}x; lookups {ratios[name]['lookup_speedup']:.2f}x as fast{each}")
     for op in ("save", "load"):
-        print(f"kvstore {op} phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in kv[f"{op}_phases_ms"].items()))
+        phases = {k: statistics.median(r["kvstore"][f"{op}_phases_ms"][k] for r in rounds)
+                  for k in rounds[0]["kvstore"][f"{op}_phases_ms"]}
+        print(f"kvstore {op} phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     write_json(args.json, {"benchmark": "vs_lmcache", "machine": machine(), "tokens": args.tokens,
-                           "layers": args.layers, "repeats": args.repeats, "lmcache": lm, "kvstore": kv,
-                           "kvstore_paged": paged, "ratios": ratios})
+                           "layers": args.layers, "repeats": args.repeats, "rounds": rounds,
+                           "lmcache": lm, "kvstore": kv, "kvstore_paged": paged, "ratios": ratios})
 
+
+RATIOS = ("store", "retrieve", "lookup_speedup")
+
+
+def ratios_of(lm: dict, kv: dict, paged: dict) -> dict:
+    """kvstore's two ways against LMCache, from one round's sides."""
+    return {name: {"store": side["store_gbps"] / lm["store_gbps"],
+                   "retrieve": side["retrieve_gbps"] / lm["retrieve_gbps"],
+                   "lookup_speedup": lm["lookup_ms"] / side["lookup_ms"]}
+            for name, side in (("tensor_api", kv), ("paged", paged))}
 
 if __name__ == "__main__":
     main()
