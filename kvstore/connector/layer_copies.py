@@ -4,6 +4,7 @@ worker's mapped DRAM arena (the same-host path of the vLLM connector and of laye
     memory = HostMemory(); memory.add(addr, nbytes)  # an engine's own buffers (vLLM's pages)
     copy = copy_layer(op, [(addr, runs), ...], start, end, memory, arena, pool)   # a transfer
     copier = LayerCopier(slots, runs); copier.copy(op, base, step, start, end, memory, arena, pool)  # planned once
+    groups = by_worker([(block id, location), ...], agent_for)  # per worker and tier: .peer, .blocks, .copier
     copy.poll() / copy.wait(timeout_s) -> "pending" | "done" | "failed"          # as NIXL's
     copy_pages(op, [(addr, runs, hasher), ...], start, end, memory, arena) -> LocalCopy  # page by page, hashed
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import ctypes
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import numpy as np
@@ -163,6 +165,15 @@ class BlockGroup:
 
     def pages(self, base: int, step: int) -> list[tuple[int, list[tuple[int, int]]]]:
         return [(base + block_id * step, runs) for block_id, runs in self.blocks]
+
+
+def by_worker(items: list, agent_for: Callable[[str, int], str | None]) -> list[BlockGroup]:
+    """(block id, location) items as one BlockGroup per storage worker and tier (one memory type
+    each), with that worker's agent (`agent_for(worker, epoch)`)."""
+    groups: dict[tuple[str, int, str], list] = {}
+    for block_id, location in items:
+        groups.setdefault((location.worker, location.epoch, location.tier), []).append((block_id, location))
+    return [BlockGroup(agent_for(worker, epoch), group) for (worker, epoch, _), group in groups.items()]
 
 
 Plan = tuple[list[list[Batch]], int, int]  # each thread's batches; the lowest and highest address there

@@ -32,7 +32,7 @@ from prometheus_client import Histogram
 
 from kvstore.connector import layout
 from kvstore.connector.copies import COPY_THREADS, on_device, remote_side
-from kvstore.connector.layer_copies import HostMemory, LayerCopier
+from kvstore.connector.layer_copies import HostMemory, by_worker
 from kvstore.connector.page_checksums import ArenaHashes
 from kvstore.core import specs
 from kvstore.core.keys import checksum
@@ -63,16 +63,6 @@ def slice_rows(blocks: list[tuple[int, list[tuple[int, int]]]], start: int, end:
             offset += run_len
     local_rows = np.array(local, dtype=np.uint64).reshape(-1, 2)
     return local_rows if device is None else on_device(local_rows, device), np.array(remote, dtype=np.uint64)
-
-
-def layer_rows(namespace, hits: list[tuple[int, specs.BlockHit]], staging: np.ndarray,
-               layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """Layer `layer` of the hit blocks; block i lands in staging slot i."""
-    layer_bytes = namespace.block_nbytes // namespace.num_layers
-    start = layer * layer_bytes
-    base = int(staging.ctypes.data)
-    return slice_rows([(base + i * namespace.block_nbytes + start, hit.location.runs) for i, hit in hits],
-                      start, start + layer_bytes)
 
 
 class LayerClock:
@@ -187,13 +177,7 @@ class LayerwiseLoad:
         self.num_tokens = len(self.hits) * self.namespace.block_tokens
         self._raw = client.staging.view(0, len(self.hits) * self.namespace.block_nbytes)
         self._blocks = layout.block_view(self.namespace, self._raw) if self.hits else None
-        self._by_worker: dict[tuple[str, int, str], list[tuple[int, specs.BlockHit]]] = {}  # worker and tier
-        for i, hit in enumerate(self.hits):
-            where = hit.location
-            self._by_worker.setdefault((where.worker, where.epoch, where.tier), []).append((i, hit))
-        self._peers = {key: client.peers.agent_for(*key[:2]) for key in self._by_worker}
-        self._copiers = {key: LayerCopier([i for i, _ in group], [hit.location.runs for _, hit in group])
-                         for key, group in self._by_worker.items()}
+        self._groups = by_worker([(i, hit.location) for i, hit in enumerate(self.hits)], client.peers.agent_for)
         self._memory, self._hashes = HostMemory(), ArenaHashes(list(range(len(self.hits))), self.namespace.num_layers)
         if self.hits:
             self._memory.add(int(self._raw.ctypes.data), self._raw.nbytes)
@@ -204,21 +188,20 @@ class LayerwiseLoad:
         on this host when it is mapped (and a share of the blocks hashed there), one NIXL READ per
         worker otherwise."""
         transfers, size, pool = [], self.namespace.block_nbytes // self.namespace.num_layers, self.client.copier.pool
-        for key, group in self._by_worker.items():
-            arena = self.client.copier.arenas.view(group[0][1].location)
+        base, start, end = int(self._raw.ctypes.data) + layer * size, layer * size, (layer + 1) * size  # slot i's
+        for group in self._groups:
+            arena = self.client.copier.arenas.view(group.items[0][1])
             if arena is not None:
-                base = int(self._raw.ctypes.data) + layer * size
-                self._hashes.copied([(i, hit.location.runs) for i, hit in group], layer, arena)
-                transfers.append(self._copiers[key].copy(
-                    "READ", base, self.namespace.block_nbytes, layer * size, (layer + 1) * size, self._memory, arena,
-                    pool, 1 if layer == 0 else COPY_THREADS))
-                self._hashes.hash([i for i, _ in group[layer::self.namespace.num_layers]], pool)
+                self._hashes.copied(group.blocks, layer, arena)
+                transfers.append(group.copier.copy("READ", base, self.namespace.block_nbytes, start, end, self._memory,
+                                                   arena, pool, 1 if layer == 0 else COPY_THREADS))
+                self._hashes.hash([i for i, _ in group.blocks[layer::self.namespace.num_layers]], pool)
                 continue
-            self._hashes.spoil(i for i, _ in group)
-            local, remote = layer_rows(self.namespace, group, self._raw, layer)
-            remote, remote_mem = remote_side(remote, group[0][1].location)  # an HBM tier: its GPU's memory
-            transfers.append(self.client.agent.submit("READ", local, remote, self._peers[key],
-                                                      "DRAM", remote_mem) if self._peers[key] else None)
+            self._hashes.spoil(i for i, _ in group.blocks)
+            local, remote = slice_rows(group.pages(base, self.namespace.block_nbytes), start, end)
+            remote, remote_mem = remote_side(remote, group.items[0][1])  # an HBM tier: its GPU's memory
+            transfers.append(self.client.agent.submit("READ", local, remote, group.peer, "DRAM", remote_mem)
+                             if group.peer else None)
         return transfers
 
     def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

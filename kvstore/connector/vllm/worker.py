@@ -33,7 +33,7 @@ from prometheus_client import Histogram
 from kvstore.client import DirectoryClient
 from kvstore.connector.copies import COPY_THREADS, LocalArenas, remote_side
 from kvstore.connector.gpu_copies import gpu_copy_layer
-from kvstore.connector.layer_copies import BlockGroup, HostMemory
+from kvstore.connector.layer_copies import BlockGroup, HostMemory, by_worker
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
 from kvstore.connector.page_checksums import ArenaHashes, LayerwiseChecksum, checksums
 from kvstore.connector.peers import Peers, own_hosts
@@ -120,13 +120,6 @@ class PagedKVWorker:
                 self.memory.add(addr, nbytes)
         self.caches = {name: kv_caches[name] for name in self.layer_names}
 
-    def _by_worker(self, items: list[tuple[int, specs.ReplicaLocation]]) -> list[BlockGroup]:
-        """The blocks per storage worker and tier (one memory type), each with its peer agent (None if unknown)."""
-        groups: dict[tuple[str, int, str], list] = {}
-        for block_id, location in items:
-            groups.setdefault((location.worker, location.epoch, location.tier), []).append((block_id, location))
-        return [BlockGroup(self.peers.agent_for(worker, epoch), group) for (worker, epoch, _), group in groups.items()]
-
     def _post(self, op: str, layer_index: int, groups: list[BlockGroup], hashes: ArenaHashes) -> list:
         """One request per worker and tier moving layer l's page of every block (bytes [l x page, (l+1) x page) of
         it): a copy with the worker's arena mapped here (copy threads; the GPU for GPU pages), else NIXL."""
@@ -177,7 +170,7 @@ class PagedKVWorker:
         for plan, hits in zip(plans, prepared.chains):
             load = _Load(plan, prepared.token, hits, hashes=ArenaHashes(plan.block_ids, len(self.layer_names)))
             if hits:
-                groups = self._by_worker(list(zip(plan.block_ids, (h.location for h in hits))))
+                groups = by_worker(list(zip(plan.block_ids, (h.location for h in hits))), self.peers.agent_for)
                 load.clock = LayerClock(len(self.layer_names), lambda i, g=groups, h=load.hashes:
                                         self._post("READ", i, g, h), t0, self.timeout_s)
             loads.append(load)
@@ -337,7 +330,7 @@ class PagedKVWorker:
 
     def _save(self, step: _SaveStep) -> None:
         reserved = [(plan, *r) for plan in step.plans if (r := self._reserve(step.namespace_id, plan)) and r[1]]
-        groups = self._by_worker([(b, d.location) for _, _, admitted in reserved for b, d in admitted])
+        groups = by_worker([(b, d.location) for _, _, admitted in reserved for b, d in admitted], self.peers.agent_for)
         hashes = ArenaHashes([b for _, _, admitted in reserved for b, _ in admitted], len(self.layer_names))
         transfers, posted = [], 0
         with contextlib.ExitStack() as renewals:
