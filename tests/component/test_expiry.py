@@ -25,6 +25,7 @@ def test_a_never_completed_store_expires_and_is_never_visible(stack):
     with pytest.raises(KVStoreError) as info:  # the late completion changes nothing
         complete(stack, prepared)
     assert info.value.kind == "conflict"
+    assert "expired before completion" in str(info.value)
     assert hits(stack, hashes) == 0
 
 

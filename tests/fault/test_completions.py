@@ -8,6 +8,20 @@ import pytest
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
+from tests.fault.conftest import TTL_S
+from tests.stacks import ProcessStack
+
+@pytest.fixture
+def stack(tmp_path):
+    """The fault tests' stack, but reservations outlive a worker's restart: a new worker process
+    may take longer than the 3 s TTL to register on a loaded machine, and a reservation that expires
+    meanwhile is refused for its expiry, not for the restart this test is about."""
+    s = ProcessStack(tmp_path, ttl_s=TTL_S, env={"KVSTORE_RESERVATION_TTL_S": "120"})
+    s.start_directory()
+    s.start_worker()
+    yield s
+    s.close()
+
 
 NS = Namespace(model_id="completions", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=4)
 
@@ -59,6 +73,7 @@ def test_duplicate_out_of_order_and_stale_completions_are_409_and_change_nothing
     stack.kill(stack.worker)
     assert stack.start_worker() == 2
     assert "restarted" in conflict(client.complete_store, written(late))
+    assert "ended already (the worker restarted" in conflict(client.complete_store, written(late))  # twice
     assert client.lookup(NS.namespace_id, [b.hash for b in late.blocks]).num_hit_blocks == 0
     assert client.lookup(NS.namespace_id, hashes).num_hit_blocks == 0  # memory replicas of epoch 1 are gone
     stack.settled()

@@ -43,6 +43,7 @@ from kvstore.policies.hints import NONE as NO_HINTS
 from kvstore.policies.hints import Hints
 
 LOOP_PREPARE_BLOCKS = 1024  # longer saves are prepared on a thread: the event loop answers lookups meanwhile
+EXPIRED = "the reservation expired before completion and was rolled back"
 COMPLETED_KEPT = 16_384  # completions remembered: a retry whose first answer was lost learns what it did
 
 
@@ -235,17 +236,18 @@ class Store:
 
     def _complete(self, tx: Tx, req, now: float) -> tuple[int, str | None, int]:
         r = self.reservations.take(req.token)
-        if r is None and req.token in self._completed_tokens:  # a duplicate, or a retry whose answer was lost
+        if r is None and req.token in self._completed_tokens:  # a duplicate, a retry whose answer was lost, late
             committed, refused, total = self._completed_tokens[req.token]
-            raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token: this one "
-                               "completed already, nothing changes", token=req.token, completed=refused is None,
+            said = "this one completed already" if refused is None else f"this one ended already ({refused})"
+            raise KVStoreError("conflict", f"unknown, completed or rolled-back reservation token: {said}; "
+                               "nothing changes", token=req.token, completed=refused is None,
                                committed=committed, rolled_back=total - committed)
         if r is None:  # also what a directory restart leaves: it rolled the reservation back
             raise KVStoreError("conflict", "unknown, completed or rolled-back reservation token (a directory "
                                "restart rolls back open reservations)", token=req.token)
         tx.on_rollback.append(lambda: self.reservations.untake(r))
         worker = self._index.workers.get(r.worker_id)
-        refused = ("the reservation expired before completion" if r.expires_at < now else
+        refused = (EXPIRED if r.expires_at < now else
                    "the worker restarted since prepare_store (its memory, and so the written blocks, are gone)"
                    if worker is None or worker.epoch != r.epoch else None)
         live = refused is None
@@ -316,9 +318,10 @@ class Store:
     def expire(self, tx: Tx, now: float) -> int:
         """Reservations past their expiry roll back (in the reaper's job); returns how many."""
         gone = self.reservations.expired(now)
-        for r in gone:
+        for r in gone:  # a late completion learns that it expired
             tx.on_rollback.append(lambda r=r: self.reservations.add(r))
             tx.after_commit.append(lambda r=r: self._release(r, r.blocks))
+            tx.after_commit.append(lambda r=r: self._remember(r.token, (0, EXPIRED, len(r.blocks))))
         return len(gone)
 
 
