@@ -13,14 +13,15 @@ from tests.helpers import wait_until
 
 @pytest.fixture
 def directory_settings(database_url):
-    return make_settings(database_url, heartbeat_timeout_s=1.0)
+    return make_settings(database_url, heartbeat_timeout_s=3.0)
 
 
 def test_a_silent_worker_is_declared_dead_and_its_dram_replicas_leave_lookups(stack):
     hashes = chain(2)
+    stack.client.heartbeat("w0", stack.client.workers()[0].epoch)  # its last beat: 3 s to save and look up
     complete(stack, prepare(stack, hashes))
     assert hits(stack, hashes) == 2
-    wait_until(lambda: stack.client.workers()[0].state == "dead", 10, "worker declared dead")
+    wait_until(lambda: stack.client.workers()[0].state == "dead", 20, "worker declared dead")
     assert hits(stack, hashes) == 0
     decision = prepare(stack, chain(1, start=500)).blocks[0]
     assert (decision.status, decision.reason) == ("rejected", "no_worker")

@@ -6,7 +6,8 @@
 
 --staging-blocks makes `save` store its prompt in chunks (one reservation each). With
 --pause-at-complete K the K-th complete_* call first writes DIR/paused and then waits until
-DIR/resume exists (the test kills the process, or a worker, meanwhile). --slow-s sleeps inside
+DIR/resume exists (the test kills the process, or a worker, meanwhile), renewing what that call
+completes unless --no-renew. --slow-s sleeps inside
 each transfer, after the bytes moved, to outlast a lease. Results go to --out as JSON.
 """
 
@@ -22,20 +23,25 @@ import torch
 
 from kvstore.connector import KVStoreClient
 from kvstore.connector.hf import from_dynamic_cache, to_dynamic_cache
+from kvstore.connector.renewal import Renewal
 from tests.integration.engine import CONTINUATION_TOKENS, PROMPT_TOKENS, build_model, namespace_of, tokens
 
 
-def pause_at(fn, k: int, markers: Path):
+def pause_at(fn, k: int, markers: Path, renew_s: float | None):
+    """`fn` (a complete_* call) waits at its k-th call until DIR/resume exists. Meanwhile it renews
+    the call's token every `renew_s` (None: never), as a live engine's transfer does, so that only
+    a kill, a worker's death or --no-renew lets what it holds expire."""
     calls = 0
 
-    def wrapped(*args, **kwargs):
+    def wrapped(body, *args, **kwargs):
         nonlocal calls
         calls += 1
         if calls == k:
             (markers / "paused").write_text(str(os.getpid()))
-            while not (markers / "resume").exists():
-                time.sleep(0.05)
-        return fn(*args, **kwargs)
+            with Renewal(fn.__self__, body.token if renew_s else None, 3 * (renew_s or 0)):
+                while not (markers / "resume").exists():
+                    time.sleep(0.05)
+        return fn(body, *args, **kwargs)
     return wrapped
 
 
@@ -54,7 +60,7 @@ def client_for(args, model) -> KVStoreClient:
     if args.pause_at_complete:
         name = "complete_store" if args.mode == "save" else "complete_load"
         setattr(client.directory, name, pause_at(getattr(client.directory, name), args.pause_at_complete,
-                                                 Path(args.markers)))
+                                                 Path(args.markers), None if args.no_renew else 0.5))
     if args.slow_s:  # every transfer, over NIXL or copied into a same-host arena
         client._move = slowed(client._move, args.slow_s)
         client.copier.copy_local = slowed(client.copier.copy_local, args.slow_s)

@@ -177,7 +177,8 @@ def test_a_read_runs_beside_a_job_that_holds_the_writer_and_changes_nothing(tmp_
 
 def test_a_job_run_alone_shares_its_group_with_no_job_queued_before_or_after_it(tmp_path):
     import threading
-    import time
+
+    from tests.helpers import wait_until
 
     writer = Writer(sessions_at(tmp_path))
     holding, release = threading.Event(), threading.Event()
@@ -194,10 +195,11 @@ def test_a_job_run_alone_shares_its_group_with_no_job_queued_before_or_after_it(
     threads = [threading.Thread(target=writer.run, args=(long_job,))]
     threads[0].start()
     assert holding.wait(10)
-    for name, call in (("before", writer.run), ("alone", writer.run_alone), ("after", writer.run)):
+    for queued, (name, call) in enumerate((("before", writer.run), ("alone", writer.run_alone),
+                                            ("after", writer.run)), start=1):
         threads.append(threading.Thread(target=call, args=(job(name),)))
         threads[-1].start()
-        time.sleep(0.05)  # queued in this order while the writer is busy
+        wait_until(lambda: writer._queue.qsize() == queued, 10, f"{name} queued")  # in this order, writer busy
     release.set()
     for thread in threads:
         thread.join(10)
