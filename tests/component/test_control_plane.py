@@ -287,11 +287,11 @@ def test_a_move_without_an_answer_keeps_its_destination_while_the_worker_may_wri
     destination pages stay reserved. Once the worker says nothing writes under the move's token any
     more, they go back (before the deadline); if it cannot say so (a NIXL request of the move
     timed out while posted), they go back at the move's deadline."""
-    answered = threading.Event()
+    answered, go = threading.Event(), threading.Event()
 
     def slow(req: moving.MoveRequest) -> moving.MoveResult:
         assert req.expires_at is not None and req.expires_at > time.time()
-        time.sleep(3.5)  # longer than the directory waits
+        go.wait(30)  # longer than the directory waits: until the test has looked
         if stuck:
             worker.fence.stuck({item.dst_token for item in req.items}, SimpleNamespace(settled=lambda: False))
         answered.set()
@@ -307,6 +307,7 @@ def test_a_move_without_an_answer_keeps_its_destination_while_the_worker_may_wri
             expires_at = session.scalar(select(Replica.expires_at).where(Replica.state == "writing"))
         assert hits(s, chain(2)) == 2  # the source is READY again
         assert not answered.is_set()
+        go.set()
         wait_until(lambda: s.client.stats().reservations == 0, 15, "the destination rolled back")
         assert answered.is_set()  # never while the worker was writing
         assert (time.time() >= expires_at) is stuck  # settled by the worker, or by the deadline

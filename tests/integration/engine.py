@@ -2,15 +2,16 @@
 
     python -m tests.integration.engine save --url URL --out result.json [--prompt-seed N]
     python -m tests.integration.engine load --url URL --out result.json [--prompt-seed N]
-    python -m tests.integration.engine prefill --handoff ID [--delay-s S] ...
-    python -m tests.integration.engine decode --handoff ID [--timeout-s S] [--steps N] ...
+    python -m tests.integration.engine prefill --handoff ID [--after FILE] [--delay-s S] ...
+    python -m tests.integration.engine decode --handoff ID [--timeout-s S] [--steps N] [--waiting FILE] ...
 
 `save` prefills the prompt and saves its KV. `load` looks up prompt + continuation,
 loads the cached prefix, computes only the remaining tokens and compares the
 next-token logits with a full prefill. `prefill` and `decode` are the two sides of a
 hand-off: decode waits for the hand-off, loads the prompt's KV, computes only the tokens
 the store did not hold (at least the last one, whose logits give the first token), decodes
-N tokens greedily and compares both with a colocated prefill. Results go to --out as JSON.
+N tokens greedily and compares both with a colocated prefill. Decode touches --waiting as it
+starts to wait; prefill waits for --after to exist, then --delay-s. Results go to --out as JSON.
 """
 
 from __future__ import annotations
@@ -86,9 +87,12 @@ def load(url: str, prompt_seed: int = 1) -> dict:
 
 
 @torch.no_grad()
-def prefill(url: str, prompt_seed: int, handoff: str, delay_s: float = 0.0) -> dict:
+def prefill(url: str, prompt_seed: int, handoff: str, delay_s: float = 0.0, after: str | None = None) -> dict:
     model = build_model()
     prompt = tokens(PROMPT_TOKENS, seed=prompt_seed)
+    deadline = time.time() + 120  # a consumer that never waits: the test reads it in decode's result
+    while after and not os.path.exists(after) and time.time() < deadline:
+        time.sleep(0.05)
     time.sleep(delay_s)  # the consumer has been waiting meanwhile
     out = model(torch.tensor([prompt]), use_cache=True)
     finished_at = time.time()
@@ -108,11 +112,14 @@ def greedy(model, logits: torch.Tensor, cache, steps: int) -> list[int]:
 
 
 @torch.no_grad()
-def decode(url: str, prompt_seed: int, handoff: str, timeout_s: float = 30.0, steps: int = 8) -> dict:
+def decode(url: str, prompt_seed: int, handoff: str, timeout_s: float = 30.0, steps: int = 8,
+           waiting: str | None = None) -> dict:
     model = build_model()
     prompt = tokens(PROMPT_TOKENS, seed=prompt_seed)
     with KVStoreClient(url, namespace_of(model)) as client:
         waiting_at = time.time()
+        if waiting:
+            open(waiting, "w").close()
         kv, n = client.load(prompt, wait_for=handoff, timeout=timeout_s)
         visible_at, waited = time.time(), client.last_handoff
     n = min(n, len(prompt) - 1)  # the last prompt token is computed here: its logits give the first token
@@ -136,13 +143,15 @@ def main() -> None:
     parser.add_argument("--prompt-seed", type=int, default=1)
     parser.add_argument("--handoff", default="handoff-1")
     parser.add_argument("--delay-s", type=float, default=0.0)
+    parser.add_argument("--after", help="prefill: a file to wait for first")
+    parser.add_argument("--waiting", help="decode: a file to create as it starts to wait")
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     if args.mode == "prefill":
-        result = prefill(args.url, args.prompt_seed, args.handoff, args.delay_s)
+        result = prefill(args.url, args.prompt_seed, args.handoff, args.delay_s, args.after)
     elif args.mode == "decode":
-        result = decode(args.url, args.prompt_seed, args.handoff, args.timeout_s, args.steps)
+        result = decode(args.url, args.prompt_seed, args.handoff, args.timeout_s, args.steps, args.waiting)
     else:
         result = (save if args.mode == "save" else load)(args.url, args.prompt_seed)
     with open(args.out, "w") as f:

@@ -34,8 +34,9 @@ def result(proc, tmp_path, name: str) -> dict:
 
 
 def test_decode_waits_for_the_handoff_and_decodes_as_a_colocated_engine(stack, tmp_path):
-    decode = start(stack, tmp_path, "decode", "decode", "--handoff", "pd-1", "--timeout-s", "60")
-    prefill = start(stack, tmp_path, "prefill", "prefill", "--handoff", "pd-1", "--delay-s", "3")
+    waiting = str(tmp_path / "decode.waiting")
+    decode = start(stack, tmp_path, "decode", "decode", "--handoff", "pd-1", "--timeout-s", "120", "--waiting", waiting)
+    prefill = start(stack, tmp_path, "prefill", "prefill", "--handoff", "pd-1", "--after", waiting, "--delay-s", "1")
     p, d = result(prefill, tmp_path, "prefill"), result(decode, tmp_path, "decode")
     assert p["stored_tokens"] == PROMPT_TOKENS  # 65 full blocks
     assert d["outcome"] == "committed" and d["waiting_at"] < p["finished_at"], (d, p)  # it waited, then loaded
