@@ -13,7 +13,7 @@ from tests.helpers import wait_until
 
 @pytest.fixture
 def directory_settings(database_url):
-    return make_settings(database_url, reservation_ttl_s=0.5, lease_ttl_s=0.5)
+    return make_settings(database_url, reservation_ttl_s=0.5, lease_ttl_s=2.0)  # a lease outlives a stats call
 
 
 def test_a_never_completed_store_expires_and_is_never_visible(stack):
