@@ -107,4 +107,4 @@ bench-peers: setup setup-mooncake setup-lmcache
 	$(PY) bench/vs_lmcache.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(MOONCAKE_VENV) $(LMCACHE_VENV) var .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MOONCAKE_VENV) $(LMCACHE_VENV) var .pytest_cache .hypothesis

@@ -265,8 +265,8 @@ def worker_serve(
                                                       "engines on this host; '' = NIXL only [/tmp/kvstore]")] = None,
         token: Annotated[str | None, typer.Option(help="worker token for the directory "
                                                   "(KVSTORE_WORKER_TOKEN, else KVSTORE_TOKEN)")] = None,
-        ca_file: Annotated[str | None, typer.Option(envvar="KVSTORE_CA_FILE", help="CA bundle the directory's "
-                                                    "certificate is checked against")] = None,
+        ca_file: Annotated[str | None, typer.Option(help="CA bundle the directory's certificate is checked "
+                                                    "against (KVSTORE_WORKER_CA_FILE, else KVSTORE_CA_FILE)")] = None,
         tls_cert: TlsCert = None, tls_key: TlsKey = None,
         open_metrics: Annotated[bool | None, typer.Option("--open-metrics/--no-open-metrics", help="serve GET "
                                                           "/metrics without a credential [off]")] = None,
@@ -340,7 +340,7 @@ def settings_rows() -> list[dict]:
     """{service, setting, source (env, file or default), value (secrets redacted)} of every setting."""
     from kvstore.core.config import read_table, redacted
     from kvstore.directory.settings import DirectorySettings
-    from kvstore.worker.settings import WorkerSettings
+    from kvstore.worker.settings import GENERIC, WorkerSettings
 
     rows = []
     for service, cls, prefix in (("directory", DirectorySettings, "KVSTORE_"), ("worker", WorkerSettings,
@@ -353,8 +353,8 @@ def settings_rows() -> list[dict]:
         for name in cls.model_fields:
             source = "env" if prefix + name.upper() in os.environ else "file" if name in in_file else "default"
             value = getattr(settings, name)
-            if (service, name, source) == ("worker", "token", "default") and value is not None:
-                source = "env KVSTORE_TOKEN"
+            if service == "worker" and source == "default" and name in GENERIC and value is not None:
+                source = f"env {GENERIC[name]}"
             rows.append({"service": service, "setting": name, "source": source,
                          "value": redacted(name, str(value) if isinstance(value, Path) else value)})
     return rows

@@ -15,6 +15,7 @@ from kvstore.core import config
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import parse_size
 
+GENERIC = {"token": "KVSTORE_TOKEN", "ca_file": "KVSTORE_CA_FILE"}  # what every kvstore command reads, as a fallback
 
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTORE_WORKER_", frozen=True)
@@ -48,7 +49,8 @@ class WorkerSettings(BaseSettings):
     s3_virtual_addressing: bool = Field(False, description="bucket.host URLs instead of host/bucket paths")
     token: str | None = Field(None, description="worker-scope token for the directory (if none is given, "
                               "KVSTORE_TOKEN's)")
-    ca_file: str | None = Field(None, description="CA bundle the directory's HTTPS certificate is checked against")
+    ca_file: str | None = Field(None, description="CA bundle the directory's HTTPS certificate is checked against "
+                                "(if none is given, KVSTORE_CA_FILE's)")
     tls_cert: Path | None = Field(None, description="certificate of the control endpoint (HTTPS); needs tls_key")
     tls_key: Path | None = Field(None, description="private key of the control endpoint's certificate")
     bounce_bytes: int = Field(64 << 20, ge=1 << 20, description="DRAM buffer for copies to S3 (>= one block)")
@@ -66,12 +68,13 @@ class WorkerSettings(BaseSettings):
 
     @model_validator(mode="before")
     @classmethod
-    def _generic_token(cls, values):
-        """KVSTORE_TOKEN, the token every kvstore command takes, when no worker token is given
-        anywhere (flag, KVSTORE_WORKER_TOKEN, config file)."""
-        if isinstance(values, dict) and values.get("token") is None and os.environ.get("KVSTORE_TOKEN"):
-            return {**values, "token": os.environ["KVSTORE_TOKEN"]}
-        return values
+    def _generic_client_settings(cls, values):
+        """KVSTORE_TOKEN and KVSTORE_CA_FILE, which every kvstore command takes, when the worker's
+        own setting is given nowhere (flag, KVSTORE_WORKER_..., config file)."""
+        if not isinstance(values, dict):
+            return values
+        return {**values, **{name: os.environ[var] for name, var in GENERIC.items()
+                             if values.get(name) is None and os.environ.get(var)}}
 
     @model_validator(mode="after")
     def _reachable(self) -> "WorkerSettings":

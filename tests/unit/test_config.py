@@ -126,20 +126,30 @@ def test_help_names_every_policy_and_the_defaults_the_settings_use():
         assert all(name in options["admission"] for name in ("adaptive", "always", "tinylfu", "session"))
 
 
-def test_the_worker_takes_kvstore_token_only_when_no_worker_token_is_given(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name, generic", [("token", "KVSTORE_TOKEN"), ("ca_file", "KVSTORE_CA_FILE")])
+def test_the_worker_takes_the_generic_variable_only_when_its_own_setting_is_given_nowhere(tmp_path, monkeypatch,
+                                                                                           name, generic):
+    """Flag, KVSTORE_WORKER_..., config file, then KVSTORE_TOKEN / KVSTORE_CA_FILE (what every command reads)."""
+    from kvstore.cli.main import app
     from kvstore.cli.serve import settings_rows
 
+    def setting(flags=None):
+        return getattr(settings_from(WorkerSettings, flags or {}, WORKER_FLAGS), name)
     monkeypatch.delenv("KVSTORE_CONFIG", raising=False)
-    monkeypatch.delenv("KVSTORE_WORKER_TOKEN", raising=False)
-    monkeypatch.setenv("KVSTORE_TOKEN", "kvs_generic")
-    assert settings_from(WorkerSettings, {}, WORKER_FLAGS).token == "kvs_generic"
-    row = next(r for r in settings_rows() if (r["service"], r["setting"]) == ("worker", "token"))
-    assert row["source"] == "env KVSTORE_TOKEN" and row["value"] != "kvs_generic"  # shown, redacted
+    monkeypatch.delenv(f"KVSTORE_WORKER_{name.upper()}", raising=False)
+    monkeypatch.setenv(generic, "kvs_generic")
+    assert setting() == "kvs_generic"
+    row = next(r for r in settings_rows() if (r["service"], r["setting"]) == ("worker", name))
+    assert row["source"] == f"env {generic}"
+    assert (row["value"] != "kvs_generic") is (name == "token")  # a token is shown redacted
     config = tmp_path / "kvstore.toml"
-    config.write_text('[worker]\ntoken = "kvs_file"\n')
+    config.write_text(f'[worker]\n{name} = "kvs_file"\n')
     monkeypatch.setenv("KVSTORE_CONFIG", str(config))
-    assert settings_from(WorkerSettings, {}, WORKER_FLAGS).token == "kvs_file"
-    monkeypatch.setenv("KVSTORE_WORKER_TOKEN", "kvs_worker")
-    assert settings_from(WorkerSettings, {}, WORKER_FLAGS).token == "kvs_worker"
-    flag = next(f for f, field in WORKER_FLAGS.items() if field == "token")
-    assert settings_from(WorkerSettings, {flag: "kvs_flag"}, WORKER_FLAGS).token == "kvs_flag"
+    assert setting() == "kvs_file"
+    monkeypatch.setenv(f"KVSTORE_WORKER_{name.upper()}", "kvs_worker")
+    assert setting() == "kvs_worker"
+    flag = next(f for f, field in WORKER_FLAGS.items() if field == name)
+    assert setting({flag: "kvs_flag"}) == "kvs_flag"
+    # no setting's option of `worker serve` reads a variable itself: it would stand for the flag, beating the rest
+    serve = typer.main.get_command(app).commands["worker"].commands["serve"]
+    assert [p.name for p in serve.params if p.envvar and WORKER_FLAGS.get(p.name) in WorkerSettings.model_fields] == []
