@@ -256,7 +256,9 @@ class ProcessStack:
         wait_http(self.url + "/readyz?workers=0", proc=self.directory)
 
     def start_worker(self) -> int:
-        """Start the worker and wait until it is active under a new epoch; returns the epoch."""
+        """Start the worker and wait until it is active under a new epoch and has granted the directory
+        the pages of its memory tiers (its registration answers once they are, but the worker shows
+        as active before: a save in between finds no room); returns the epoch."""
         self.runs += 1
         before = {w.name: w.epoch for w in self.client.workers()}.get(self.worker_name, 0)
         self.worker = spawn(kvstore_cmd("worker", "serve", "--directory-url", self.url, "--name", self.worker_name,
@@ -266,9 +268,12 @@ class ProcessStack:
             if self.worker.poll() is not None:  # it will not register: say why now, not at the timeout
                 raise RuntimeError(f"the worker exited with {self.worker.returncode}: "
                                    + self.log("worker", self.runs).read_text()[-2000:])
-            return any(w.name == self.worker_name and w.state == "active" and w.epoch > before
-                       for w in self.client.workers())
-        wait_until(active, self.worker_start_s, "worker active under a new epoch")
+            if not any(w.name == self.worker_name and w.state == "active" and w.epoch > before
+                       for w in self.client.workers()):
+                return False
+            return all(t.credit_free_bytes for t in self.client.tiers()
+                       if t.worker == self.worker_name and t.kind in ("dram", "hbm") and t.capacity_bytes)
+        wait_until(active, self.worker_start_s, "worker active under a new epoch, its pages granted")
         return self.client.worker(self.worker_name).epoch
 
     def kill(self, proc: subprocess.Popen) -> None:

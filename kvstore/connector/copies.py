@@ -270,11 +270,8 @@ class BlockCopier:
     def move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
         """Per item whether its bytes arrived over NIXL: one request per worker and tier."""
         done = [False] * len(items)
-        by_worker: dict[tuple[str, int, str], list[int]] = {}
-        for k, (_, location) in enumerate(items):
-            by_worker.setdefault((location.worker, location.epoch, location.tier), []).append(k)
         transfers: list[tuple[Transfer | None, list[int]]] = []
-        for (worker, epoch, _), ks in by_worker.items():
+        for (worker, epoch, _), ks in by_tier([location for _, location in items]).items():
             peer = self.peers.agent_for(worker, epoch)
             local, remote = rows([items[k] for k in ks])
             remote, remote_mem = remote_side(remote, items[ks[0]][1])  # one tier of one worker: one device
@@ -287,6 +284,15 @@ class BlockCopier:
             for k in ks:
                 done[k] = state == "done"
         return done
+
+
+def by_tier(locations: list[specs.ReplicaLocation]) -> dict[tuple[str, int, str], list[int]]:
+    """The indices of `locations` per storage worker (name, epoch) and tier: one memory type, one
+    NIXL request or arena each."""
+    groups: dict[tuple[str, int, str], list[int]] = {}
+    for k, location in enumerate(locations):
+        groups.setdefault((location.worker, location.epoch, location.tier), []).append(k)
+    return groups
 
 
 def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, arena: _Arena) -> tuple[bool, str]:

@@ -28,7 +28,7 @@ from concurrent.futures import Executor, Future
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvstore.connector.copies import COPY_THREADS, _Arena
+from kvstore.connector.copies import COPY_THREADS, _Arena, by_tier
 
 INLINE_BYTES = 1 << 20  # smaller copies run on the caller's thread: a hand-off to the pool costs more
 Batch = tuple[int, int, int, int, int, int]  # (addr here, offset in the arena, bytes, count, step here, step there)
@@ -170,10 +170,8 @@ class BlockGroup:
 def by_worker(items: list, agent_for: Callable[[str, int], str | None]) -> list[BlockGroup]:
     """(block id, location) items as one BlockGroup per storage worker and tier (one memory type
     each), with that worker's agent (`agent_for(worker, epoch)`)."""
-    groups: dict[tuple[str, int, str], list] = {}
-    for block_id, location in items:
-        groups.setdefault((location.worker, location.epoch, location.tier), []).append((block_id, location))
-    return [BlockGroup(agent_for(worker, epoch), group) for (worker, epoch, _), group in groups.items()]
+    return [BlockGroup(agent_for(worker, epoch), [items[k] for k in ks])
+            for (worker, epoch, _), ks in by_tier([location for _, location in items]).items()]
 
 
 Plan = tuple[list[list[Batch]], int, int]  # each thread's batches; the lowest and highest address there
