@@ -5,6 +5,8 @@ SQLite there is one directory, the leader, and no change log."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
@@ -23,6 +25,15 @@ def save(client: DirectoryClient, namespace_id: str, hashes: list[str]) -> int:
     prepared = client.prepare_store(specs.PrepareStore(namespace_id=namespace_id, blocks=blocks))
     done = [specs.BlockWritten(hash=b.hash, ok=True, checksum="0" * 16) for b in prepared.blocks]
     return client.complete_store(specs.CompleteStore(token=prepared.token, blocks=done)).committed
+
+
+def announced(url: str, path: str, length: int) -> str:
+    """The answer's head to a POST whose headers announce `length` bytes of body, none of them sent."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {length}\r\n\r\n".encode())
+        return conn.recv(4096).decode("latin-1")  # a timeout if the server waits for the body
 
 
 @pytest.mark.postgres
@@ -58,6 +69,11 @@ def test_a_follower_serves_lookups_and_forwards_the_rest_with_the_callers_creden
                 huge = httpx.post(url + "/v1/namespaces", headers={"authorization": f"Bearer {engine}"},
                                   content=b"{" + b" " * (40 << 20) + b"}")
                 assert huge.status_code == 413  # bounded before it is sent on
+                # a follower checks the credential before it reads a body to send on: a caller without
+                # one, announcing a registration's 1 GiB, is refused at once, the body never sent
+                assert "401" in announced(url, "/v1/workers", 1 << 30).split("\r\n")[0]
+                newer = tokens.create(TokenCreate(name="newer", scopes=["admin"])).token  # after the follower read
+                assert DirectoryClient(url, token=newer).tiers()  # it reads the tokens again, then forwards
                 # an eviction through the follower: the blocks leave its index too
                 DirectoryClient(url, token=admin).evict(namespace_id)
                 wait_until(lambda: as_engine.lookup(namespace_id, hashes).num_hit_blocks == 0, 5, "misses on follower")

@@ -54,6 +54,7 @@ def _body(path: str, model: type[BaseModel]) -> dict:
 MAX_BODY = 32 << 20  # bytes of one request body (100,000 blocks of a save are about 12 MiB)
 MAX_REGISTRATION_BODY = 1 << 30  # a worker's registration lists what survived on its durable tiers
 MAX_BODYLESS = 64 << 10  # a GET carries no body worth reading
+TOKEN_READ_S = 0.5  # a follower reads the tokens again for one it does not know at most this often
 
 
 class HotCalls:
@@ -134,6 +135,29 @@ def _route(handler):
     return route
 
 
+class _TokenReads:
+    """A follower's reads of the tokens for calls with one it does not know: one read at a time, each
+    serving every call that arrived before it began, at most one per TOKEN_READ_S. The calls wait on
+    the event loop, not on threads, so unknown tokens cost no more than a read per interval."""
+
+    def __init__(self, tokens) -> None:
+        self.tokens = tokens
+        self._lock = asyncio.Lock()
+        self._began = float("-inf")  # time.monotonic() when the last read began
+
+    async def after(self, arrived: float) -> None:
+        """Returns once a read that began after `arrived` has ended."""
+        async with self._lock:
+            if self._began > arrived:
+                return
+            await asyncio.sleep(max(0.0, self._began + TOKEN_READ_S - time.monotonic()))
+            self._began = time.monotonic()
+            try:
+                await run_in_threadpool(self.tokens.load)
+            except Exception as exc:  # the database does not answer: the tokens read last stand
+                log.warning("reading the tokens again failed: %s", outage(exc) or type(exc).__name__)
+
+
 class HotPath:
     """ASGI in front of the app: the hot calls answered without the framework's routing, middleware,
     request and response objects (they cost more than a lookup itself)."""
@@ -144,6 +168,7 @@ class HotPath:
         self.guard = guard
         self.metrics = metrics
         self.leader = leader
+        self._token_reads = _TokenReads(guard.tokens)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -172,7 +197,12 @@ class HotPath:
                 exc = KVStoreError("unavailable", f"this directory replica stopped serving: {self.leader.retired}")
                 await _answer(send, exc.http_status, wire.encode(exc.to_body()))
                 return
-            if (method, route[0]) not in LOCAL:
+            if (method, route[0]) not in LOCAL:  # the credential checked here first: no body read for nobody
+                try:
+                    await self._admit_here(method, path, headers.get(b"authorization"), route)
+                except KVStoreError as exc:
+                    await _answer(send, exc.http_status, wire.encode(exc.to_body()), _error_headers(exc))
+                    return
                 await self._forward(scope, receive, send, headers)
                 return
         try:  # refused before a byte of the body is read
@@ -205,6 +235,18 @@ class HotPath:
             status, payload = error.http_status, wire.encode(error.to_body())
         await _answer(send, status, payload)
 
+
+    async def _admit_here(self, method: str, path: str, authorization: bytes | None, route) -> Principal:
+        """The guard's verdict on a call this follower forwards. A token it does not know may be one
+        the leader created since the follower last read the tokens: it reads them again first."""
+        arrived = time.monotonic()
+        try:
+            return self.guard.admit(method, path, authorization, route)
+        except KVStoreError as exc:
+            if exc.kind != "unauthorized" or not authorization:
+                raise
+        await self._token_reads.after(arrived)
+        return self.guard.admit(method, path, authorization, route)
 
     async def _forward(self, scope, receive, send, headers: dict) -> None:
         """The call as it came, to the leader, and its answer back (bounded like every body here)."""
