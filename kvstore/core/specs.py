@@ -191,7 +191,7 @@ class StoreCompleted(_Spec):
 
 
 class TokenBody(_Spec):
-    token: str
+    token: str = Field(max_length=64)
 
 
 class LookupRequest(_Spec):
@@ -201,7 +201,7 @@ class LookupRequest(_Spec):
 
 
 class LookupBatchRequest(_Spec):
-    namespace_id: str
+    namespace_id: NamespaceId
     prompts: list[list[HexHash]] = Field(max_length=4096)
 
     _bounded = field_validator("prompts")(lambda lists: _at_most_blocks(lists, "prompts"))
@@ -231,7 +231,7 @@ class LookupBatchResult(_Spec):
 
 
 class TokenLookupRequest(_Spec):
-    namespace_id: str
+    namespace_id: NamespaceId
     token_ids: list[int] = Field(max_length=MAX_TOKEN_IDS, description=f"at most {MAX_TOKEN_IDS}, and at most "
                                  f"{MAX_BLOCKS} blocks of the namespace's block_tokens")
     hash_seed: str | None = Field(None, max_length=256, description="vLLM namespaces: the engines' PYTHONHASHSEED")
@@ -279,7 +279,7 @@ class BlockRead(_Spec):
 
 
 class CompleteLoad(_Spec):
-    token: str
+    token: str = Field(max_length=64)
     blocks: list[BlockRead] = Field([], max_length=MAX_BLOCKS, description="blocks whose bytes did not match "
                                      "their checksum (ok: false), whose replicas are invalidated; a block not "
                                      "listed was read well")

@@ -266,6 +266,14 @@ def test_work_and_bodies_are_bounded(stack):
     for bad in ({"num_layers": 65536, "num_kv_heads": 65536}, {"model_id": "m" * 257}, {"tenant": "t" * 257}):
         post("/v1/namespaces", {"namespace": {**NS.to_dict(), **bad}})
     post("/v1/store/prepare", {"namespace_id": stack.namespace_id, "blocks": [{"hash": "ab", "nbytes": 1 << 31}]})
+    long_id = "a" * 100_000  # never echoed back whole
+    assert len(stack.http.post("/v1/lookup/batch", json={"namespace_id": long_id, "prompts": [["ab"]]}).content) \
+        < 2_000
+    for path, body in (("/v1/lookup/batch", {"namespace_id": long_id, "prompts": [["ab"]]}),
+                       ("/v1/lookup/tokens", {"namespace_id": long_id, "token_ids": [1]}),
+                       ("/v1/leases/renew", {"token": long_id}), ("/v1/store/abort", {"token": long_id}),
+                       ("/v1/load/complete", {"token": long_id})):
+        post(path, body)
     for path, body in (("/v1/load/prepare", {"hashes": ["ab"], "reader": "r" * 201}),
                        ("/v1/load/prepare-batch", {"chains": [["ab"]], "reader": "r" * 201}),
                        ("/v1/store/prepare", {"blocks": [{"hash": "ab", "nbytes": BLOCK}], "writer": "w" * 201})):

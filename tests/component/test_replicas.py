@@ -5,8 +5,6 @@ SQLite there is one directory, the leader, and no change log."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
@@ -15,6 +13,7 @@ from kvstore.client import DirectoryClient
 from kvstore.core import specs
 from kvstore.core.credentials import TokenCreate
 from kvstore.core.errors import KVStoreError
+from tests.component.test_directory import raw_post
 from tests.helpers import wait_until
 from tests.stacks import NS, PAGE, Verdicts, directory_replica, registration, worker_endpoint
 
@@ -25,15 +24,6 @@ def save(client: DirectoryClient, namespace_id: str, hashes: list[str]) -> int:
     prepared = client.prepare_store(specs.PrepareStore(namespace_id=namespace_id, blocks=blocks))
     done = [specs.BlockWritten(hash=b.hash, ok=True, checksum="0" * 16) for b in prepared.blocks]
     return client.complete_store(specs.CompleteStore(token=prepared.token, blocks=done)).committed
-
-
-def announced(url: str, path: str, length: int) -> str:
-    """The answer's head to a POST whose headers announce `length` bytes of body, none of them sent."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {length}\r\n\r\n".encode())
-        return conn.recv(4096).decode("latin-1")  # a timeout if the server waits for the body
 
 
 @pytest.mark.postgres
@@ -71,7 +61,7 @@ def test_a_follower_serves_lookups_and_forwards_the_rest_with_the_callers_creden
                 assert huge.status_code == 413  # bounded before it is sent on
                 # a follower checks the credential before it reads a body to send on: a caller without
                 # one, announcing a registration's 1 GiB, is refused at once, the body never sent
-                assert "401" in announced(url, "/v1/workers", 1 << 30).split("\r\n")[0]
+                assert raw_post(url, "/v1/workers", length=1 << 30).startswith(b"HTTP/1.1 401")
                 newer = tokens.create(TokenCreate(name="newer", scopes=["admin"])).token  # after the follower read
                 assert DirectoryClient(url, token=newer).tiers()  # it reads the tokens again, then forwards
                 # an eviction through the follower: the blocks leave its index too
