@@ -147,6 +147,19 @@ def test_a_checksum_failure_invalidates_the_replica(stack):
     assert "kvstore_checksum_failures_total 1.0" in stack.http.get("/metrics").text
 
 
+def test_a_load_has_at_most_its_share_of_reported_blocks_checked_and_keeps_the_others(stack, monkeypatch):
+    from kvstore.directory.loads import loads
+
+    monkeypatch.setattr(loads, "VERIFIED_PER_CALL", 2)
+    hashes = chain(3)
+    complete(stack, prepare(stack, hashes))
+    load = stack.client.prepare_load(specs.PrepareLoad(namespace_id=stack.namespace_id, hashes=hashes))
+    reports = [specs.BlockRead(hash=h, ok=False) for h in reversed(hashes)]
+    assert stack.client.complete_load(specs.CompleteLoad(token=load.token, blocks=reports)).invalidated == 2
+    assert len(stack.verdicts.asked) == 2 and stack.free_pages() == 32 - 2  # the first reported two went
+    assert hits(stack, hashes[:1]) == 1  # the third reported, the chain's first, is kept
+
+
 def test_a_reported_mismatch_the_worker_does_not_confirm_changes_nothing(stack):
     hashes = chain(3)
     complete(stack, prepare(stack, hashes))

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 PROMOTION_ROUNDS = 3  # stagings of one prepare_load, when blocks move between tiers meanwhile
 STATS_ROWS_PER_FLUSH = 2000  # access statistics written per reaper tick: the writer is never held long
 WARN_EVERY_S = 10.0  # a warning that could come with every load, at most this often
+VERIFIED_PER_CALL = 64  # blocks one load's completion may have their workers check (the rest are kept)
 POLICY_HITS_AT_ONCE = 2000  # blocks whose hits go to the policies under one hold of their lock
 
 
@@ -99,7 +100,11 @@ class Loads:
                 "chains": [[hit_body(h) for h in hits] for hits in found], "more": more}
 
     def complete(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
-        failed = {b.hash for b in req.blocks if not b.ok}
+        reported = list(dict.fromkeys(b.hash for b in req.blocks if not b.ok))
+        if len(reported) > VERIFIED_PER_CALL:  # a reader cannot make workers hash without bound
+            log.warning("a reader reported %d blocks bad in one load; the first %d are checked, the rest kept",
+                        len(reported), VERIFIED_PER_CALL)
+        failed = set(reported[:VERIFIED_PER_CALL])
         if failed:  # a reader's word alone invalidates nothing: the worker checks the bytes first
             failed = self._confirmed(req.token, failed)
 
