@@ -38,6 +38,7 @@ from kvstore.directory.db.writer import Tx, Write
 KEEP_S = 600.0  # a hand-off is remembered this long after its commit
 MAX_KNOWN = 200_000  # in memory; the oldest are forgotten first (SQL still has them)
 MAX_WAITERS = 4096  # waits open at once on one replica; more are refused (429): ask again
+MAX_WAITERS_PER_CALLER = 512  # of them, what one token may hold: one tenant cannot take every slot
 PRESENCE_POLL_S = 0.25
 FOLLOWER_LAG_S = 1.0  # a follower trusts a row it read itself after this, if the change log has not brought it
 
@@ -74,6 +75,7 @@ class Handoffs:
         self._known: OrderedDict[Key, Known] = OrderedDict()
         self._waiters: dict[Key, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._num_waiters = 0
+        self._by_caller: dict[str, int] = {}  # open waits per token id ('' when credentials are off: not counted)
         self._lock = threading.Lock()
 
     def commit(self, commit: HandoffCommit) -> HandoffState:
@@ -102,10 +104,11 @@ class Handoffs:
         for row in rows:
             self._learn(Key(row.namespace_id, row.handoff_id), _known(row))
 
-    async def wait(self, req: HandoffWait) -> HandoffState:
+    async def wait(self, req: HandoffWait, caller: str = "") -> HandoffState:
         """Until the hand-off is known here or in SQL, every block the consumer named is stored, or
-        `timeout_s` has passed."""
-        state = await self._wait(Key(req.namespace_id, req.handoff_id), lambda: self._present(req), req.timeout_s)
+        `timeout_s` has passed. `caller`: the token's id, whose open waits are bounded."""
+        state = await self._wait(Key(req.namespace_id, req.handoff_id), lambda: self._present(req), req.timeout_s,
+                                 caller)
         self._metrics.handoff_waits.labels(state.state).observe(state.waited_s)
         return state
 
@@ -119,15 +122,20 @@ class Handoffs:
             rows = repo.handoff_rows(session, [key.encode()])
             return rows[0] if rows else None
 
-    async def _wait(self, key: Key, present: Callable[[], bool], timeout_s: float) -> HandoffState:
+    async def _wait(self, key: Key, present: Callable[[], bool], timeout_s: float, caller: str) -> HandoffState:
         loop, started = asyncio.get_running_loop(), time.monotonic()
         deadline, event = started + timeout_s, asyncio.Event()
         with self._lock:  # listening before SQL is read: a commit in between still wakes us
             if self._num_waiters >= MAX_WAITERS:
                 raise KVStoreError("throttled", f"{MAX_WAITERS} hand-off waits are open on this directory replica; "
                                    "ask again", retry_after_s=1.0)
+            if caller and self._by_caller.get(caller, 0) >= MAX_WAITERS_PER_CALLER:
+                raise KVStoreError("throttled", f"this token holds {MAX_WAITERS_PER_CALLER} open hand-off waits "
+                                   "on this directory replica; ask again", retry_after_s=1.0)
             self._waiters.setdefault(key, set()).add((loop, event))
             self._num_waiters += 1
+            if caller:
+                self._by_caller[caller] = self._by_caller.get(caller, 0) + 1
         try:
             known, unconfirmed, trust_at = self._get(key), None, 0.0
             if known is None:
@@ -160,6 +168,10 @@ class Handoffs:
                 waiting = self._waiters.get(key, set())
                 waiting.discard((loop, event))
                 self._num_waiters -= 1
+                if caller:
+                    self._by_caller[caller] -= 1
+                    if not self._by_caller[caller]:
+                        del self._by_caller[caller]
                 if not waiting:
                     self._waiters.pop(key, None)
         waited = time.monotonic() - started

@@ -304,9 +304,10 @@ class DirectoryService:
         self.namespace(body.namespace_id, tenants)
         return self.handoffs.commit(body)
 
-    async def wait_handoff(self, body: HandoffWait, tenants: frozenset[str] | None = None) -> HandoffState:
+    async def wait_handoff(self, body: HandoffWait, tenants: frozenset[str] | None = None,
+                           caller: str = "") -> HandoffState:
         self.namespace(body.namespace_id, tenants)
-        return await self.handoffs.wait(body)
+        return await self.handoffs.wait(body, caller)
 
     # ---- operators ------------------------------------------------------------------------
 

@@ -100,6 +100,30 @@ def test_metrics_open_only_when_the_operator_says_so(database_url):
         assert s.http.get("/v1/tiers").status_code == 401
 
 
+def test_one_token_cannot_hold_every_hand_off_wait(secure, monkeypatch):
+    import threading
+
+    from kvstore.core.handoffs import HandoffWait
+    from kvstore.directory import handoffs
+    from tests.helpers import wait_until
+
+    monkeypatch.setattr(handoffs, "MAX_WAITERS_PER_CALLER", 1)
+    first, second = (secure.as_(secure.token("engine", tenants=("acme",))) for _ in range(2))
+    ns_id = first.register_namespace(dataclasses.replace(NS, tenant="acme"))
+
+    def wait(client, timeout_s: float):
+        return client.wait_handoff(HandoffWait(namespace_id=ns_id, handoff_id="h", timeout_s=timeout_s))
+    held = threading.Thread(target=lambda: wait(first, 2.5))
+    held.start()
+    wait_until(lambda: secure.service.handoffs.waiting() == 1, 10, "the first token's wait is open")
+    with pytest.raises(KVStoreError) as refused:
+        wait(first, 0.1)
+    assert refused.value.kind == "throttled" and "this token" in refused.value.message
+    assert wait(second, 0.1).state == "pending"  # another token of the same tenant still waits
+    held.join(10)
+    assert wait(first, 0.1).state == "pending" and secure.service.handoffs.waiting() == 0
+
+
 def test_an_engine_sees_only_its_own_tenants_namespaces(secure):
     acme = secure.as_(secure.token("engine", tenants=("acme",)))
     globex = secure.as_(secure.token("engine", tenants=("globex",)))

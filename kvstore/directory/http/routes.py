@@ -208,7 +208,7 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
     async def wait_handoff(body: HandoffWait, who: Principal = Caller) -> HandoffState:
         """A consumer: answers once the hand-off is committed or failed, once every block named is
         stored, or after `timeout_s` (state `pending`)."""
-        return await service.wait_handoff(body, who.tenants)
+        return await service.wait_handoff(body, who.tenants, who.id)
 
     @r.post("/v1/leases/renew")
     def renew(body: specs.TokenBody) -> specs.Renewed:
