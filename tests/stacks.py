@@ -29,6 +29,7 @@ from kvstore.core import moving, specs
 from kvstore.core.credentials import TokenCreate
 from kvstore.core.keys import Namespace
 from kvstore.core.pages import PageAllocator
+from kvstore.core.tiers import MEMORY
 from kvstore.directory.app import create_app
 from kvstore.directory.settings import DirectorySettings
 from kvstore.worker.control import ControlServer
@@ -272,7 +273,7 @@ class ProcessStack:
                        for w in self.client.workers()):
                 return False
             return all(t.credit_free_bytes for t in self.client.tiers()
-                       if t.worker == self.worker_name and t.kind in ("dram", "hbm") and t.capacity_bytes)
+                       if t.worker == self.worker_name and t.kind in MEMORY and t.capacity_bytes)
         wait_until(active, self.worker_start_s, "worker active under a new epoch, its pages granted")
         return self.client.worker(self.worker_name).epoch
 

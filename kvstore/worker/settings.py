@@ -17,6 +17,7 @@ from kvstore.core.sizes import parse_size
 
 GENERIC = {"token": "KVSTORE_TOKEN", "ca_file": "KVSTORE_CA_FILE"}  # what every kvstore command reads, as a fallback
 
+
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTORE_WORKER_", frozen=True)
 

@@ -27,10 +27,10 @@ from kvstore.connector.renewal import Renewal
 from tests.integration.engine import CONTINUATION_TOKENS, PROMPT_TOKENS, build_model, namespace_of, tokens
 
 
-def pause_at(fn, k: int, markers: Path, renew_s: float | None):
+def pause_at(fn, k: int, markers: Path, ttl_s: float):
     """`fn` (a complete_* call) waits at its k-th call until DIR/resume exists. Meanwhile it renews
-    the call's token every `renew_s` (None: never), as a live engine's transfer does, so that only
-    a kill, a worker's death or --no-renew lets what it holds expire."""
+    the call's token every `ttl_s`/3 (0: never), as a live engine's transfer does, so that only a
+    kill, a worker's death or --no-renew lets what it holds expire."""
     calls = 0
 
     def wrapped(body, *args, **kwargs):
@@ -38,7 +38,7 @@ def pause_at(fn, k: int, markers: Path, renew_s: float | None):
         calls += 1
         if calls == k:
             (markers / "paused").write_text(str(os.getpid()))
-            with Renewal(fn.__self__, body.token if renew_s else None, 3 * (renew_s or 0)):
+            with Renewal(fn.__self__, body.token if ttl_s else None, ttl_s):
                 while not (markers / "resume").exists():
                     time.sleep(0.05)
         return fn(body, *args, **kwargs)
@@ -60,7 +60,7 @@ def client_for(args, model) -> KVStoreClient:
     if args.pause_at_complete:
         name = "complete_store" if args.mode == "save" else "complete_load"
         setattr(client.directory, name, pause_at(getattr(client.directory, name), args.pause_at_complete,
-                                                 Path(args.markers), None if args.no_renew else 0.5))
+                                                 Path(args.markers), 0 if args.no_renew else 1.5))
     if args.slow_s:  # every transfer, over NIXL or copied into a same-host arena
         client._move = slowed(client._move, args.slow_s)
         client.copier.copy_local = slowed(client.copier.copy_local, args.slow_s)
