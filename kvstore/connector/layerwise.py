@@ -22,6 +22,7 @@ it consumed must recompute (the same contract as vLLM's load-error reporting).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ T_XFER = Histogram("kvstore_connector_layer_xfer_seconds", "post -> completion o
                    buckets=BUCKETS)
 T_VISIBLE = Histogram("kvstore_connector_layer_visible_seconds", "time a caller waited for one layer",
                       buckets=BUCKETS)
+log = logging.getLogger(__name__)
 POLL_S = 200e-6  # the poller shares the cores with the model: not a busy loop
 
 
@@ -109,11 +111,24 @@ class LayerClock:
         self._first_posted.wait()
         if self._aborted:
             return
-        for layer in range(1, len(self.transfers)):
-            self._post(layer)
-            self._poll_once()
+        try:
+            for layer in range(1, len(self.transfers)):
+                self._post(layer)
+                self._poll_once()
+        except Exception:  # noqa: BLE001 (the poller must live on: the layers posted still end)
+            log.exception("posting a layer's read failed: the layers not posted fail now")
+            self._fail_unposted()
         while self._poll_once():
             time.sleep(POLL_S)
+
+    def _fail_unposted(self) -> None:
+        """Every layer whose post never returned ends as failed at once, so no caller waits out the
+        timeout for a read that was never asked for."""
+        with self._changed:
+            for i, requests in enumerate(self.transfers):
+                if requests is None and self.states[i] == "pending":
+                    self.transfers[i], self.done_at[i], self.states[i] = [], time.perf_counter(), "failed"
+            self._changed.notify_all()
 
     def _poll_once(self) -> bool:
         """Stamp the layers whose reads ended; True while some posted layer is still pending."""
@@ -126,7 +141,7 @@ class LayerClock:
         if self.states[i] != "pending" or requests is None:
             return False
         with self._polling:
-            polled = [t.poll() if t else "failed" for t in requests]
+            polled = [_polled(t) for t in requests]
         state = "failed" if "failed" in polled else "pending" if "pending" in polled else "done"
         if state == "pending" and not late:
             return True
@@ -167,13 +182,26 @@ class LayerClock:
                 "t_visible_s": list(self.t_visible)}
 
 
+def _polled(transfer) -> str:
+    """A transfer's state; one that cannot say (None: never submitted, or its poll raised) failed."""
+    if transfer is None:
+        return "failed"
+    try:
+        return transfer.poll()
+    except Exception:  # noqa: BLE001 (a broken transfer fails its layer, never the poller)
+        log.exception("polling a layer's read failed")
+        return "failed"
+
+
 class LayerwiseLoad:
     def __init__(self, client, hashes: list[bytes], t0: float) -> None:
         self.client, self.namespace = client, client.namespace
-        prepared = client.directory.prepare_load(specs.PrepareLoad(
-            namespace_id=client.namespace_id, hashes=[h.hex() for h in hashes[: client.slots]],
-            reader=client.agent.name))
-        self.token, self.hits = prepared.token, prepared.blocks
+        self.token, self.hits = None, []
+        with client.miss_if_refused("load"):  # a directory away or throttling: a miss
+            prepared = client.directory.prepare_load(specs.PrepareLoad(
+                namespace_id=client.namespace_id, hashes=[h.hex() for h in hashes[: client.slots]],
+                reader=client.agent.name))
+            self.token, self.hits = prepared.token, prepared.blocks
         self.num_tokens = len(self.hits) * self.namespace.block_tokens
         self._raw = client.staging.view(0, len(self.hits) * self.namespace.block_nbytes)
         self._blocks = layout.block_view(self.namespace, self._raw) if self.hits else None
@@ -227,8 +255,11 @@ class LayerwiseLoad:
             if all_done and not good:  # only a bad block is reported: its replica is invalidated
                 reports.append(specs.BlockRead(hash=hit.hash, ok=False))
             verified += good and verified == i
-        if not self.client.complete_load(specs.CompleteLoad(token=self.token, blocks=reports)):
-            return 0  # the lease expired under us: what was read cannot be vouched for
+        released = False
+        with self.client.miss_if_refused("load"):
+            released = self.client.complete_load(specs.CompleteLoad(token=self.token, blocks=reports))
+        if not released:
+            return 0  # the lease expired under us (or no answer): what was read cannot be vouched for
         return verified
 
     def timings(self) -> dict:

@@ -66,3 +66,35 @@ def test_a_layer_whose_post_has_not_returned_is_not_taken_for_arrived():
     finally:
         posting.set()
     assert clock.finish() is False and clock.states[1] == "failed"  # still pending at its deadline
+
+
+def test_a_layer_post_that_raises_fails_the_layers_left_at_once_and_the_poller_lives_on():
+    """Layer 2's post raises (a NIXL submit refused, a copy planned outside the arena): layers 2 and
+    3 fail at once, well before the timeout, and layer 1, posted before it, still ends as it does."""
+    layer1 = Transfer("pending")
+
+    def post(layer: int) -> list:
+        if layer == 2:
+            raise RuntimeError("submit refused")
+        return [layer1] if layer == 1 else [Transfer("done")]
+
+    timeout_s = 60
+    clock = LayerClock(4, post, time.perf_counter(), timeout_s=timeout_s)
+    started = time.perf_counter()
+    assert clock.wait(3) == "failed" and clock.wait(2) == "failed"
+    assert time.perf_counter() - started < timeout_s / 2  # not the whole timeout per layer
+    assert clock.wait(0) == "done" and clock.states[1] == "pending"
+    layer1.state = "done"
+    assert clock.wait(1) == "done"  # still polled
+    assert clock.finish() is False and clock.states == ["done", "done", "failed", "failed"]
+
+
+def test_a_transfer_whose_poll_raises_fails_its_layer_not_the_poller():
+    class Broken:
+        def poll(self) -> str:
+            raise RuntimeError("agent gone")
+
+    clock = LayerClock(3, lambda layer: [Broken()] if layer == 1 else [Transfer("done")], time.perf_counter(),
+                       timeout_s=60)
+    assert [clock.wait(i) for i in range(3)] == ["done", "failed", "done"]
+    assert clock.finish() is False
