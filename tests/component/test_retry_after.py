@@ -113,3 +113,12 @@ def test_a_handoff_wait_pauses_as_long_as_the_directory_asks(monkeypatch):
     result = handoff.wait_for_handoff(Directory(), "0" * 16, "h", ["ab" * 8], time.monotonic() + 60)
     assert result.outcome == "committed" and result.num_tokens == 32
     assert 2.4 <= pauses[0] <= 3.6 and handoff.RETRY_S * 0.8 <= pauses[1] <= handoff.RETRY_S * 1.2
+
+
+def test_the_leaders_hot_path_keeps_retry_after_on_its_own_refusals(stack, monkeypatch):
+    """A hot call the leader itself refuses (here: its index is being built) carries Retry-After,
+    as the same refusal relayed through a follower does."""
+    monkeypatch.setattr(type(stack.service), "ready", property(lambda _service: False))
+    answer = stack.http.post("/v1/lookup", json={"namespace_id": stack.namespace_id, "hashes": ["ab" * 16]})
+    assert answer.status_code == 503 and answer.json()["error"] == "unavailable"
+    assert answer.headers.get("retry-after") == "1"

@@ -74,7 +74,7 @@ class HotCalls:
 
     def _decode(self, body: bytes, kind):
         if not self.service.ready:
-            raise KVStoreError("unavailable", "the directory is building its lookup index")
+            raise KVStoreError("unavailable", "the directory is building its lookup index", retry_after_s=1)
         return wire.decode(body, kind)
 
     async def lookup(self, body: bytes, who: Principal):
@@ -222,18 +222,13 @@ class HotPath:
                     return
             await self.app(scope, receive, send)
             return
-        status, payload = 200, b""
         try:
             payload = wire.encode(await handler(await _read_body(receive, limit), who))
-        except KVStoreError as exc:
-            status, payload = exc.http_status, wire.encode(exc.to_body())
-        except Exception as exc:  # a database outage (503) or a bug (500): the same answer as every other route's
-            error = outage(exc)
-            if error is None:
-                log.exception("unhandled error in %s", path)
-                error = KVStoreError("internal", type(exc).__name__)
-            status, payload = error.http_status, wire.encode(error.to_body())
-        await _answer(send, status, payload)
+        except Exception as exc:  # noqa: BLE001 (a refusal, a database outage (503) or a bug (500))
+            error = _as_error(exc, path)
+            await _answer(send, error.http_status, wire.encode(error.to_body()), _error_headers(error))
+            return
+        await _answer(send, 200, payload)
 
 
     async def _admit_here(self, method: str, path: str, authorization: bytes | None, route) -> Principal:
@@ -263,6 +258,17 @@ class HotPath:
         except KVStoreError as exc:
             status, payload = exc.http_status, wire.encode(exc.to_body())
         await _answer(send, status, payload, _relayed_headers(status, payload))
+
+
+def _as_error(exc: Exception, path: str) -> KVStoreError:
+    """What a hot call that raised answers: the same as every other route's, Retry-After included."""
+    if isinstance(exc, KVStoreError):
+        return exc
+    error = outage(exc)
+    if error is None:
+        log.exception("unhandled error in %s", path)
+        error = KVStoreError("internal", type(exc).__name__)
+    return error
 
 
 def _body_limit(method: str, path: str) -> int:
