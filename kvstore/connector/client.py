@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from prometheus_client import Counter as PromCounter
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
@@ -81,6 +82,7 @@ class KVStoreClient:
         self.last_timings: dict[str, float] = {}  # seconds per phase of the last *_blocks call
         self.last_refused: dict[str, int] = {}  # blocks the last save did not store, by reason
         self.last_handoff: HandoffResult | None = None  # how the last load's wait for a hand-off ended
+        self.skipped: Counter = Counter()  # (call, "unreachable" | "throttled") -> calls made a miss or skipped
 
     # ---- tensors ----------------------------------------------------------------------
 
@@ -89,7 +91,7 @@ class KVStoreClient:
         hashes = [h.hex() for h in block_hashes(self.namespace, token_ids)]
         if not hashes:
             return 0
-        with _miss_if_unreachable("lookup"):
+        with self.miss_if_refused("lookup"):
             return self.directory.lookup(self.namespace_id, hashes).num_hit_blocks * self.namespace.block_tokens
         return 0
 
@@ -102,7 +104,7 @@ class KVStoreClient:
         finished_at = time.time()
         held = self._save(token_ids, kv, _request_hints(hints))
         if handoff is not None:
-            with _miss_if_unreachable("hand-off commit"):
+            with self.miss_if_refused("hand-off commit"):
                 self.directory.commit_handoff(HandoffCommit(namespace_id=self.namespace_id, handoff_id=handoff,
                                                             num_tokens=held, finished_at=finished_at))
         return held
@@ -154,6 +156,11 @@ class KVStoreClient:
         buffer's blocks) and return at once; see `kvstore.connector.layerwise`."""
         return LayerwiseLoad(self, block_hashes(self.namespace, token_ids), time.perf_counter())
 
+    def miss_if_refused(self, what: str):
+        """A context in which the directory's "unreachable" or "throttled" makes the call a miss
+        (or a skipped save), counted in `skipped`, instead of an exception into the engine."""
+        return _miss_if_refused(what, self.skipped)
+
     def complete_load(self, body: specs.CompleteLoad) -> bool:
         """Release a lease; False when the directory refused it as stale (the reads are then a miss)."""
         return _accepted(self.directory.complete_load, body)
@@ -178,11 +185,11 @@ class KVStoreClient:
         """Store a chain of blocks (block i's parent is block i-1); returns the leading blocks now held.
         A chain larger than the memory tier is saved in rounds: what a round commits may move down
         while the next is placed. Why blocks were not stored: `last_refused` (reason -> blocks).
-        A directory that cannot be reached stores nothing (0), it does not raise. `pack(k, bytes of
+        A directory that cannot be reached or throttles the call stores nothing (0), it does not raise. `pack(k, bytes of
         blocks k..)` -> copies: they make the blocks, in a mapped arena where they can, else in `blocks`."""
         assert len(hashes) == len(blocks), "one buffer per hash"
         self.last_refused, held = {}, 0
-        with _miss_if_unreachable("save"):
+        with self.miss_if_refused("save"):
             while held < len(hashes):  # each round stores at least one block more, or ends the save
                 shifted = pack and (lambda k, raw, at=held: pack(at + k, raw))
                 stored, refused = self._save_blocks(hashes[held:], blocks[held:], hashes[held - 1] if held else parent,
@@ -232,11 +239,11 @@ class KVStoreClient:
     def load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], unpack: Transform | None = None) -> int:
         """Read the longest cached prefix of `hashes` into `blocks`; returns how many verified.
         A prefix larger than the memory tier is read in rounds, each staged from the tiers below
-        once the last was read. A directory that cannot be reached is a miss (0), it does not raise.
+        once the last was read. A directory that cannot be reached or throttles the call is a miss (0), it does not raise.
         `unpack(k, bytes of blocks k..)` -> copies: they take the blocks, out of a mapped arena where they can."""
         assert len(hashes) == len(blocks), "one buffer per hash"
         verified = 0
-        with _miss_if_unreachable("load"):
+        with self.miss_if_refused("load"):
             while verified < len(hashes):
                 shifted = unpack and (lambda k, raw, at=verified: unpack(at + k, raw))
                 read, more = self._load_blocks(hashes[verified:], blocks[verified:], shifted)
@@ -329,15 +336,25 @@ class KVStoreClient:
         self.close()
 
 
+SKIPPED = PromCounter("kvstore_connector_skipped_total", "calls an engine's client made a miss (lookup, load) or "
+                      "skipped (save, hand-off commit) because the directory could not answer or throttled them",
+                      ["call", "reason"])
+SKIP_REASONS = {"unavailable": "unreachable", "throttled": "throttled"}  # error kind -> reason label
+
+
 @contextmanager
-def _miss_if_unreachable(what: str):
-    """The cache is optional: with the directory unreachable an engine computes instead."""
+def _miss_if_refused(what: str, skipped: Counter):
+    """The cache is optional: with the directory unreachable or over the token's rate, an engine
+    computes instead (a miss, a save skipped), counted in `skipped` and the metric."""
     try:
         yield
     except KVStoreError as exc:
-        if exc.kind != "unavailable":
+        reason = SKIP_REASONS.get(exc.kind)
+        if reason is None:
             raise
-        log.warning("%s skipped, the directory is unreachable: %s", what, exc)
+        skipped[(what, reason)] += 1
+        SKIPPED.labels(what, reason).inc()
+        log.warning("%s skipped (%s): %s", what, reason, exc)
 
 
 def _request_hints(hints: specs.RequestHints | dict | None) -> specs.RequestHints | None:

@@ -303,3 +303,23 @@ def test_a_token_the_operator_chose_is_adopted_from_a_read_only_file(secure, tmp
     with pytest.raises(KVStoreError) as unreadable:
         bootstrap_token(tokens, path, "admin")
     assert unreadable.value.kind == "invalid" and "cannot read the token file" in unreadable.value.message
+
+def test_an_engine_client_over_its_rate_gets_misses_and_skipped_saves_never_an_exception(database_url):
+    """Throttled lookups, loads and saves of KVStoreClient (and its layer-wise loads) are misses or
+    skipped saves, each counted, as docs/operations.md says: never a 429 raised into the engine."""
+    import torch
+
+    from kvstore.connector import KVStoreClient
+
+    with directory_stack(make_settings(database_url, require_auth=True, engine_rate=0.001, engine_burst=1)) as s:
+        token = s.token("engine", tenants=("",))
+        with KVStoreClient(s.url, NS, token=token, staging_bytes=8 * NS.block_nbytes) as client:  # the one call
+            tokens = list(range(4 * NS.block_tokens))
+            kv = [(torch.randn(NS.num_kv_heads, len(tokens), NS.head_dim),) * 2 for _ in range(NS.num_layers)]
+            assert client.lookup(tokens) == 0
+            assert client.save(tokens, kv) == 0
+            assert client.load(tokens)[1] == 0
+            layers = client.start_load_layers(tokens)
+            assert layers.wait_layer(0) is None and layers.finish() == 0
+            assert client.skipped == {("lookup", "throttled"): 1, ("save", "throttled"): 1,
+                                      ("load", "throttled"): 2}
