@@ -284,13 +284,13 @@ class KVStoreClient:
 
     def _write_hashed(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], clock: "_PhaseClock",
                       pack: Transform | None = None):
-        """Per item (written, xxh3_64 of its bytes): same-host items copied and hashed chunk by chunk
-        (or packed in place); the others (packed first) hashed on the helper thread while NIXL writes."""
-        if pack is None:
-            done, sums, far = clock.timed("transfer", self.copier.copy_local, "WRITE", items)
-        else:
-            done, sums, far = clock.timed("transfer", self.copier.in_place, "WRITE", items, pack)
-            self.copier.transform_buffers([(k, items[k][0]) for k in far], pack)
+        """Per item (written, xxh3_64 of its bytes): packed into their buffers first (with `pack`),
+        then same-host items copied and hashed chunk by chunk, from the buffer (what this engine
+        meant to write, never what the arena holds once copied); the others hashed on the helper
+        thread while NIXL writes."""
+        if pack is not None:
+            clock.timed("pack", self.copier.transform_buffers, list(enumerate(item[0] for item in items)), pack)
+        done, sums, far = clock.timed("transfer", self.copier.copy_local, "WRITE", items)
         if far:
             hashing = self._hasher.submit(lambda: [checksum(items[k][0]) for k in far])
             written = clock.timed("transfer", self._move, "WRITE", [items[k] for k in far])
@@ -307,7 +307,7 @@ class KVStoreClient:
         if unpack is None:
             done, digests, far = clock.timed("transfer", self.copier.copy_local, "READ", items)
         else:
-            done, digests, far = clock.timed("transfer", self.copier.in_place, "READ", items, unpack)
+            done, digests, far = clock.timed("transfer", self.copier.in_place, items, unpack)
         hashing = []
         for group in _groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
             ks = [far[g] for g in group]

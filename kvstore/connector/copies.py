@@ -4,7 +4,7 @@ is mapped here (same host), a NIXL transfer otherwise.
     arenas = LocalArenas(folder, mode)               # "auto" (default), "off"
     copier = BlockCopier(agent, peers, arenas, timeout_s)
     done, digests, far = copier.copy_local("WRITE" | "READ", [(block, location), ...])  # same host, hashed
-    done, digests, far = copier.in_place(op, items, transform)  # transformed straight into or out of the arena
+    done, digests, far = copier.in_place(items, transform)  # a READ transformed straight out of the arena
     copier.move("WRITE" | "READ", [items[k] for k in far]) -> [done, ...]             # NIXL
 
 
@@ -83,31 +83,52 @@ class LocalArenas:
         self.folder = Path(folder or os.environ.get("KVSTORE_ARENA_DIR", DEFAULT_FOLDER))
         self._arenas: dict[str, _Arena] = {}
         self._unmapped: dict[str, float] = {}  # worker -> when to try again
-        self._lock = threading.Lock()
+        self._mapping: dict[str, threading.Lock] = {}  # worker -> held while its arena is being mapped
+        self._lock = threading.Lock()  # held only to read or change the dicts, never across I/O
 
     def view(self, location: specs.ReplicaLocation) -> _Arena | None:
-        """The mapped arena holding this DRAM location, or None (NIXL carries it)."""
+        """The mapped arena holding this DRAM location, or None (NIXL carries it). A worker's arena
+        is mapped by one caller at a time, outside the lock every copy takes: a slow or large
+        worker's hand-over holds up only the copies waiting for that worker."""
         if self.mode == "off" or location.tier != "dram":
             return None
-        worker, now = location.worker, time.monotonic()
+        worker = location.worker
+        arena = self._arenas.get(worker)
+        if arena is not None and _identity(arena) == _identity(location):
+            return arena
+        if arena is not None and location.epoch < arena.epoch:
+            return None  # a location of the worker's past life: NIXL refuses it too; the mapping stays
+        with self._lock:
+            gate = self._mapping.setdefault(worker, threading.Lock())
+        with gate:
+            return self._remap(worker, location)
+
+    def _remap(self, worker: str, location: specs.ReplicaLocation) -> _Arena | None:
+        """Under `worker`'s gate: its mapping for `location`, mapped again if the worker restarted."""
+        now = time.monotonic()
         with self._lock:
             arena = self._arenas.get(worker)
-            if arena is not None and (arena.agent_name, arena.epoch) == (location.agent_name, location.epoch):
-                return arena
-            stale = self._arenas.pop(worker, None)  # the worker restarted or joined again: its old mapping goes
-            if stale is not None:
-                _hang_up(stale)
+            if arena is not None and _identity(arena) == _identity(location):
+                return arena  # mapped while this caller waited for the gate
             if self._unmapped.get(worker, 0.0) > now:
                 return None
-            arena = self._map(worker)
-            if arena is None or (arena.agent_name, arena.epoch) != (location.agent_name, location.epoch):
-                if arena is not None:
-                    _hang_up(arena)
+        fresh = self._map(worker)  # connect, receive, MAP_POPULATE: no lock held
+        with self._lock:
+            current = self._arenas.get(worker)
+            if fresh is not None and current is not None and _identity(fresh) == _identity(current):
+                _hang_up(fresh)  # the same life mapped already: keep that mapping
+                fresh = current
+            elif fresh is not None and (current is None or fresh.epoch > current.epoch):
+                self._arenas[worker] = fresh  # the worker's present life, even if `location` is newer still
+                if current is not None:
+                    _hang_up(current)  # the worker restarted or joined again: its old mapping goes
+            elif fresh is not None:
+                _hang_up(fresh)
+            if fresh is None or _identity(fresh) != _identity(location):
                 self._unmapped[worker] = now + RETRY_S
                 return None
             self._unmapped.pop(worker, None)
-            self._arenas[worker] = arena
-            return arena
+            return fresh
 
     def close(self) -> None:
         with self._lock:  # the mappings go with their last view
@@ -175,6 +196,10 @@ class LocalArenas:
                 log.info("worker %s exited: its DRAM arena is unmapped here", worker)
 
 
+def _identity(where: _Arena | specs.ReplicaLocation) -> tuple[str, int]:
+    return where.agent_name, where.epoch
+
+
 def _hang_up(arena: _Arena) -> None:
     """End the hand-over connection of an arena this process no longer uses (its watcher ends)."""
     if arena.sock is not None:
@@ -211,15 +236,16 @@ class BlockCopier:
                 done[k], digests[k] = ok, digest
         return done, digests, [k for k, a in enumerate(arenas) if a is None]
 
-    def in_place(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]], transform: Transform
+    def in_place(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], transform: Transform
                  ) -> tuple[list[bool], list[str], list[int]]:
-        """Like copy_local, for a caller that transforms blocks as it copies them (the tensor API's
-        per-layer tensors <-> the store's layout): items whose block is one run of a mapped arena
-        skip their buffer, `transform(k, bytes)` giving the copies into ("WRITE") or out of
-        ("READ") items k, k+1, .. that lie one after the other there; a block in several runs
-        goes through its buffer (copied as copy_local does, transformed there). The copies run on the copy
-        threads, and each block is hashed in the arena: beside the copies for a READ (they only
-        read it), once they have ended for a WRITE. Returns as copy_local does."""
+        """copy_local's READ for a caller that transforms blocks as it copies them out (the tensor
+        API's store layout -> per-layer tensors): items whose block is one run of a mapped arena
+        skip their buffer, `transform(k, bytes)` giving the copies out of items k, k+1, .. that lie
+        one after the other there; a block in several runs goes through its buffer. The copies run
+        on the copy threads, each block hashed in the arena beside them (a lease keeps it
+        unchanged). A save never hashes the arena (another writer may have written there since):
+        it packs into its buffers (`transform_buffers`) and writes them with copy_local. Returns as
+        copy_local does."""
         arenas = [self.arenas.view(location) for _, location in items]
         far, staged, in_arena = [], [], []  # in_arena: (item, arena, offset, bytes) of one-run blocks
         for k, ((buffer, location), arena) in enumerate(zip(items, arenas)):
@@ -230,14 +256,9 @@ class BlockCopier:
             at = addr - arena.base_addr
             if 0 <= at and at + length <= arena.array.size and length == buffer.nbytes:  # else NIXL would fail too
                 in_arena.append((k, arena, at, length))
-        spans = _neighbours(in_arena)
-        if op == "WRITE":
-            self.transform_buffers([(k, items[k][0]) for k in staged], transform)
-        futures = [self.pool.submit(copy) for k, arena, at, nbytes in spans
+        futures = [self.pool.submit(copy) for k, arena, at, nbytes in _neighbours(in_arena)
                    for copy in transform(k, arena.array[at:at + nbytes])]
-        through = [(k, self.pool.submit(_copy_hashed, op, *items[k], arenas[k])) for k in staged]
-        if op == "WRITE":  # a block is hashed once written; a READ's hashes run beside its copies
-            concurrent.futures.wait(futures)
+        through = [(k, self.pool.submit(_copy_hashed, "READ", *items[k], arenas[k])) for k in staged]
         near = [k for k, _, _, _ in in_arena]
         sums = [(ks, self.pool.submit(lambda ks=ks: [arena_digest(arenas[k], items[k][1].runs) for k in ks]))
                 for ks in (near[i:i + HASH_SHARE] for i in range(0, len(near), HASH_SHARE))]
@@ -248,8 +269,7 @@ class BlockCopier:
                 done[k], digests[k] = copied, digest
         for k, future in through:
             done[k], digests[k] = future.result()
-        if op == "READ":
-            self.transform_buffers([(k, items[k][0]) for k, _ in through if done[k]], transform)
+        self.transform_buffers([(k, items[k][0]) for k, _ in through if done[k]], transform)
         return done, digests, far
 
     def transform_buffers(self, buffers: list[tuple[int, np.ndarray]], transform: Transform) -> None:
@@ -296,7 +316,9 @@ def by_tier(locations: list[specs.ReplicaLocation]) -> dict[tuple[str, int, str]
 
 
 def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, arena: _Arena) -> tuple[bool, str]:
-    """One block's runs copied chunk by chunk, each chunk hashed once copied."""
+    """One block's runs copied chunk by chunk, each chunk hashed once copied, from this process's
+    side: a WRITE hashes what it meant to write (its source, still in cache), never the arena,
+    where a stale writer or another engine may have written since; a READ hashes what it got."""
     assert block.flags.c_contiguous, "a block is one contiguous buffer"
     flat = block.reshape(-1).view(np.uint8)
     digest = xxhash.xxh3_64()
@@ -309,9 +331,11 @@ def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, ar
             n = min(CHUNK_BYTES, length - start)
             there = arena.array[offset + start : offset + start + n]
             here = flat[at + start : at + start + n]
-            target = there if op == "WRITE" else here
-            np.copyto(target, here if op == "WRITE" else there)
-            digest.update(target)
+            if op == "WRITE":
+                np.copyto(there, here)
+            else:
+                np.copyto(here, there)
+            digest.update(here)
         at += length
     return at == flat.size, digest.hexdigest()
 

@@ -12,8 +12,9 @@ Bytes [start, end) of each block (its `runs` in the arena, (addr, len) in the wo
 space) go to or come from GPU memory at `addr` (within `cache`'s allocation). Both sides are cut
 into rows of the largest size that divides every piece and offset (a layer's page, or a tier page
 where a block spans several), and the rows are gathered or scattered by index: one kernel a layer,
-whatever the number of blocks. The checksums stay on the host: the blocks are hashed in the arena
-(`page_checksums.ArenaHashes`), beside a load's copy and after a save's.
+whatever the number of blocks. A load's checksums stay on the host: its blocks are hashed in the
+arena beside the copy (`page_checksums.ArenaHashes`); a save hashes its own pages
+(`page_checksums.saved_checksums`).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ space) go to or come from this process's memory at `addr`. Pieces of equal size 
 steps on both sides (a layer's page of consecutive blocks: vLLM's pages one after the other,
 the blocks one after the other in the arena) become one strided numpy copy, and the batches are
 split by bytes across the pool's threads, which numpy lets copy without the GIL. Nothing is
-hashed here: the blocks are hashed where they are contiguous, in the arena
-(`page_checksums.ArenaHashes`).
+hashed here: a load's blocks are hashed where they are contiguous, in the arena
+(`page_checksums.ArenaHashes`), a save's in its own pages (`page_checksums.saved_checksums`).
 """
 
 from __future__ import annotations

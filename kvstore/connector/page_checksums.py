@@ -4,9 +4,14 @@ of every layer, in layer order, each page's bytes as they lie in memory.
     block_checksums(caches, layer_names, block_ids) -> [hex]
     tail = LayerwiseChecksum(num_layers)   # one block, hashed a layer at a time as each arrives
     tail.add(index, page); tail.hexdigest() -> hex | None
-    hashes = ArenaHashes(block_ids, num_layers)  # blocks copied with a mapped arena, hashed there
+    hashes = ArenaHashes(block_ids, num_layers)  # a load's blocks copied out of a mapped arena, hashed there
     hashes.copied([(id, runs)], layer, arena); hashes.spoil(ids); hashes.hash(ids, pool); hashes.hexdigest(id)
     checksums(caches, layer_names, block_ids, hashes) -> [hex]   # hashes' where it has them, else gathered
+    saved_checksums(caches, layer_names, block_ids, memory, pool, tasks) -> [hex]  # a save's, from its pages
+
+A save hashes its own pages, what it meant to write, never the arena it copied them to: a stale
+writer (a reservation dropped under it, still copying) or another engine may have written there
+since, and the next load must find that out.
 """
 
 from __future__ import annotations
@@ -53,6 +58,33 @@ def checksums(caches: dict[str, torch.Tensor], layer_names: list[str], block_ids
     return [s if s is not None else next(rest) for s in sums]
 
 
+def saved_checksums(caches: dict[str, torch.Tensor], layer_names: list[str], block_ids: list[int], memory,
+                    pool: Executor, tasks: int = 1) -> list[str]:
+    """Each block's checksum taken from the engine's pages: host pages where they lie (`memory`:
+    the registered pages as numpy views; one xxh3 pass, `tasks` tasks on `pool`), GPU pages
+    gathered to the host (`block_checksums`)."""
+    caches_in_order = [caches[name] for name in layer_names]
+    if not block_ids or caches_in_order[0].is_cuda:
+        return block_checksums(caches, layer_names, block_ids)
+    layers = [(c.data_ptr(), c.stride(0) * c.element_size(), c[0].nbytes) for c in caches_in_order]
+
+    def share(ids: list[int]) -> list[str]:
+        out = []
+        for block_id in ids:
+            hasher = xxhash.xxh3_64()
+            for base, step, page in layers:
+                hasher.update(memory.view(base + block_id * step, page))
+            out.append(hasher.hexdigest())
+        return out
+
+    parts = [block_ids[i::tasks] for i in range(min(tasks, len(block_ids)))]
+    sums = [pool.submit(share, part) for part in parts]
+    out = [""] * len(block_ids)
+    for i, future in enumerate(sums):
+        out[i::len(parts)] = future.result()
+    return out
+
+
 class LayerwiseChecksum:
     """The checksum of one block whose page is hashed layer by layer, each before the forward writes
     into it (a hand-off's partial last block: the consumer computes the prompt's last token there)."""
@@ -72,12 +104,12 @@ class LayerwiseChecksum:
 
 
 class ArenaHashes:
-    """Checksums of blocks copied layer by layer with a worker's mapped arena (the same-host path),
-    taken in the arena, where a block is its runs one after the other: one xxh3 pass per block
-    (xxhash releases the GIL for it, a 64 KiB page at a time it does not), on the copy threads. A
-    load hashes the bytes it copies from (a lease keeps them unchanged), a save the bytes it
-    copied to, once every copy has ended. A block has a checksum here only if every layer went
-    through one arena, once each, in layer order; otherwise it is taken from the pages."""
+    """Checksums of a load's blocks copied layer by layer out of a worker's mapped arena (the
+    same-host path), taken in the arena, where a block is its runs one after the other: one xxh3
+    pass per block (xxhash releases the GIL for it, a 64 KiB page at a time it does not), on the
+    copy threads, beside the copies (a lease keeps those bytes unchanged). A block has a checksum
+    here only if every layer went through one arena, once each, in layer order; otherwise it is
+    taken from the pages."""
 
     def __init__(self, block_ids: list[int], num_layers: int) -> None:
         self._num_layers = num_layers

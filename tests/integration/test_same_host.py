@@ -11,15 +11,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from numpy.lib.array_utils import byte_bounds
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import KVStoreClient, Namespace
+from kvstore.connector.copies import LocalArenas
 from kvstore.connector.vllm.worker import PagedKVWorker
+from kvstore.core import specs
 from kvstore.core.keys import block_hashes
 from tests.fault.prompts import NS, load, prompt, save
 from tests.helpers import wait_until
@@ -142,5 +146,72 @@ def test_the_paged_path_copies_with_the_arena_and_a_block_bad_there_fails_from_t
         assert load_pages(worker, namespace_id, "bad", hashes, [8, 9, 10, 11]) == {10, 11}
         assert torch.equal(pages[:, 8:10], pages[:, 0:2])
         assert directory.lookup(namespace_id, hashes).num_hit_blocks == 2  # block 2's replica invalidated
+    finally:
+        worker.close()
+
+
+@pytest.fixture
+def unverified(tmp_path, arenas):
+    """A worker sharing its arena, under a directory that takes the writer's checksum on trust (the default)."""
+    with ProcessStack(tmp_path, worker_args=["--arena-dir", str(arenas)]) as s:
+        yield s
+
+
+@contextmanager
+def overwritten_after_each_copy(mine: LocalArenas):
+    """Every copy numpy makes into this engine's mapping of w0's arena is followed at once by another
+    writer's (a stale reservation's, another engine's), through a second mapping of that arena."""
+    theirs, real, patch = LocalArenas(), np.copyto, pytest.MonkeyPatch()
+
+    def copyto(destination, source, **kw):
+        real(destination, source, **kw)
+        arena = mine._arenas.get("w0")
+        if arena is None or not np.shares_memory(destination, arena.array):
+            return
+        other = theirs.view(specs.ReplicaLocation(worker="w0", epoch=arena.epoch, agent_name=arena.agent_name,
+                                                  tier="dram", runs=[]))
+        low, high = byte_bounds(destination)
+        at = low - arena.array.ctypes.data
+        other.array[at:at + high - low] = 0x5A
+
+    patch.setattr(np, "copyto", copyto)
+    try:
+        yield
+    finally:
+        patch.undo()
+        theirs.close()
+
+
+def test_a_same_host_save_overwritten_in_the_arena_after_its_copies_is_never_loaded_as_verified(unverified):
+    """Blocks, tensors (packed) and vLLM's pages: the checksum a save commits is what the engine
+    meant to write, so bytes another writer put there after the copies fail the next load."""
+    with KVStoreClient(unverified.url, NS, staging_bytes=8 * NS.block_nbytes) as client:
+        hashes, blocks = prompt(21)
+        with overwritten_after_each_copy(client.copier.arenas):
+            assert save(client, hashes, blocks) == 4
+        assert mapped(client) == {"w0"} and load(client, hashes)[0] == 0
+
+        tokens = list(range(1000, 1000 + 4 * NS.block_tokens))
+        kv = [(torch.randn(NS.num_kv_heads, len(tokens), NS.head_dim), torch.randn(NS.num_kv_heads, len(tokens),
+                                                                                    NS.head_dim))
+              for _ in range(NS.num_layers)]
+        with overwritten_after_each_copy(client.copier.arenas):
+            assert client.save(tokens, kv) == len(tokens)
+        assert client.load(tokens)[1] == 0
+
+    ns = Namespace(model_id="paged-overwritten", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32",
+                   block_tokens=16, layout="layer_head_token_kvdim")
+    directory = DirectoryClient(unverified.url)
+    namespace_id = directory.register_namespace(ns)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(ns.num_layers)]
+    pages = torch.randn((ns.num_layers, 8, 2, 16, 32))
+    worker = PagedKVWorker(directory, names, (2, 16, 32), torch.float32)
+    try:
+        worker.register({name: pages[i] for i, name in enumerate(names)})
+        paged = [h.hex() for h in block_hashes(ns, list(range(32)))]
+        with overwritten_after_each_copy(worker.arenas):
+            save_pages(worker, namespace_id, "save", paged, [0, 1])
+        assert worker.posts["local"] == ns.num_layers and directory.lookup(namespace_id, paged).num_hit_blocks == 2
+        assert load_pages(worker, namespace_id, "load", paged, [4, 5]) == {4, 5}
     finally:
         worker.close()

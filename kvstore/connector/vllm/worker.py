@@ -35,7 +35,7 @@ from kvstore.connector.copies import COPY_THREADS, LocalArenas, remote_side
 from kvstore.connector.gpu_copies import gpu_copy_layer
 from kvstore.connector.layer_copies import BlockGroup, HostMemory, by_worker
 from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
-from kvstore.connector.page_checksums import ArenaHashes, LayerwiseChecksum, checksums
+from kvstore.connector.page_checksums import ArenaHashes, LayerwiseChecksum, checksums, saved_checksums
 from kvstore.connector.peers import Peers, own_hosts
 from kvstore.connector.renewal import Renewal
 from kvstore.connector.vllm.checks import checked_pages
@@ -120,7 +120,7 @@ class PagedKVWorker:
                 self.memory.add(addr, nbytes)
         self.caches = {name: kv_caches[name] for name in self.layer_names}
 
-    def _post(self, op: str, layer_index: int, groups: list[BlockGroup], hashes: ArenaHashes) -> list:
+    def _post(self, op: str, layer_index: int, groups: list[BlockGroup], hashes: ArenaHashes | None) -> list:
         """One request per worker and tier moving layer l's page of every block (bytes [l x page, (l+1) x page) of
         it): a copy with the worker's arena mapped here (copy threads; the GPU for GPU pages), else NIXL."""
         cache = self.caches[self.layer_names[layer_index]]  # block b's page: base + b x step
@@ -134,12 +134,13 @@ class PagedKVWorker:
                     if cache.is_cuda else group.copier.copy(op, base, step, start, end, self.memory, arena, self._pool)
             self.posts["local" if copy is not None else "nixl"] += 1
             if copy is not None:
-                hashes.copied(group.blocks, layer_index, arena)
                 transfers.append(copy)
-                if op == "READ":
+                if hashes is not None:  # a load's blocks, hashed in the arena beside the copies
+                    hashes.copied(group.blocks, layer_index, arena)
                     hashes.hash([b for b, _ in group.blocks[layer_index::len(self.layer_names)]], self._pool)
                 continue
-            hashes.spoil(block_id for block_id, _ in group.blocks)
+            if hashes is not None:
+                hashes.spoil(block_id for block_id, _ in group.blocks)
             device = (cache.device.index or 0) if cache.is_cuda else None
             local, remote = slice_rows(group.pages(base, step), start, end, device)
             mem, (remote, remote_mem) = "VRAM" if cache.is_cuda else "DRAM", remote_side(remote, group.items[0][1])
@@ -331,7 +332,6 @@ class PagedKVWorker:
     def _save(self, step: _SaveStep) -> None:
         reserved = [(plan, *r) for plan in step.plans if (r := self._reserve(step.namespace_id, plan)) and r[1]]
         groups = by_worker([(b, d.location) for _, _, admitted in reserved for b, d in admitted], self.peers.agent_for)
-        hashes = ArenaHashes([b for _, _, admitted in reserved for b, _ in admitted], len(self.layer_names))
         transfers, posted = [], 0
         with contextlib.ExitStack() as renewals:
             for _, prepared, _ in reserved:
@@ -349,16 +349,13 @@ class PagedKVWorker:
                     event.synchronize()
                 posted += 1
                 if groups:
-                    transfers += self._post("WRITE", index, groups, hashes)
+                    transfers += self._post("WRITE", index, groups, None)
             ok = posted == len(self.layer_names) and all(t and t.wait(self.timeout_s) == "done" for t in transfers)
             for late in [t for t in transfers if hasattr(t, "settle")]:  # none may write once the pages go
                 late.settle()
-            if ok:  # the copies have ended: the arena holds what is hashed
-                hashes.hash([b for _, _, admitted in reserved for b, _ in admitted], self._pool, COPY_THREADS)
             for plan, prepared, admitted in reserved:
                 good = ok and plan.req_id not in step.failed_loads
-                sums = checksums(self.caches, self.layer_names, [b for b, _ in admitted], hashes) if good \
-                    else [None] * len(admitted)
+                sums = self._saved_sums([b for b, _ in admitted]) if good else [None] * len(admitted)
                 reports = [specs.BlockWritten(hash=d.hash, ok=good, checksum=checksum)
                            for (_, d), checksum in zip(admitted, sums)]
                 try:
@@ -368,6 +365,11 @@ class PagedKVWorker:
         elapsed = time.perf_counter() - step.started
         T_SAVE.observe(elapsed)
         self._observe("save_s", [elapsed])
+
+    def _saved_sums(self, block_ids: list[int]) -> list[str]:
+        """What the save meant to write, hashed from vLLM's pages (unchanged until the save is
+        committed: vLLM frees them only once `sent` says so), never from the arena."""
+        return saved_checksums(self.caches, self.layer_names, block_ids, self.memory, self._pool, COPY_THREADS)
 
     def sent(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished (now or earlier) whose saves are all committed: their blocks can go."""
