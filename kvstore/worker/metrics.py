@@ -38,6 +38,10 @@ class WorkerMetrics:
                                  "because S3 was unreachable", ["reason"], registry=r)
         self.nixl_failures = Counter("kvstore_worker_nixl_failures", "NIXL transfer requests that failed or "
                                      "timed out, by remote memory type (FILE, OBJ, VRAM, DRAM)", ["mem"], registry=r)
+        self.share_errors = Counter("kvstore_worker_arena_share_errors", "Hand-overs of the DRAM arena to a "
+                                    "same-host engine that failed, by reason (accept: accept() failed, e.g. out "
+                                    "of file descriptors; too_many_engines: refused, the engine uses NIXL)",
+                                    ["reason"], registry=r)
         self.control_requests = Counter("kvstore_worker_control_requests", "Control calls answered, by path and "
                                         "status", ["path", "status"], registry=r)
 

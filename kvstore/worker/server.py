@@ -102,7 +102,8 @@ class StorageWorker:
         self.epoch = 0
         self.heartbeat_interval_s = 1.0
         self.share = ArenaShare(settings.arena_dir / f"{settings.name}.sock", self.arena,
-                                lambda: {"agent_name": self.agent.name, "epoch": self.epoch}) \
+                                lambda: {"agent_name": self.agent.name, "epoch": self.epoch},
+                                lambda reason: self.metrics.share_errors.labels(reason).inc()) \
             if settings.arena_dir is not None else None
 
     def _freed(self, kind: str, token: str, runs: list[specs.PageRun]) -> None:

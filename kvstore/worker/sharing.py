@@ -1,7 +1,8 @@
 """The DRAM arena handed to engines on this host: a Unix socket that passes the arena's memfd.
 
     share = ArenaShare(path, arena, identity)   # identity() -> {"agent_name", "epoch"}
-    share.start()                               # binds `path` (0600, in a 0700 folder)
+    share.start()                               # binds `path` (0600, in a 0700 folder); refused if a live
+                                                # worker (of the same name) serves it
     share.stop()
 
 An engine connects and receives, in one message, a JSON header (agent name, epoch, arena base
@@ -23,11 +24,13 @@ is sealed against shrinking, so a mapping can never fault.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,26 +38,34 @@ from kvstore.core.local import peer_uid, trusted_folder
 from kvstore.core.memory import HostBuffer
 
 log = logging.getLogger(__name__)
-MAX_ENGINES = 1024  # engine processes of this host holding the arena mapped; more map it but are not told of an exit
+MAX_ENGINES = 1024  # engine processes of this host holding the arena mapped; more are refused (NIXL carries theirs)
+ACCEPT_PAUSE_S = 0.1  # after a failed accept(): out of descriptors stays so for a while, do not spin
 
 
 class ArenaShare:
-    def __init__(self, path: Path, arena: HostBuffer, identity: Callable[[], dict]) -> None:
+    def __init__(self, path: Path, arena: HostBuffer, identity: Callable[[], dict],
+                 on_error: Callable[[str], None] = lambda reason: None) -> None:
+        """`on_error(reason)`: counts a hand-over that failed ("accept", "too_many_engines")."""
         assert arena.fd is not None, "only a memfd-backed arena can be shared"
         self.path = Path(path)
         self._arena = arena
         self._identity = identity
+        self._on_error = on_error
         self._sock: socket.socket | None = None
         self._inode = 0
         self._engines: set[socket.socket] = set()  # connections of engines that mapped the arena
 
     def start(self) -> None:
-        """Raises OSError when the folder cannot be made, or is not this user's alone."""
+        """Raises OSError when the folder cannot be made, or is not this user's alone, and
+        FileExistsError when a live process serves `path` (a worker of the same name: its socket
+        stays, and engines keep mapping its arena)."""
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not trusted_folder(self.path.parent, owners=(os.getuid(),), forbidden=0o077):
             raise PermissionError(f"{self.path.parent} must be a folder of this user with mode 0700")
+        if _served(self.path):
+            raise FileExistsError(f"a live process serves {self.path} (a worker of the same name?)")
         try:
-            self.path.unlink()  # a predecessor's (names are unique among a directory's workers)
+            self.path.unlink()  # a dead predecessor's
         except FileNotFoundError:
             pass
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -68,14 +79,20 @@ class ArenaShare:
         while True:
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return  # stopped
+            except OSError as exc:
+                if self._sock is not sock:
+                    return  # stopped
+                self._on_error("accept")  # out of descriptors, an aborted connection...: serve on
+                log.warning("accepting an engine's connection to the DRAM arena failed (%s); still serving",
+                            errno.errorcode.get(exc.errno, exc))
+                time.sleep(ACCEPT_PAUSE_S)
+                continue
             try:
                 shared = self._answer(conn)
             except OSError as exc:
                 log.debug("an engine left during the arena hand-over: %s", exc)
                 shared = False
-            if shared and len(self._engines) < MAX_ENGINES:
+            if shared:
                 threading.Thread(target=self._hold, args=(conn,), name="arena-engine", daemon=True).start()
             else:
                 conn.close()
@@ -99,18 +116,22 @@ class ArenaShare:
             log.warning("a process of uid %d asked for the DRAM arena; refused (not this worker's user)", uid)
             conn.sendall(json.dumps({"error": "unauthorized"}).encode())
             return False
+        if len(self._engines) >= MAX_ENGINES:  # it could not be told of this worker's exit: NIXL instead
+            self._on_error("too_many_engines")
+            conn.sendall(json.dumps({"error": f"{MAX_ENGINES} engines hold the arena mapped"}).encode())
+            return False
         header = {**self._identity(), "base_addr": self._arena.addr, "nbytes": self._arena.nbytes}
         socket.send_fds(conn, [json.dumps(header).encode()], [self._arena.fd])
         return True
 
     def stop(self) -> None:
-        if self._sock is not None:
+        sock, self._sock = self._sock, None  # first: the accept loop then knows its error is the stop
+        if sock is not None:
             try:
-                self._sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            self._sock.close()
-            self._sock = None
+            sock.close()
         for conn in list(self._engines):  # the engines unmap the arena
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -121,3 +142,18 @@ class ArenaShare:
                 self.path.unlink()
         except FileNotFoundError:
             pass
+
+
+def _served(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket at `path` (a stale file refuses them)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+        return True
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
+    except OSError as exc:  # a full backlog is a live server too
+        return exc.errno in (errno.EAGAIN, errno.ETIMEDOUT)
+    finally:
+        probe.close()
