@@ -14,6 +14,7 @@ from kvstore.directory.db.index import Index
 from kvstore.directory.db.views import TierView, WorkerView
 from kvstore.directory.db.models import NamespaceRow
 from kvstore.directory.db.writer import Writer
+from tests.helpers import wait_until
 
 
 def index_of_three() -> Index:
@@ -130,20 +131,40 @@ def test_a_commit_whose_answer_was_lost_and_that_did_not_happen_is_rolled_back(t
         writer.close()
 
 
-def test_a_commit_nobody_can_tell_about_is_neither_rolled_back_nor_followed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_commit_nobody_can_tell_about_is_settled_once_the_database_answers_again(tmp_path, monkeypatch, when):
+    """The COMMIT's answer is lost ("after": it happened; "before": it did not) and the database
+    stays away past RESOLVE_S: the caller is told the outcome is unknown, nothing is settled yet
+    (a reservation stays taken, not given back twice), and once the database answers again the
+    group is settled as it would have been at once: after-commit work (a reservation released, a
+    page credit returned) and the index reading the blocks back, or the rollback work."""
     sessions = sessions_at(tmp_path)
     monkeypatch.setattr(writer_module, "RESOLVE_S", 0.3)
-    writer, log = Writer(sessions), []
+    followed, log = [], []
+    writer = Writer(sessions, lambda touched, topology, committed: followed.append((touched, committed)))
 
-    @event.listens_for(sessions, "after_commit")
+    @event.listens_for(sessions, f"{when}_commit")
     def database_gone(_session) -> None:
-        writer._sessions = FlakySessions(sessions, failures=1000)  # every later question goes unanswered
-        raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection unexpectedly"))
+        if writer._sessions is sessions:
+            writer._sessions = FlakySessions(sessions, failures=1000)  # every question goes unanswered
+            raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection unexpectedly"))
+
+    def job(tx):
+        tx.committed([(7, "ns", "h7")])  # a block the group committed, for the index
+        return namespace_job(log)(tx)
     try:
         with pytest.raises(KVStoreError) as unknown:
-            writer.run(namespace_job(log))
+            writer.run(job)
         assert unknown.value.kind == "unavailable" and "did not say whether" in unknown.value.message
-        assert log == []
+        assert log == [] and followed == [] and writer.unresolved == 1
+        writer._sessions.failures = 3  # the database answers again, three questions later
+        wait_until(lambda: writer.unresolved == 0, 30, "the outcome settled")
+        if when == "after":
+            assert log == ["after commit"] and followed == [({7}, [])]  # read back from SQL, not taken as said
+        else:
+            assert log == ["rolled back"] and followed == []
+        with sessions() as session:
+            assert (session.get(NamespaceRow, "ns1") is not None) == (when == "after")
     finally:
         writer.close()
 

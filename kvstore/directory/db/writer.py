@@ -15,7 +15,12 @@ SAVEPOINT: the transaction is its own). Only after the COMMIT returns does the
 writer call `on_commit` (the lookup index follows the rows the group touched)
 and then the jobs' `after_commit` calls (worker frees, page pools), and only
 then are the callers answered: nothing a caller is told about is lost, and
-nothing a lookup sees is uncommitted. `before_commit`, when set, runs last in every group's
+nothing a lookup sees is uncommitted. A COMMIT whose answer is lost is resolved by its commit
+mark: asked about for RESOLVE_S, then its callers are told the outcome is unknown, and a resolver
+thread asks on until the database answers; the group is then settled on the writer's thread as
+it would have been at once (committed: the index reads its blocks back, the after-commit work
+runs; rolled back: the rollback work runs), so no reservation stays taken and no committed block
+stays out of the index. `before_commit`, when set, runs last in every group's
 transaction: the leader of several directory replicas checks its term there and logs what the
 group changed for the others (`changelog.py`); what it raises rolls the group back.
 
@@ -52,9 +57,9 @@ from kvstore.directory.db.models import CommitMark
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RESOLVE_S = 30.0  # how long a lost COMMIT answer is asked about before it is called unknown
+RESOLVE_S = 30.0  # how long a lost COMMIT answer is asked about before its callers are told it is unknown
 MAX_GROUP = 128  # jobs sharing one commit at most
-NORMAL, RELAXED, ALONE = 0, 1, 2  # how a job was submitted
+NORMAL, RELAXED, ALONE, SETTLE = 0, 1, 2, 3  # how a job was submitted; SETTLE: a late outcome's follow-up
 RELAX = text("SET LOCAL synchronous_commit TO OFF")
 
 
@@ -89,7 +94,9 @@ class Writer:
         self._on_commit = on_commit or (lambda blocks, topology, committed: None)
         self._before_commit = before_commit
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
         self.groups = self.jobs = 0  # for the group-commit ratio in /v1/admin/stats
+        self.unresolved = 0  # groups whose COMMIT outcome is still unknown
         event.listen(sessions, "after_flush", _note_flushed)
         event.listen(sessions, "do_orm_execute", _note_executed)
         self._thread = threading.Thread(target=self._loop, name="directory-writer", daemon=True)
@@ -121,6 +128,7 @@ class Writer:
         return await asyncio.wrap_future(self._submit(job, RELAXED if relaxed else NORMAL))
 
     def close(self) -> None:
+        self._closed.set()
         self._queue.put(None)
         self._thread.join(timeout=10)
 
@@ -131,6 +139,9 @@ class Writer:
             held = None
             if first is None:
                 return
+            if first[2] == SETTLE:
+                _settle(first)
+                continue
             group = [first]
             while len(group) < MAX_GROUP and first[2] != ALONE:
                 try:
@@ -140,7 +151,7 @@ class Writer:
                 if item is None:
                     self._queue.put(None)  # stop after this group
                     break
-                if item[2] == ALONE:
+                if item[2] in (ALONE, SETTLE):
                     held = item
                     break
                 group.append(item)
@@ -197,7 +208,8 @@ class Writer:
             except BaseException as exc:  # the COMMIT's answer was lost: did it happen?
                 happened = self._committed(mark)
                 if happened is None:
-                    return _unknown(outcomes, exc)
+                    _unknown(outcomes, exc)
+                    return self._resolve_later(mark, outcomes, touched | {row[0] for row in committed}, topology)
                 if not happened:
                     return _rolled_back(outcomes, exc)
                 log.warning("the answer to a COMMIT of %d jobs was lost (%s), but it happened", len(group), exc)
@@ -215,6 +227,34 @@ class Writer:
             else:
                 future.set_exception(error)
 
+
+    def _resolve_later(self, mark: str, outcomes: list, touched: set[int], topology: bool) -> None:
+        """Ask about `mark` until the database answers, then settle the group on the writer's thread."""
+        self.unresolved += 1
+
+        def resolve() -> None:
+            happened = None
+            while happened is None and not self._closed.is_set():
+                happened = self._committed(mark)
+            if happened is not None:
+                self._submit(lambda: self._settle_late(happened, outcomes, touched, topology), SETTLE)
+
+        threading.Thread(target=resolve, name="directory-commit-resolver", daemon=True).start()
+
+    def _settle_late(self, happened: bool, outcomes: list, touched: set[int], topology: bool) -> None:
+        """A group whose outcome its callers were told is unknown, now known. Its replicas are read
+        back from SQL (not taken from the group's own rows: later groups may have changed them)."""
+        self.unresolved -= 1
+        log.warning("a group commit of %d jobs whose outcome was unknown %s", len(outcomes),
+                    "happened" if happened else "did not happen")
+        if happened and (touched or topology):
+            try:
+                self._on_commit(touched, topology, [])
+            except Exception:
+                log.exception("following a late commit of %d jobs failed", len(outcomes))
+        for tx, _, _, error in outcomes:
+            if error is None:
+                _run_all(tx.after_commit if happened else tx.on_rollback)
 
     def _committed(self, mark: str) -> bool | None:
         """Whether the group that wrote `mark` committed; None if the database does not answer within
@@ -245,9 +285,20 @@ def _rolled_back(outcomes: list, exc: BaseException) -> None:
         future.set_exception(error or KVStoreError("unavailable", f"database commit failed: {exc}"))
 
 
+def _settle(item: tuple[Callable[[], None], Future, int]) -> None:
+    settle, future, _ = item
+    try:
+        settle()
+        future.set_result(None)
+    except BaseException as exc:  # noqa: BLE001 (the loop must survive it)
+        log.exception("settling a late commit outcome failed")
+        future.set_exception(exc)
+
+
 def _unknown(outcomes: list, exc: BaseException) -> None:
-    """Neither committed nor rolled back as far as anyone can tell: the callers are told so, and
-    neither the jobs' rollback nor their after-commit work runs (either could be wrong)."""
+    """Neither committed nor rolled back as far as anyone can tell yet: the callers are told so, and
+    neither the jobs' rollback nor their after-commit work runs until the outcome is known
+    (`Writer._resolve_later`)."""
     for _, future, _, error in outcomes:
         future.set_exception(error or KVStoreError(
             "unavailable", f"the database did not say whether this commit happened ({exc}); look before "
