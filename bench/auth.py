@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, machine, median, print_table, write_json
+from common import REPO, machine, median, print_table, random_hash, write_json
 
 from kvstore.client import DirectoryClient  # noqa: E402
 from kvstore.core.credentials import TokenCreate  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
                 token = admin.create_token(TokenCreate(name="bench", scopes=["engine"], tenants=[""])).token \
                     if mode == "tokens" else None
                 namespace_id = DirectoryClient(admin.base_url, token=token).register_namespace(NS)
-                body = json.dumps({"namespace_id": namespace_id, "hashes": [f"{i:032x}" for i in range(128)]})
+                body = json.dumps({"namespace_id": namespace_id, "hashes": [random_hash(0, i) for i in range(128)]})
                 stacks[mode] = (port, token, body.encode())
             rounds = {mode: [] for mode in stacks}
             for _ in range(args.rounds):

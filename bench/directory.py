@@ -51,7 +51,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO, cpu_s, machine, median, print_table, write_json
+from common import REPO, cpu_s, machine, median, print_table, random_hash, write_json
 
 from kvstore.core import specs
 from kvstore.core.keys import Namespace
@@ -66,7 +66,7 @@ PAGE = NS.block_nbytes
 
 
 def block_hash(i: int) -> str:
-    return f"{i:032x}"
+    return random_hash(i // CHAIN, i % CHAIN)
 
 
 def chain_hashes(chain: int, length: int = CHAIN) -> list[str]:
@@ -280,7 +280,7 @@ def stalls(port: int, namespace_id: str, chains: int, first_chain: int) -> dict:
                port, namespace_id, chains, lambda: http.post("/v1/admin/evict", evict))}
 
     def prepare() -> None:
-        hashes = [f"{first_chain:016x}{k:016x}" for k in range(100_000)]
+        hashes = [random_hash(first_chain, k) for k in range(100_000)]
         blocks = [{"hash": h, "parent": q, "nbytes": PAGE} for h, q in zip(hashes, [None] + hashes[:-1])]
         prepared, _ = http.post("/v1/store/prepare", {"namespace_id": namespace_id, "blocks": blocks})
         http.post("/v1/store/abort", {"token": prepared["token"]})
@@ -375,7 +375,7 @@ def main() -> None:
             for size in (64, 1024):
                 times = []
                 for _ in range(args.repeats):
-                    n, seconds = store_chain(http, namespace_id, [f"{next_chain:016x}{k:016x}" for k in range(size)])
+                    n, seconds = store_chain(http, namespace_id, [random_hash(next_chain, k) for k in range(size)])
                     assert n == size, f"stored {n} of {size}"
                     times.append(seconds)
                     next_chain += 1

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, random_hash  # noqa: E402
 from kvstore.directory.db import engine as db  # noqa: E402
 
 PRAGMAS = ("PRAGMA journal_mode=WAL", "PRAGMA foreign_keys=ON", "PRAGMA synchronous=NORMAL",
@@ -54,7 +54,7 @@ def schema(path: Path) -> sqlite3.Connection:
 def save_rows(conn: sqlite3.Connection, chain: int, n: int, clock) -> list[float]:
     """One save of `n` blocks as the directory commits it; the CPU of each step."""
     now = time.time()
-    hashes = [f"{chain:016x}{k:016x}" for k in range(n)]
+    hashes = [random_hash(chain, k) for k in range(n)]
     spent = []
     t = clock()
     conn.execute("BEGIN")
@@ -82,10 +82,10 @@ def save_packed(conn: sqlite3.Connection, chain: int, n: int, clock) -> float:
     now = time.time()
     t = clock()
     conn.execute("BEGIN")
-    hashes = b"".join(bytes.fromhex(f"{chain:016x}{k:016x}") for k in range(n))
+    hashes = b"".join(bytes.fromhex(random_hash(chain, k)) for k in range(n))
     pages = b"".join((16 * (chain * n + k)).to_bytes(8, "little") for k in range(n))
     conn.execute("INSERT INTO packed_saves (namespace_id, first_hash, hashes, pages, checksums, created_at) "
-                 "VALUES (?, ?, ?, ?, ?, ?)", ("ns", f"{chain:016x}{0:016x}", hashes, pages, bytes(8 * n), now))
+                 "VALUES (?, ?, ?, ?, ?, ?)", ("ns", random_hash(chain), hashes, pages, bytes(8 * n), now))
     conn.execute("COMMIT")
     return clock() - t
 
