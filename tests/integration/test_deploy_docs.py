@@ -258,3 +258,13 @@ def test_every_kvstore_command_in_operations_md_parses_with_the_cli():
         except ClickException as exc:
             wrong.append(f"{line}\n    {exc.format_message()}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_kubernetes_image_is_one_operations_md_builds():
+    import kvstore
+
+    kustomization = yaml.safe_load((REPO / "deploy/k8s/kustomization.yaml").read_text())
+    (image,) = [i for i in kustomization["images"] if i["name"] == "kvstore"]
+    assert image["newTag"] == kvstore.__version__, "the tag is the version the Dockerfile's wheel carries"
+    built = re.findall(r"docker build (?:--\S+ \S+ )*-t (\S+) \.", OPERATIONS.read_text())
+    assert f"{image['newName']}:{image['newTag']}" in built, built
