@@ -25,8 +25,6 @@ import yaml
 
 from tests.helpers import REPO, PostgresCluster, free_port, kvstore_cmd, stop, wait_http
 
-pytestmark = pytest.mark.postgres
-
 OPERATIONS = REPO / "docs" / "operations.md"
 COMPOSE = REPO / "deploy" / "compose.yaml"
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}  # nothing of this shell's
@@ -175,6 +173,7 @@ def cluster():
 
 # ---- the tests -----------------------------------------------------------------------------------
 
+@pytest.mark.postgres
 def test_the_compose_directory_starts_as_the_compose_file_says(cluster, tmp_path):
     import psycopg
 
@@ -196,6 +195,7 @@ def test_the_compose_directory_starts_as_the_compose_file_says(cluster, tmp_path
     serves("deploy/compose.yaml, service directory", command[2:], url, cluster, tmp_path / "directory", env)
 
 
+@pytest.mark.postgres
 def test_every_directory_command_in_operations_md_starts_on_postgresql(cluster, tmp_path):
     import psycopg
 
