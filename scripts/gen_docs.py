@@ -64,7 +64,9 @@ def metrics_md() -> str:
         "The connector records its timings in the process it runs in (an engine's), in `prometheus_client`'s "
         "default registry; kvstore serves no endpoint for them there, so they are exported where the engine "
         "exports that registry. Layer-wise loads (`KVStoreClient.start_load_layers` and the vLLM connector) "
-        "observe the first three, the vLLM connector's saves the last.\n\n"
+        "observe the three layer histograms, the vLLM connector's saves `kvstore_connector_save_seconds`; "
+        "`KVStoreClient` counts the calls it made a miss or a skipped save (`call`: lookup, load, save, "
+        "hand-off commit; `reason`: unreachable, throttled), also in its `skipped` attribute.\n\n"
         + head + "\n".join(_metric_rows(_connector_metrics())) + "\n\n"
         "The vLLM connector also hands its timings to vLLM, which observes them on `vllm serve`'s own "
         "`/metrics`, labelled like vLLM's metrics (`model_name`, `engine`), and logs their counts and medians "
@@ -76,11 +78,11 @@ def _connector_metrics():
     """The connector's histograms, as one object whose attributes are them."""
     from types import SimpleNamespace
 
-    from kvstore.connector import layerwise
+    from kvstore.connector import client, layerwise
     from kvstore.connector.vllm import worker
 
     return SimpleNamespace(post=layerwise.T_POST, xfer=layerwise.T_XFER, visible=layerwise.T_VISIBLE,
-                           save=worker.T_SAVE)
+                           save=worker.T_SAVE, skipped=client.SKIPPED)
 
 
 def _vllm_rows() -> list[str]:
