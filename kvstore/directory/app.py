@@ -24,9 +24,11 @@ from kvstore.directory.service import DirectoryService
 from kvstore.directory.settings import DirectorySettings
 
 log = logging.getLogger(__name__)
-# Threads that wait for the GIL (the writer, saves in the thread pool) get it after at most this long
-# while the event loop answers lookups; Python's default, 5 ms, starves them under a lookup load.
-GIL_SWITCH_S = 0.002
+# A thread holding the GIL gives it up after this long when another waits for it: the writer and
+# saves in the thread pool get it while the event loop answers lookups (Python's default, 5 ms,
+# starves them under a lookup load), and tier-sized work (a policy built from SQL, a dry run, a
+# prepare of 100,000 blocks) holds up a lookup for at most this long at a time.
+GIL_SWITCH_S = 0.0005
 TOKENS_RELOAD_S = 5.0
 
 
