@@ -33,9 +33,8 @@ from common import local_stack, machine, median, print_table, write_json  # noqa
 
 from kvstore.client import DirectoryClient  # noqa: E402
 from kvstore.connector import Namespace  # noqa: E402
-from kvstore.connector.copies import on_device, remote_side  # noqa: E402
+from kvstore.connector.nixl_rows import on_device, remote_side, slice_rows  # noqa: E402
 from kvstore.connector.gpu_copies import gpu_copy_layer  # noqa: E402
-from kvstore.connector.layerwise import slice_rows  # noqa: E402
 from kvstore.connector.vllm.worker import PagedKVWorker  # noqa: E402
 from kvstore.core.keys import block_hashes  # noqa: E402
 from tests.paged import load_pages, save_pages  # noqa: E402

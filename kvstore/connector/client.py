@@ -33,7 +33,8 @@ from prometheus_client import Counter as PromCounter
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import layout
-from kvstore.connector.copies import BlockCopier, LocalArenas, Transform, reindexed, scatter
+from kvstore.connector.arenas import LocalArenas
+from kvstore.connector.copies import BlockCopier, Transform, reindexed, scatter
 from kvstore.connector.handoff import HandoffResult, wait_for_handoff
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV

@@ -28,9 +28,8 @@ import weakref
 import numpy as np
 import torch
 
-from kvstore.connector.copies import _Arena
-from kvstore.connector.layer_copies import _pieces
-from kvstore.connector.layerwise import POLL_S
+from kvstore.connector.arenas import Arena
+from kvstore.connector.layer_copies import POLL_S, pieces
 
 log = logging.getLogger(__name__)
 _streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per GPU for the copies
@@ -63,7 +62,7 @@ class GpuCopy:
 
 
 def gpu_copy_layer(op: str, pages: list[tuple[int, list[tuple[int, int]]]], start: int, end: int,
-                   cache: torch.Tensor, arena: _Arena, after: torch.cuda.Event | None = None) -> GpuCopy | None:
+                   cache: torch.Tensor, arena: Arena, after: torch.cuda.Event | None = None) -> GpuCopy | None:
     """`op` "WRITE" copies GPU -> arena, "READ" arena -> GPU, once `after` (an event of the engine's
     stream) has passed; None where this cannot (the arena could not be registered with CUDA, a piece
     outside either side, pieces cut too fine): NIXL carries it."""
@@ -71,7 +70,7 @@ def gpu_copy_layer(op: str, pages: list[tuple[int, list[tuple[int, int]]]], star
     if there is None:
         return None
     here = _storage_bytes(cache)
-    here_at, there_at, n = _pieces(pages, start, end)
+    here_at, there_at, n = pieces(pages, start, end)
     here_at -= here.data_ptr()
     there_at -= arena.base_addr
     planned = plan_rows(here_at, there_at, n, here.numel(), there.numel())
@@ -144,10 +143,10 @@ class _CudaView:
 
 
 _lock = threading.Lock()  # one registration at a time: the saver and the layer poller may both ask
-_views: "weakref.WeakKeyDictionary[_Arena, dict[int, torch.Tensor | None]]" = weakref.WeakKeyDictionary()
+_views: "weakref.WeakKeyDictionary[Arena, dict[int, torch.Tensor | None]]" = weakref.WeakKeyDictionary()
 
 
-def registered(arena: _Arena, device: torch.device) -> torch.Tensor | None:
+def registered(arena: Arena, device: torch.device) -> torch.Tensor | None:
     """The arena's mapping as a CUDA byte tensor on `device` (registered once; unregistered when
     the mapping goes), or None if CUDA refuses it (logged once per arena and device)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -164,7 +163,7 @@ def registered(arena: _Arena, device: torch.device) -> torch.Tensor | None:
         return views[index]
 
 
-def _register(arena: _Arena, device: int, pinned: bool) -> torch.Tensor | None:
+def _register(arena: Arena, device: int, pinned: bool) -> torch.Tensor | None:
     addr, nbytes = arena.array.ctypes.data, arena.array.nbytes
     cudart = torch.cuda.cudart()
     with torch.cuda.device(device):

@@ -28,8 +28,11 @@ from concurrent.futures import Executor, Future
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvstore.connector.copies import COPY_THREADS, _Arena, by_tier
+from kvstore.connector.arenas import Arena
+from kvstore.connector.copies import COPY_THREADS
+from kvstore.connector.nixl_rows import by_tier
 
+POLL_S = 200e-6  # how often a copy or a layer is polled: the poller shares the cores with the model
 INLINE_BYTES = 1 << 20  # smaller copies run on the caller's thread: a hand-off to the pool costs more
 Batch = tuple[int, int, int, int, int, int]  # (addr here, offset in the arena, bytes, count, step here, step there)
 
@@ -69,7 +72,7 @@ class LocalCopy:
 
 
 def copy_pages(op: str, pages: list[tuple[int, list[tuple[int, int]], object]], start: int, end: int,
-               memory: HostMemory, arena: _Arena) -> LocalCopy:
+               memory: HostMemory, arena: Arena) -> LocalCopy:
     """Bytes [start, end) of stored blocks, each in its `runs` (addr, len) of a mapped arena, copied
     with this process's memory from `addr` on: "WRITE" here -> there, "READ" there -> here. Per
     block (addr, runs, hasher or None): one copy per piece of a run, and the hasher fed each piece
@@ -122,11 +125,11 @@ class PoolCopy:
 
 
 def copy_layer(op: str, pages: list[tuple[int, list[tuple[int, int]]]], start: int, end: int,
-               memory: HostMemory, arena: _Arena, pool: Executor, threads: int = COPY_THREADS) -> PoolCopy:
+               memory: HostMemory, arena: Arena, pool: Executor, threads: int = COPY_THREADS) -> PoolCopy:
     """`op` "WRITE" copies here -> arena, "READ" arena -> here. A piece outside the registered
     memory or the mapped arena fails the whole copy before anything is copied. Planned with numpy:
     the thread posting a layer holds the GIL for little, so the copy threads are not kept waiting."""
-    return _start(op, _plan(*_pieces(pages, start, end), threads), 0, -arena.base_addr, memory, arena, pool)
+    return _start(op, _plan(*pieces(pages, start, end), threads), 0, -arena.base_addr, memory, arena, pool)
 
 
 class LayerCopier:
@@ -140,7 +143,7 @@ class LayerCopier:
         self._whole = min((r[0][1] for r in runs), default=0) if all(len(r) == 1 for r in runs) else 0
         self._plans: dict[tuple[int, int, int], Plan] = {}  # (step, bytes, threads) -> plan from 0
 
-    def copy(self, op: str, base: int, step: int, start: int, end: int, memory: HostMemory, arena: _Arena,
+    def copy(self, op: str, base: int, step: int, start: int, end: int, memory: HostMemory, arena: Arena,
              pool: Executor, threads: int = COPY_THREADS) -> PoolCopy:
         if end > self._whole:  # a block in several runs, or shorter than [start, end): planned as it is
             pages = [(base + slot * step, runs) for slot, runs in zip(self._slots, self._runs)]
@@ -184,7 +187,7 @@ def _plan(here: np.ndarray, at: np.ndarray, n: np.ndarray, threads: int) -> Plan
     return shares, int(at.min()), int((at + n).max())
 
 
-def _start(op: str, plan: Plan, here_shift: int, there_shift: int, memory: HostMemory, arena: _Arena,
+def _start(op: str, plan: Plan, here_shift: int, there_shift: int, memory: HostMemory, arena: Arena,
            pool: Executor) -> PoolCopy:
     """The planned batches moved by the shifts (here; there, to offsets in the arena), started."""
     shares, lowest, highest = plan
@@ -217,7 +220,7 @@ def _copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         np.copyto(destination, source)
 
 
-def _pieces(pages, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pieces(pages, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(addr here, addr there, bytes) of bytes [start, end) of each block, split where its runs are."""
     rows = []
     for here, runs in pages:

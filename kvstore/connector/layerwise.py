@@ -32,8 +32,8 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.connector import layout
-from kvstore.connector.copies import COPY_THREADS, on_device, remote_side
-from kvstore.connector.layer_copies import HostMemory, by_worker
+from kvstore.connector.layer_copies import COPY_THREADS, POLL_S, HostMemory, by_worker
+from kvstore.connector.layer_posts import LayerSide, post_layer
 from kvstore.connector.page_checksums import ArenaHashes
 from kvstore.core import specs
 from kvstore.core.keys import checksum
@@ -46,25 +46,6 @@ T_XFER = Histogram("kvstore_connector_layer_xfer_seconds", "post -> completion o
 T_VISIBLE = Histogram("kvstore_connector_layer_visible_seconds", "time a caller waited for one layer",
                       buckets=BUCKETS)
 log = logging.getLogger(__name__)
-POLL_S = 200e-6  # the poller shares the cores with the model: not a busy loop
-
-
-def slice_rows(blocks: list[tuple[int, list[tuple[int, int]]]], start: int, end: int,
-               device: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(local, remote) descriptors moving bytes [start, end) of stored blocks: for each block, the
-    local address that byte `start` goes to, and the (addr, len) runs the block lives in remotely
-    (split where the runs are). With `device` (a GPU's index) local rows are (addr, len, device)."""
-    local, remote = [], []
-    for dest, runs in blocks:
-        offset = 0  # position within the block of the current run
-        for run_addr, run_len in runs:
-            lo, hi = max(start, offset), min(end, offset + run_len)
-            if lo < hi:
-                local.append((dest + lo - start, hi - lo))
-                remote.append((run_addr + lo - offset, hi - lo))
-            offset += run_len
-    local_rows = np.array(local, dtype=np.uint64).reshape(-1, 2)
-    return local_rows if device is None else on_device(local_rows, device), np.array(remote, dtype=np.uint64)
 
 
 class LayerClock:
@@ -212,24 +193,15 @@ class LayerwiseLoad:
         self.clock = LayerClock(self.namespace.num_layers if self.hits else 0, self._post, t0)
 
     def _post(self, layer: int) -> list:
-        """Layer `layer` of every hit block: copied on the copy threads with the arena of a worker
-        on this host when it is mapped (and a share of the blocks hashed there), one NIXL READ per
-        worker otherwise."""
-        transfers, size, pool = [], self.namespace.block_nbytes // self.namespace.num_layers, self.client.copier.pool
-        base, start, end = int(self._raw.ctypes.data) + layer * size, layer * size, (layer + 1) * size  # slot i's
-        for group in self._groups:
-            arena = self.client.copier.arenas.view(group.items[0][1])
-            if arena is not None:
-                self._hashes.copied(group.blocks, layer, arena)
-                transfers.append(group.copier.copy("READ", base, self.namespace.block_nbytes, start, end, self._memory,
-                                                   arena, pool, 1 if layer == 0 else COPY_THREADS))
-                self._hashes.hash([i for i, _ in group.blocks[layer::self.namespace.num_layers]], pool)
-                continue
-            self._hashes.spoil(i for i, _ in group.blocks)
-            local, remote = slice_rows(group.pages(base, self.namespace.block_nbytes), start, end)
-            remote, remote_mem = remote_side(remote, group.items[0][1])  # an HBM tier: its GPU's memory
-            transfers.append(self.client.agent.submit("READ", local, remote, group.peer, "DRAM", remote_mem)
-                             if group.peer else None)
+        """Layer `layer` of every hit block (slot i's at its layer's offset in the staging buffer):
+        copied with the arena of a worker on this host when it is mapped (and hashed there), one
+        NIXL READ per worker otherwise. Layer 0 copies on one thread: the rest share the cores."""
+        size = self.namespace.block_nbytes // self.namespace.num_layers
+        side = LayerSide(int(self._raw.ctypes.data) + layer * size, self.namespace.block_nbytes, layer * size,
+                         (layer + 1) * size, self._memory)
+        transfers, _ = post_layer("READ", self._groups, side, self.client.copier.arenas, self.client.agent,
+                                  self.client.copier.pool, self._hashes, layer, self.namespace.num_layers,
+                                  1 if layer == 0 else COPY_THREADS)
         return transfers
 
     def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -21,7 +21,7 @@ from concurrent.futures import Executor, Future
 import torch
 import xxhash
 
-from kvstore.connector.copies import arena_digest
+from kvstore.connector.arenas import arena_digest
 
 CHECKSUM_GROUP = 256  # blocks whose pages of one layer are gathered at once
 

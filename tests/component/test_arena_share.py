@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.connector import copies
-from kvstore.connector.copies import LocalArenas
+from kvstore.connector import arenas as arena_module
+from kvstore.connector.arenas import LocalArenas
 from kvstore.core import specs
 from kvstore.core.memory import HostBuffer
 from kvstore.worker import sharing
@@ -112,7 +112,7 @@ def test_an_engine_past_the_limit_is_refused_once_and_carried_by_nixl_not_mapped
         assert first.view(location()) is not None
         wait_until(lambda: len(share._engines) == 1, 10, "the first engine held")
         assert second.view(location()) is None and second.view(location()) is None
-        assert errors == ["too_many_engines"]  # asked once: not again before copies.RETRY_S
+        assert errors == ["too_many_engines"]  # asked once: not again before arenas.RETRY_S
         assert first.view(location()) is not None
     finally:
         first.close()
@@ -121,7 +121,7 @@ def test_an_engine_past_the_limit_is_refused_once_and_carried_by_nixl_not_mapped
 
 
 def test_a_slow_workers_hand_over_holds_up_no_other_workers_copies(folder, monkeypatch):
-    monkeypatch.setattr(copies, "HANDOVER_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(arena_module, "HANDOVER_TIMEOUT_S", 60.0)
     fast = shared(folder, name="fast")
     slow = socket.socket(socket.AF_UNIX)  # accepts an engine, then says nothing
     slow.bind(str(folder / "slow.sock"))

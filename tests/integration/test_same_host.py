@@ -21,7 +21,7 @@ from numpy.lib.array_utils import byte_bounds
 
 from kvstore.client import DirectoryClient
 from kvstore.connector import KVStoreClient, Namespace
-from kvstore.connector.copies import LocalArenas
+from kvstore.connector.arenas import LocalArenas
 from kvstore.connector.vllm.worker import PagedKVWorker
 from kvstore.core import specs
 from kvstore.core.keys import block_hashes

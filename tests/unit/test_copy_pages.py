@@ -14,7 +14,9 @@ import torch
 import xxhash
 
 from kvstore.connector import layer_copies
-from kvstore.connector.copies import BlockCopier, _Arena, arena_digest, reindexed, remote_side
+from kvstore.connector.arenas import Arena, arena_digest
+from kvstore.connector.copies import BlockCopier, reindexed
+from kvstore.connector.nixl_rows import remote_side
 from kvstore.connector.layer_copies import HostMemory, copy_layer, copy_pages
 from kvstore.connector.page_checksums import ArenaHashes, block_checksums, checksums
 from kvstore.core import specs
@@ -22,9 +24,9 @@ from kvstore.core import specs
 BASE = 1 << 40  # the arena's address in the worker's process: unrelated to where it is mapped here
 
 
-def arena(nbytes: int) -> _Arena:
+def arena(nbytes: int) -> Arena:
     mapping = mmap.mmap(-1, nbytes)
-    return _Arena("agent", 1, BASE, np.frombuffer(mapping, dtype=np.uint8), mapping)
+    return Arena("agent", 1, BASE, np.frombuffer(mapping, dtype=np.uint8), mapping)
 
 
 def test_a_layer_of_blocks_split_over_runs_is_written_and_read_back_where_the_runs_are():
@@ -201,10 +203,10 @@ def test_a_layer_out_of_order_twice_or_from_another_arena_leaves_the_block_witho
     assert [hashes.hexdigest(b) for b in (5, 6, 7)] == [None, None, None]
 
 
-class _Arenas:
+class Arenas:
     """LocalArenas' view: the arena of each location's worker, None for a worker on another host."""
 
-    def __init__(self, arenas: dict[str, _Arena]) -> None:
+    def __init__(self, arenas: dict[str, Arena]) -> None:
         self.arenas = arenas
 
     def view(self, location):
@@ -228,7 +230,7 @@ def test_blocks_read_in_place_go_through_the_unpack_copies_one_span_per_run_of_n
         spans.append((k, raw.nbytes))
         return [partial(np.copyto, out[k:k + raw.nbytes // size], raw.reshape(-1, size))]
 
-    copier = BlockCopier(None, None, _Arenas({"w0": there}), 5.0)
+    copier = BlockCopier(None, None, Arenas({"w0": there}), 5.0)
     try:
         done, digests, far = copier.in_place(items, unpack)
         assert (done, far, spans) == ([True, True, True, False, False], [3], [(0, 2 * size), (2, size)])
@@ -259,7 +261,7 @@ def test_a_save_hashes_what_it_meant_to_write_not_what_the_arena_holds_after_its
             destination[...] = 0x5A
 
     monkeypatch.setattr(np, "copyto", then_overwritten)
-    copier = BlockCopier(None, None, _Arenas({"w0": there}), 5.0)
+    copier = BlockCopier(None, None, Arenas({"w0": there}), 5.0)
     try:
         done, digests, far = copier.copy_local("WRITE", items)
     finally:
@@ -284,7 +286,7 @@ def test_a_block_in_several_runs_of_a_mapped_arena_is_written_and_read_in_place_
                                                             runs=runs))
     source = np.random.default_rng(11).integers(0, 255, size, dtype=np.uint8)
     out = np.zeros(size, np.uint8)
-    copier = BlockCopier(None, None, _Arenas({"w0": there}), 5.0)
+    copier = BlockCopier(None, None, Arenas({"w0": there}), 5.0)
     try:
         item[0][:] = source
         done, digests, far = copier.copy_local("WRITE", [item])

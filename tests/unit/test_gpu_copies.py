@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from kvstore.connector.gpu_copies import MIN_ROW_BYTES, move_rows, plan_rows, _storage_bytes
-from kvstore.connector.layer_copies import _pieces
+from kvstore.connector.layer_copies import pieces
 
 LAYERS, BLOCKS, PAGE = 3, 8, 512  # a page: [4, 64] bf16
 BASE = 1 << 20  # the arena's address in the worker
@@ -29,7 +29,7 @@ def move(op: str, pages: torch.Tensor, arena: np.ndarray, block_ids: list[int], 
         cache = pages[layer]
         step = cache.stride(0) * cache.element_size()
         rows = [(cache.data_ptr() + b * step, r) for b, r in zip(block_ids, runs)]
-        here_at, there_at, n = _pieces(rows, layer * PAGE, (layer + 1) * PAGE)
+        here_at, there_at, n = pieces(rows, layer * PAGE, (layer + 1) * PAGE)
         planned = plan_rows(here_at - here.data_ptr(), there_at - BASE, n, here.numel(), there.numel())
         assert planned is not None
         row, here_idx, there_idx = planned

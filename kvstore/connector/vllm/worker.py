@@ -31,10 +31,10 @@ import torch
 from prometheus_client import Histogram
 
 from kvstore.client import DirectoryClient
-from kvstore.connector.copies import COPY_THREADS, LocalArenas, remote_side
-from kvstore.connector.gpu_copies import gpu_copy_layer
-from kvstore.connector.layer_copies import BlockGroup, HostMemory, by_worker
-from kvstore.connector.layerwise import BUCKETS, LayerClock, slice_rows
+from kvstore.connector.arenas import LocalArenas
+from kvstore.connector.layer_copies import COPY_THREADS, BlockGroup, HostMemory, by_worker
+from kvstore.connector.layer_posts import LayerSide, post_layer
+from kvstore.connector.layerwise import BUCKETS, LayerClock
 from kvstore.connector.page_checksums import ArenaHashes, LayerwiseChecksum, checksums, saved_checksums
 from kvstore.connector.peers import Peers, own_hosts
 from kvstore.connector.renewal import Renewal
@@ -124,27 +124,13 @@ class PagedKVWorker:
         """One request per worker and tier moving layer l's page of every block (bytes [l x page, (l+1) x page) of
         it): a copy with the worker's arena mapped here (copy threads; the GPU for GPU pages), else NIXL."""
         cache = self.caches[self.layer_names[layer_index]]  # block b's page: base + b x step
-        base, step, page = cache.data_ptr(), cache.stride(0) * cache.element_size(), cache[0].nbytes
-        start, end = layer_index * page, (layer_index + 1) * page
-        transfers = []
-        for group in groups:
-            arena, copy = self.arenas.view(group.items[0][1]), None  # DRAM tiers of this host's workers only
-            if arena is not None:  # None from gpu_copy_layer: the GPU cannot address the arena
-                copy = gpu_copy_layer(op, group.pages(base, step), start, end, cache, arena, self._after) \
-                    if cache.is_cuda else group.copier.copy(op, base, step, start, end, self.memory, arena, self._pool)
-            self.posts["local" if copy is not None else "nixl"] += 1
-            if copy is not None:
-                transfers.append(copy)
-                if hashes is not None:  # a load's blocks, hashed in the arena beside the copies
-                    hashes.copied(group.blocks, layer_index, arena)
-                    hashes.hash([b for b, _ in group.blocks[layer_index::len(self.layer_names)]], self._pool)
-                continue
-            if hashes is not None:
-                hashes.spoil(block_id for block_id, _ in group.blocks)
-            device = (cache.device.index or 0) if cache.is_cuda else None
-            local, remote = slice_rows(group.pages(base, step), start, end, device)
-            mem, (remote, remote_mem) = "VRAM" if cache.is_cuda else "DRAM", remote_side(remote, group.items[0][1])
-            transfers.append(self.agent.submit(op, local, remote, group.peer, mem, remote_mem) if group.peer else None)
+        page = cache[0].nbytes
+        side = LayerSide(cache.data_ptr(), cache.stride(0) * cache.element_size(), layer_index * page,
+                         (layer_index + 1) * page, self.memory, cache if cache.is_cuda else None)
+        transfers, local = post_layer(op, groups, side, self.arenas, self.agent, self._pool, hashes, layer_index,
+                                      len(self.layer_names), after=self._after)
+        self.posts["local"] += local
+        self.posts["nixl"] += len(groups) - local
         return transfers
 
     def start_loads(self, namespace_id: str, plans: list[BlockPlan]) -> None:
