@@ -129,6 +129,14 @@ class DirectoryService:
             self.index.reload_topology(tx.session)
         self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
 
+    def step_down(self) -> None:
+        """This replica no longer leads: what only the leader holds in memory goes (open reservations
+        and remembered completions, page credit, heartbeats heard). Another replica holds them now,
+        in SQL; a later promotion of this one builds them from there again (`start`)."""
+        self.store.forget_open()
+        self.pools.clear()
+        self.membership.forget_beats()
+
     def reread(self, adopt: Callable[[Session], None]) -> None:
         """After a database restart that may have lost relaxed commits (saves): index, page credit
         (the pages of lost blocks come back) and policies from SQL, open reservations dropped; alone

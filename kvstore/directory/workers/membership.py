@@ -289,6 +289,10 @@ class Membership:
                 dead += 1
         return dead
 
+    def forget_beats(self) -> None:
+        """A replica that stopped leading hears no heartbeats: what it heard would count stale workers live."""
+        self._beats.clear()
+
     def live_count(self) -> int:
         """Workers heard from (registration or heartbeat) within the heartbeat timeout by this
         directory, without a read of the database: what /readyz counts."""
