@@ -70,6 +70,9 @@ class Directory(Protocol):
     def step_down(self) -> None:
         """No longer the one that writes: drop what only the leader holds in memory."""
 
+    def excuse_silence(self) -> None:
+        """Every live worker gets a full heartbeat timeout from now (its heartbeats could not be recorded)."""
+
     def follow_from(self, session: Session, now: float) -> int:
         """Rebuild what a follower answers from (index, namespaces, hand-offs); returns the blocks indexed."""
 
@@ -98,6 +101,7 @@ class Leader:
         self.live_workers = 0  # a follower's count, from SQL (the leader counts heartbeats itself)
         self._last = 0  # the last change this replica's index has applied
         self._started = False  # start() has run: this replica leads and has recovered
+        self._excused = True  # workers' heartbeats were recorded all along (False after the lock's connection dropped)
         self._followed = False  # the index was built from SQL to follow the leader
         self._conn = None  # psycopg connection: holds the lock (leader), listens (follower)
         self._checkpoints: deque[tuple[float, int]] = deque()  # (when, highest change id then): pruning
@@ -160,10 +164,14 @@ class Leader:
             if regained is None:
                 return  # the database does not answer: nothing to reap, nobody else can lead either
             self._restarted()
-        if self._log.stale:
+            self._excused = False
+        if self._log.stale:  # first: no commit passes until then
             log.warning("the database restarted and may have lost the last relaxed commits: reading the index, "
                         "page credit and reservations from SQL again")
             self._directory.reread(self._log.adopt)
+        if not self._excused:  # before any reap: the outage must not count as the workers' silence
+            self._directory.excuse_silence()
+            self._excused = True
         reap()
         self._prune()
         refresh()
@@ -226,7 +234,7 @@ class Leader:
             self._log.leading = False
             self._disconnect()
             raise
-        self._started = True
+        self._started = self._excused = True  # recover() gave every live worker a full heartbeat timeout
         self._log.leading = True
         self._set_leader(self.url)
         log.info("this directory replica leads now (term %d)", self.term)
