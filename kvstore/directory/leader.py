@@ -140,7 +140,8 @@ class Leader:
                     self._step_down()
                 if self.leading and self._started:
                     self._lead(reap, refresh)
-                    stop.wait(self._settings.reaper_interval_s)
+                    if self.leading:  # else it steps down at once, not a tick later
+                        stop.wait(self._settings.reaper_interval_s)
                 elif not self.enabled:
                     self._directory.start()
                     self._started = True
