@@ -6,7 +6,8 @@ After each restart saves and lookups resume, the prefixes saved before load byte
 replicas are ready again (the one that led before and lost its lock with its connection rejoins
 as a leader or a follower; it does not stay out), and a worker SIGKILLed afterwards is `dead`
 on every replica within its heartbeat timeout: no replica serves the worker state it had before
-the restart."""
+the restart. Which replica leads afterwards is a race (the old leader takes its lock back, or the
+other replica takes it first and the old one steps down); runs see both, and print which."""
 
 from __future__ import annotations
 
