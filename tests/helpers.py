@@ -158,6 +158,13 @@ class PostgresCluster:
             lock.unlink(missing_ok=True)  # postmaster still "exists" to the new one's check
         self._start()
 
+    def stop_and_start(self, down_s: float) -> None:
+        """`pg_ctl -m immediate stop` (every session cut, no shutdown checkpoint: recovery at the next
+        start), `down_s` seconds away, then started again on the same port."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "stop")
+        time.sleep(down_s)
+        self._start()
+
     def restart(self) -> None:
         """Stop (fast: every session ends) and start again on the same port."""
         self._run("pg_ctl", "-D", str(self.data), "-o", self._options, "-l", str(self.root / "log"), "-w",

@@ -18,6 +18,11 @@ raises the term in `directory_leader`; every commit of its writer first checks t
 still its own, so a leader that lost its lock without knowing it cannot write after its successor
 has begun.
 
+A leader whose lock connection dropped (the database restarted, or the network cut it) takes the
+lock again when the database answers; if another replica took it, or led meanwhile, this one
+steps down: it drops what only a leader holds, reads its index from SQL again and follows (and
+campaigns) as at its start. It never stays up without a role: it serves as a follower at once.
+
 Followers answer lookups from their own index, which follows the leader's commits: each group
 commit of the leader logs the blocks it touched (and whether workers, tiers or namespaces changed,
 and the hand-offs it committed) in `changes`, in the same transaction, and notifies; a follower
@@ -62,6 +67,12 @@ class Directory(Protocol):
     def start(self, rebuild_index: bool = True) -> None:
         """Recover and start as the one directory that writes."""
 
+    def step_down(self) -> None:
+        """No longer the one that writes: drop what only the leader holds in memory."""
+
+    def excuse_silence(self) -> None:
+        """Every live worker gets a full heartbeat timeout from now (its heartbeats could not be recorded)."""
+
     def follow_from(self, session: Session, now: float) -> int:
         """Rebuild what a follower answers from (index, namespaces, hand-offs); returns the blocks indexed."""
 
@@ -90,6 +101,7 @@ class Leader:
         self.live_workers = 0  # a follower's count, from SQL (the leader counts heartbeats itself)
         self._last = 0  # the last change this replica's index has applied
         self._started = False  # start() has run: this replica leads and has recovered
+        self._excused = True  # workers' heartbeats were recorded all along (False after the lock's connection dropped)
         self._followed = False  # the index was built from SQL to follow the leader
         self._conn = None  # psycopg connection: holds the lock (leader), listens (follower)
         self._checkpoints: deque[tuple[float, int]] = deque()  # (when, highest change id then): pruning
@@ -101,8 +113,9 @@ class Leader:
         return self._log.leading
 
     @property
-    def retired(self) -> str:
-        return self._log.retired
+    def stepping_down(self) -> str:
+        """Why this replica stopped leading, while it has not stepped down yet ("" otherwise)."""
+        return self._log.lost if self._started and not self.leading else ""
 
     @property
     def term(self) -> int:
@@ -118,13 +131,17 @@ class Leader:
         """Follow and campaign until this replica leads (at once without PostgreSQL), then reap
         every tick. `refresh` runs every tick in both roles (credentials read again). A database
         error ends no role: the round is tried again after a back-off (a follower reconnects and
-        reads the change log from where it stopped), until `stop` or this replica retires."""
+        reads the change log from where it stopped), until `stop`. A leader that lost the lead
+        follows again."""
         wait = BACKOFF_S[0]
-        while not stop.is_set() and not self.retired:
+        while not stop.is_set():
             try:
+                if self._started and not self.leading:  # it led; its lock or its term was taken meanwhile
+                    self._step_down()
                 if self.leading and self._started:
                     self._lead(reap, refresh)
-                    stop.wait(self._settings.reaper_interval_s)
+                    if self.leading:  # else it steps down at once, not a tick later
+                        stop.wait(self._settings.reaper_interval_s)
                 elif not self.enabled:
                     self._directory.start()
                     self._started = True
@@ -142,16 +159,20 @@ class Leader:
         if self.enabled and not self._holds_lock():
             regained = self._regain()
             if regained is False:
-                self._retire("it lost the leader's lock (its database connection dropped) and another "
-                             "replica has led since")
+                self._log.lose("it lost the leader's lock (its database connection dropped) and another "
+                               "replica has led since")
                 return
             if regained is None:
                 return  # the database does not answer: nothing to reap, nobody else can lead either
             self._restarted()
-        if self._log.stale:
+            self._excused = False
+        if self._log.stale:  # first: no commit passes until then
             log.warning("the database restarted and may have lost the last relaxed commits: reading the index, "
                         "page credit and reservations from SQL again")
             self._directory.reread(self._log.adopt)
+        if not self._excused:  # before any reap: the outage must not count as the workers' silence
+            self._directory.excuse_silence()
+            self._excused = True
         reap()
         self._prune()
         refresh()
@@ -214,7 +235,7 @@ class Leader:
             self._log.leading = False
             self._disconnect()
             raise
-        self._started = True
+        self._started = self._excused = True  # recover() gave every live worker a full heartbeat timeout
         self._log.leading = True
         self._set_leader(self.url)
         log.info("this directory replica leads now (term %d)", self.term)
@@ -244,8 +265,16 @@ class Leader:
         log.info("the leader's lock is held again (term %d)", self.term)
         return True
 
-    def _retire(self, why: str) -> None:
-        self._log.retire(why)
+    def _step_down(self) -> None:
+        """Follow again, as at the start: another replica leads (or led while this one's lock
+        connection was down), so what this one holds as the leader (reservations, page credit,
+        heartbeats heard, its index) may be stale. The next follow round connects and reads the
+        index from SQL; a later promotion builds the rest from SQL, as any promotion does."""
+        log.warning("this directory replica steps down (%s): it follows the leader again", self._log.lost)
+        self._started = self._followed = False
+        self._disconnect()  # its lock, if it still held it, goes with the connection
+        self._set_leader("")  # learned again by the next campaign: no call is forwarded to itself meanwhile
+        self._directory.step_down()
 
     # ---- the change log ---------------------------------------------------------------------------------
 
@@ -315,6 +344,8 @@ class Leader:
 
     def _leader_client(self) -> JsonHttp | None:
         with self._leader_lock:
+            if self.leader_url == self.url:  # it lost the lead a moment ago and has not stepped down yet
+                return None
             if self._leader is None and self.leader_url:
                 self._leader = JsonHttp(self.leader_url, timeout_s=self._settings.move_timeout_s + 30,
                                         ca_file=self._settings.ca_file)

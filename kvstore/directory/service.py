@@ -129,6 +129,20 @@ class DirectoryService:
             self.index.reload_topology(tx.session)
         self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
 
+    def step_down(self) -> None:
+        """This replica no longer leads: what only the leader holds in memory goes (open reservations
+        and remembered completions, page credit, heartbeats heard). Another replica holds them now,
+        in SQL; a later promotion of this one builds them from there again (`start`)."""
+        self.store.forget_open()
+        self.pools.clear()
+        self.membership.forget_beats()
+
+    def excuse_silence(self) -> None:
+        """After this leader's connection dropped (the database went away): no heartbeat could be
+        recorded meanwhile, so each live worker gets a full heartbeat timeout from now, as at a
+        start (`recover`). Else the outage would declare every worker dead and drop its DRAM."""
+        self.writer.run(lambda tx: self.membership.excuse(tx, self._clock()))
+
     def reread(self, adopt: Callable[[Session], None]) -> None:
         """After a database restart that may have lost relaxed commits (saves): index, page credit
         (the pages of lost blocks come back) and policies from SQL, open reservations dropped; alone
@@ -182,9 +196,7 @@ class DirectoryService:
             moving = repo.replicas_in_state(tx.session, MOVING)
             for replica, _, _ in moving:
                 replica.state = READY
-            for worker in repo.workers(tx.session):
-                if worker.state != "dead":
-                    worker.heartbeat_at = max(worker.heartbeat_at, now)
+            self.membership.excuse(tx, now)
             return len(rows), len(moving)
         rolled_back, moving = self.writer.run(job)
         if rolled_back or moving:

@@ -1,7 +1,7 @@
 """Directory replicas on one PostgreSQL database, in this process over real HTTP: a follower answers
 lookups from an index that follows the leader's commits and forwards every other call, the
-caller's credential with it; a leader whose term another replica took writes nothing more; on
-SQLite there is one directory, the leader, and no change log."""
+caller's credential with it; a leader whose term or lock another replica took writes nothing more
+and follows again; on SQLite there is one directory, the leader, and no change log."""
 
 from __future__ import annotations
 
@@ -83,9 +83,45 @@ def test_a_leader_whose_term_was_taken_writes_nothing_more(postgres):
         assert refused.value.kind == "unavailable"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM namespaces")).scalar() == 0  # rolled back
-        assert httpx.get(url + "/healthz").status_code == 503  # its supervisor restarts it
-        assert httpx.get(url + "/v1/admin/stats").status_code == 503
+        assert httpx.get(url + "/healthz").status_code == 200  # it serves on: it steps down, no restart needed
+        # it follows again and, alone, takes the lead again under a term of its own
+        wait_until(lambda: client.stats().leader and client.stats().term == 3, 10, "the lead taken again")
+        assert client.register_namespace(NS)
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_leader_that_lost_its_lock_to_another_replica_follows_it(postgres):
+    """The leader's lock connection is cut (as a database restart cuts it) and another replica
+    takes the lock before the leader notices (its ticks are slow here): the old leader steps down
+    and follows the new one, at once and by itself; it forwards to it and answers lookups from an
+    index read from SQL again. Before, it stopped serving until something restarted it."""
+    database_url = postgres.create_database()
+    admin = create_engine(database_url)
+    with worker_endpoint(verifier=Verdicts()) as control:
+        with directory_replica(database_url, reaper_interval_s=3.0) as (_, old_url), \
+                directory_replica(database_url) as (_, new_url):
+            old, new = DirectoryClient(old_url), DirectoryClient(new_url)
+            assert old.stats().leader
+            old.register_worker(registration(control_url=control.url))
+            namespace_id = old.register_namespace(NS)
+            before = [f"{i:032x}" for i in range(1, 4)]
+            assert save(old, namespace_id, before) == 3
+            with admin.connect() as conn:  # the lock's connection dies; the other replica asks every 0.5 s
+                conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"))
+            wait_until(lambda: new.stats().leader, 5, "the other replica leads")
+
+            def follows() -> bool:
+                return not old.stats().leader and httpx.get(old_url + "/readyz?workers=0").status_code == 200
+            wait_until(follows, 10, "the old leader follows")
+            assert httpx.get(old_url + "/healthz").status_code == 200
+            assert old.lookup(namespace_id, before).num_hit_blocks == 3  # its index, read again
+            after = [f"{i:032x}" for i in range(11, 14)]
+            assert save(old, namespace_id, after) == 3  # forwarded to the new leader
+            wait_until(lambda: old.lookup(namespace_id, after).num_hit_blocks == 3, 5, "it follows the commits")
+            tier = old.tiers()[0]  # forwarded: the new leader's page credit, 6 blocks taken
+            assert tier.credit_free_bytes == (32 - 6 * NS.block_nbytes // PAGE) * PAGE
+    admin.dispose()
 
 
 def test_on_sqlite_the_one_directory_leads_and_logs_no_changes(tmp_path):

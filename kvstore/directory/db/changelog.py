@@ -1,7 +1,7 @@
 """The leader's side of SQL: its term, the change log followers read, and the advisory lock.
 
     log = ChangeLog(enabled)            # enabled: PostgreSQL (replicas may run side by side)
-    log.leading / log.term / log.retired  # this replica's role, set by `leader.Leader`
+    log.leading / log.term / log.lost   # this replica's role, set by `leader.Leader`
     log.lag_s                           # a follower: seconds since it last read the change log
     log.relaxed / log.stale / log.adopt(session)   # relaxed commits: has the database restarted since?
     Writer(..., before_commit=log.before_commit)   # every group commit checks the term and logs
@@ -44,7 +44,7 @@ class ChangeLog:
         self.enabled = enabled
         self.leading = not enabled  # one directory alone (SQLite) leads from the start
         self.term = 0
-        self.retired = ""  # why this replica stopped serving (it lost the lead); "" while it serves
+        self.lost = ""  # why this replica stopped leading (another took over); "" until then and once it leads
         self._checks = False  # from its promotion on, a leader checks its term in every commit
         self._clock = clock
         self._followed_at = time.monotonic()  # a follower last read the change log then
@@ -55,6 +55,7 @@ class ChangeLog:
     def lead(self, term: int) -> None:
         self.term = term
         self._checks = True
+        self.lost = ""
 
     def adopt(self, session: Session) -> None:
         """This replica's state is being read from SQL in `session`: it holds for the database as it runs now."""
@@ -80,10 +81,13 @@ class ChangeLog:
         """Seconds since this follower last read the change log; 0 on the leader."""
         return 0.0 if self.leading else time.monotonic() - self._followed_at
 
-    def retire(self, why: str) -> None:
+    def lose(self, why: str) -> None:
+        """This replica no longer leads. Its commits are refused from here on (another replica may
+        lead under a higher term); `leader.Leader` makes it follow again, from SQL."""
         self.leading = False
-        self.retired = why
-        log.critical("this directory replica stops serving: %s; restart it (it will follow the new leader)", why)
+        if not self.lost:
+            log.warning("this directory replica no longer leads: %s; it follows again", why)
+        self.lost = why
 
     def before_commit(self, session: Session, touched: set[int], topology: bool, namespaces: bool,
                       committed: list, handoffs: set[str]) -> None:
@@ -92,7 +96,7 @@ class ChangeLog:
         if not self._checks:
             return
         check = update(LeaderRow).where(LeaderRow.id == 1, LeaderRow.term == self.term).values(term=LeaderRow.term)
-        if self.retired:
+        if self.lost:  # a job made while it led must not commit now, even if nobody has raised the term yet
             ours = False
         elif self.relaxed:
             row = session.execute(check.returning(func.pg_postmaster_start_time())).first()
@@ -102,8 +106,7 @@ class ChangeLog:
         else:
             ours = session.execute(check).rowcount == 1
         if not ours:
-            if not self.retired:
-                self.retire(f"another replica leads now (this one led in term {self.term})")
+            self.lose(f"another replica leads now (this one led in term {self.term})")
             raise KVStoreError("unavailable", "this directory replica no longer leads; ask another")
         if self.stale:
             raise KVStoreError("unavailable", "the database restarted and may have lost its last relaxed commits; "

@@ -193,10 +193,6 @@ class HotPath:
         headers = dict(scope["headers"])
         method, path = scope["method"], scope["path"]
         if route is not None and not self.leader.leading:
-            if self.leader.retired and (method, route[0]) not in HEALTH:
-                exc = KVStoreError("unavailable", f"this directory replica stopped serving: {self.leader.retired}")
-                await _answer(send, exc.http_status, wire.encode(exc.to_body()))
-                return
             if (method, route[0]) not in LOCAL:  # the credential checked here first: no body read for nobody
                 try:
                     await self._admit_here(method, path, headers.get(b"authorization"), route)

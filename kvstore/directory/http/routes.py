@@ -122,9 +122,7 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
 
     @r.get("/healthz")
     def healthz() -> Response:
-        """200 while the process serves; 503 once a replica that lost the lead stopped serving."""
-        if leader.retired:
-            return _unready(f"this directory replica stopped serving: {leader.retired}; restart it")
+        """200 while the process serves (a replica that lost the lead follows again: it serves)."""
         return JSONResponse({"status": "ok"})
 
     readiness = _Readiness(service)
@@ -134,8 +132,8 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
                                     "index and the database")) -> Response:
         """200 when the directory can serve: its index is built, the database answers, and at least
         `workers` workers are live; 503 with the reason otherwise."""
-        if leader.retired:
-            return _unready(f"this directory replica stopped serving: {leader.retired}")
+        if leader.stepping_down:
+            return _unready(f"this directory replica lost the lead ({leader.stepping_down}); it follows again shortly")
         if not service.ready:
             return _unready("building the lookup index")
         failure = readiness.database()

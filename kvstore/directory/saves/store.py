@@ -217,9 +217,17 @@ class Store:
         """No save is prepared meanwhile, and open reservations and remembered completions are
         dropped: the state they were made in is being read from SQL again."""
         with self._lock:
-            self.reservations.clear()
-            self._completed_tokens.clear()
+            self._forget_open()
             yield
+
+    def forget_open(self) -> None:
+        """Open reservations and remembered completions are dropped (this replica stopped leading)."""
+        with self._lock:
+            self._forget_open()
+
+    def _forget_open(self) -> None:
+        self.reservations.clear()
+        self._completed_tokens.clear()
 
     # ---- complete, abort, renew, expire ---------------------------------------------------------
 

@@ -71,9 +71,13 @@ class PagePools:
     def forget(self, tier_id: int) -> None:
         self._pools.pop(tier_id, None)
 
+    def clear(self) -> None:
+        """No page credit at all (a replica that does not lead hands out no pages)."""
+        self._pools.clear()
+
     def rebuild(self, session: Session, tiers: dict, workers: dict) -> None:
         """Grants of each tier's current epoch, less the pages its replicas of that epoch hold."""
-        self._pools.clear()
+        self.clear()
         for grant in repo.grants(session):
             tier = tiers.get(grant.tier_id)
             if tier is not None and workers[tier.worker_id].epoch == grant.epoch:

@@ -6,6 +6,7 @@
     grant(worker_id)                  # ask a worker for page credit (registration, and the reaper's retries)
     heartbeat(name, epoch, owner)     # a stale epoch is a conflict: register again
     declare_dead(tx, now)             # the reaper: silence beyond heartbeat_timeout_s
+    excuse(tx, now)                   # the directory or its database was away: every live worker heard from now
     deregister(name, epoch, owner)    # a clean stop
 """
 
@@ -288,6 +289,17 @@ class Membership:
                 self._beats.pop(worker.name, None)
                 dead += 1
         return dead
+
+    def excuse(self, tx: Tx, now: float) -> None:
+        """Every live worker counts as heard from at `now`: the directory (or its database) was away,
+        and that silence was not the workers'."""
+        for worker in repo.workers(tx.session):
+            if worker.state != "dead":
+                worker.heartbeat_at = max(worker.heartbeat_at, now)
+
+    def forget_beats(self) -> None:
+        """A replica that stopped leading hears no heartbeats: what it heard would count stale workers live."""
+        self._beats.clear()
 
     def live_count(self) -> int:
         """Workers heard from (registration or heartbeat) within the heartbeat timeout by this
