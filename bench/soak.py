@@ -79,7 +79,6 @@ class Soak:
         self.kinds = FAULTS if len(self.mounted) == 3 else tuple(k for k in FAULTS if k != "nvme_full")
         self.engines: list[tuple[object, Path]] = []
         self.faults: list[dict] = []
-        self.restarts = 0  # replicas restarted because they stopped serving
 
     def start(self) -> None:
         self.cluster.start()
@@ -152,9 +151,8 @@ class Soak:
 
     def recovered(self, ended: float) -> float | None:
         """Seconds from the fault's end until every live replica is ready and each engine has loaded
-        a whole prompt since; None if not within RECOVER_S. A replica that stopped serving (it lost
-        the lead while it could not reach the database: /healthz 503) is restarted, as its
-        supervisor would."""
+        a whole prompt since; None if not within RECOVER_S. A replica that lost the lead while it
+        could not reach the database steps down and follows again by itself: nothing restarts it."""
         def ready() -> bool:
             if not self.replicas_ready():
                 return False
@@ -166,14 +164,9 @@ class Soak:
         return time.time() - ended
 
     def replicas_ready(self) -> bool:
-        """Every live replica answers /readyz with 200; one that stopped serving is restarted."""
+        """Every live replica answers /readyz with 200."""
         for i in self.cluster.live():
             try:
-                if httpx.get(self.cluster.url(i) + "/healthz", timeout=2).status_code == 503:
-                    self.restarts += 1
-                    self.cluster.kill_replica(i)
-                    self.cluster.start_replica(i, wait=False)
-                    return False
                 if httpx.get(self.cluster.url(i) + "/readyz?workers=0", timeout=2).status_code != 200:
                     return False
             except httpx.HTTPError:
@@ -324,7 +317,6 @@ def main() -> None:
             print(f"{kind}: {'recovered in %.1f s' % recover_s if recover_s is not None else 'NOT recovered'}",
                   flush=True)
         result = report(soak.faults, soak.finish(), args.minutes)
-        result["supervisor_restarts"] = soak.restarts
         result["not_injected"] = sorted(set(FAULTS) - set(soak.kinds))
     finally:
         soak.close()
@@ -335,7 +327,7 @@ def main() -> None:
                  for kind, k in sorted(result["faults"].items())])
     print(f"operations {result['operations']}, loads {result['loads']}, engine errors {result['engine_errors']}, "
           f"lost {result['lost']}, settled {result['settled']}, replicas agree {result['replicas_agree']}, "
-          f"pages agree {result['pages_agree']}, replicas restarted by the supervisor {result['supervisor_restarts']}"
+          f"pages agree {result['pages_agree']}"
           + (f", not injected here: {', '.join(result['not_injected'])}" if result["not_injected"] else ""))
     sys.exit(0 if result["lost"] == 0 and result["all_recovered"] and result["settled"]
              and result["replicas_agree"] and result["pages_agree"] else 1)
