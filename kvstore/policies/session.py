@@ -16,10 +16,11 @@ hints all classes are read alike and the policy is LRU with a hot segment. A tai
 save extends (it names it as a parent: the next turn of a conversation, the next chunk of a
 prompt) joins its class without the tail.
 
-The hot segment (blocks read at least twice after they were stored) helps where popularity repeats (documents behind many
-questions) and hurts where it does not (a conversation's blocks are read once per turn): its size
-follows whichever of two small shadow caches on a sample of the keys, plain LRU or LRU with a hot
-half, is hitting more (set dueling), at HOT_SHARE of the blocks or nothing.
+The hot segment (blocks read at least twice after they were stored) helps where popularity
+repeats (documents behind many questions) and hurts where it does not (a conversation's blocks are
+read once per turn): its size follows whichever of two small shadow caches on a sample of the
+keys, plain LRU or LRU with a hot half that promotes as this policy does, is hitting more (set
+dueling), at HOT_SHARE of the blocks or nothing.
 """
 
 from __future__ import annotations
