@@ -14,7 +14,12 @@ the block ids are the same whatever the accuracy. The generators model what pref
   plus new blocks after a think time) behind a few shared system prompts of Zipf popularity;
 - rag: a system prompt, then one of many documents of Zipf popularity, then a unique question;
 - scan: chat traffic interleaved with long one-off prompts (batch jobs) that are never reused;
-- mixed: all three at once.
+- mixed: all three at once;
+- sessions / sessions-docs: multi-turn sessions behind a few shared system prompts, some of them
+  about a document of Zipf popularity that other sessions read too, and now and then a long
+  one-off scan; a save ends on a full block, which the session's next turn extends.
+  `sessions-docs` is the second mix (most sessions about one of fewer documents, more scans,
+  longer and fewer turns).
 Nothing here is fitted to a particular trace; the parameters are round numbers.
 """
 
@@ -105,7 +110,53 @@ def mixed(rng: random.Random, blocks: Blocks):
         heads[i] = next(sources[i])
 
 
-KINDS = {"chat": chat, "rag": rag, "scan": scan, "mixed": mixed}
+def sessions(rng: random.Random, blocks: Blocks, rate_per_s: float = 2.0, prompts: int = 4,
+             documents: int = 400, doc_share: float = 0.4, scan_share: float = 0.06,
+             scan_blocks: tuple[int, int] = (64, 256), continue_p: float = 0.75, think_s: float = 30.0,
+             turn_blocks: tuple[int, int] = (2, 8), partial: bool = False):
+    """Yields (time_ms, hash_ids, hints) forever. A session: one of `prompts` system prompts (Zipf),
+    then with `doc_share` one of `documents` documents (Zipf 1.0, shared by every session that
+    picks it), then its turns, each re-sending the whole conversation plus `turn_blocks` new blocks
+    after a think time. A save ends on a full block that the next turn extends (engines that cache
+    only full blocks save them so); with `partial`, on a block of its own that is never read again.
+    With `scan_share` an arrival is instead a one-off prompt of `scan_blocks` new blocks."""
+    system = [blocks.new(rng.randint(2, 6)) for _ in range(prompts)]
+    prompt_weights = zipf_weights(prompts, 1.0)
+    docs = [blocks.new(rng.randint(8, 32)) for _ in range(documents)]
+    doc_weights = zipf_weights(documents, 1.0)
+    queue: list = []
+    now, ids = 0.0, itertools.count()
+    while True:
+        now += rng.expovariate(rate_per_s)
+        if rng.random() < scan_share:
+            yield now, blocks.new(rng.randint(*scan_blocks)), {"session_id": blocks.session("scan"), "turn": 0,
+                                                               "retain": "none"}
+            continue
+        history = list(rng.choices(system, prompt_weights)[0])
+        if rng.random() < doc_share:
+            history += rng.choices(docs, doc_weights)[0]
+        history += blocks.new(rng.randint(*turn_blocks))
+        heapq.heappush(queue, (now, next(ids), history, blocks.session("session"), 0))
+        while queue and queue[0][0] <= now:
+            at, _, history, session, turn = heapq.heappop(queue)
+            hints = {"session_id": session, "turn": turn, "retain": "session"}
+            yield at, history + blocks.new(1) if partial else history, hints
+            continues = rng.random() < continue_p
+            hints["retain"] = blocks.retain(continues)  # what the application knew when it sent it
+            if continues:
+                grown = history + blocks.new(rng.randint(*turn_blocks))
+                heapq.heappush(queue, (at + rng.expovariate(1 / think_s), next(ids), grown, session, turn + 1))
+
+
+def sessions_docs(rng: random.Random, blocks: Blocks):
+    """The second mix: most sessions about a document (100, Zipf), more and longer scans, longer
+    turns, fewer of them."""
+    return sessions(rng, blocks, documents=100, doc_share=0.8, scan_share=0.1, scan_blocks=(64, 256),
+                    continue_p=0.6, think_s=45.0, turn_blocks=(4, 16))
+
+
+KINDS = {"chat": chat, "rag": rag, "scan": scan, "mixed": mixed, "sessions": sessions,
+         "sessions-docs": sessions_docs}
 
 
 def generate(kind: str, requests: int, seed: int, hint_accuracy: float = 0.8) -> list[dict]:

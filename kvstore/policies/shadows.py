@@ -24,8 +24,10 @@ def shadow_rate(capacity: int) -> float:
 
 
 class Shadow:
-    """An LRU of `capacity` keys; with `hot_share`, keys read twice go to a protected segment of
-    at most that share (evicted last); with `door`, a key is stored only if it admits it."""
+    """An LRU of `capacity` keys; with `hot_share`, keys read twice after they were stored go to a
+    protected segment of at most that share (evicted last), as the session-aware LRU promotes them
+    (a shadow that promoted on the first read would vote for a hot segment the tier does not run);
+    with `door`, a key is stored only if it admits it."""
 
     def __init__(self, capacity: int, hot_share: float = 0.0, door=None) -> None:
         self.capacity, self.hot_share, self.door = capacity, hot_share, door
@@ -40,16 +42,17 @@ class Shadow:
             return
         if key in self._probation:
             self.score += 1
-            if self.hot_share:
+            if self.hot_share and self._probation[key]:  # read twice, as the session-aware LRU counts
                 del self._probation[key]
                 self._hot[key] = None
                 while len(self._hot) > self.hot_share * self.capacity:
-                    self._probation[self._hot.popitem(last=False)[0]] = None
+                    self._probation[self._hot.popitem(last=False)[0]] = True
             else:
+                self._probation[key] = True
                 self._probation.move_to_end(key)
             return
         if self.door is not None and not isinstance(self.door.admit(key), Admit):
             return
-        self._probation[key] = None
+        self._probation[key] = False
         while len(self._probation) + len(self._hot) > self.capacity:
             (self._probation if self._probation else self._hot).popitem(last=False)

@@ -76,13 +76,16 @@ def test_a_tail_that_a_later_save_extends_joins_its_class():
         policy.touch(("b", i))
     assert policy.classes.level(Hints(tail=True).signature) >= 2
     policy.evict(len(policy))
-    policy.insert("a0", None, Hints())
-    policy.insert("a1", "a0", Hints(tail=True))  # a save's tail: low
+    assert not any(sampled(key_hash(k)) for k in ("c0", "c1", "c2", "b0", "b1"))  # none measures its class
+    policy.insert("c0", None, Hints())
+    policy.insert("c1", "c0", Hints(tail=True))  # a save's tail: low
     policy.insert("b0", None, Hints())
     policy.insert("b1", "b0", Hints(tail=True))
-    policy.insert("a2", "a1", Hints(tail=True))  # the next turn extends a1: a tail no more
-    # tails first (oldest first: b1, then a2), then the rest by recency
-    assert policy.evict(2) == ["b1", "a2"] and policy.evict(1) == ["a0"]
+    policy.insert("c2", "c1", Hints(tail=True))  # the next turn extends c1: a tail no more
+    # a tail goes once its age times 2^level passes the oldest other block's: b1 (1 x >= 4) before
+    # c0 (4), c2 (0 x >= 4) only after b0 (2); c1, a tail of age 3 had it stayed one, goes last
+    assert policy.order(5) == ["b1", "c0", "b0", "c2", "c1"]
+    assert policy.evict(2) == ["b1", "c0"] and policy.evict(3) == ["b0", "c2", "c1"]
 
 
 def test_reuse_classes_learn_from_their_sample_and_follow_the_workload():
