@@ -1,0 +1,158 @@
+"""A load across hosts against the link it crosses: network namespaces joined by a bridge (the
+tests' `tests/netns.Hosts`), the engine host's link shaped to `--rate`, UCX over TCP.
+
+    python bench/hosts.py [--rate 10gbit] [--block 4MiB] [--bytes 256MiB] [--repeats 3] [--json OUT]
+
+Hosts: `dir` (the directory), `w1` (a worker), `e1` (the engine). The reference is raw TCP between
+the same two namespaces: one connection from w1 to e1 carrying `--bytes` (iperf-style). The store's
+load is `KVStoreClient.load_blocks` of `--bytes` of blocks that the engine saved to w1 (prepare,
+the bytes, checksums, complete): today the engine READs them (NIXL UCX over TCP). Both cross e1's
+shaped link in the same direction. Medians over `--repeats`; the ratio is of medians from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, median, print_table, write_json  # noqa: E402
+
+from kvstore.core.sizes import format_size, parse_size  # noqa: E402
+from tests.helpers import kvstore_cmd, wait_http, wait_until  # noqa: E402
+from tests.netns import Hosts  # noqa: E402
+
+TCP = {"UCX_TLS": "tcp"}
+PORT, RAW_PORT = 8700, 9100
+
+
+def raw_receiver(host: str, nbytes: int, repeats: int) -> None:
+    """e1: accept `repeats` connections, each carrying `nbytes`; print the seconds of each."""
+    server = socket.create_server((host, RAW_PORT))
+    print("ready", flush=True)
+    buffer = bytearray(4 << 20)
+    for _ in range(repeats):
+        conn, _ = server.accept()
+        t0, got = time.perf_counter(), 0
+        while got < nbytes:
+            n = conn.recv_into(buffer)
+            if not n:
+                break
+            got += n
+        print(json.dumps({"s": time.perf_counter() - t0, "bytes": got}), flush=True)
+        conn.close()
+
+
+def raw_sender(host: str, nbytes: int, repeats: int) -> None:
+    """w1: send `nbytes` over a new connection, `repeats` times."""
+    chunk = bytes(4 << 20)
+    for _ in range(repeats):
+        for _ in range(100):
+            try:
+                conn = socket.create_connection((host, RAW_PORT))
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        sent = 0
+        while sent < nbytes:
+            conn.sendall(chunk[: min(len(chunk), nbytes - sent)])
+            sent += min(len(chunk), nbytes - sent)
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)
+        conn.close()
+        time.sleep(0.2)
+
+
+def store_engine(url: str, block: int, nbytes: int, repeats: int) -> None:
+    """e1: save `nbytes` of blocks, then load them `repeats` times; print the seconds of each load."""
+    import numpy as np
+
+    from kvstore.connector import KVStoreClient, Namespace
+    from kvstore.core.keys import block_hashes
+
+    ns = Namespace(model_id="bench-hosts", num_layers=1, num_kv_heads=8, head_dim=128, dtype="float32",
+                   block_tokens=block // (2 * 8 * 128 * 4))
+    n = nbytes // ns.block_nbytes
+    with KVStoreClient(url, ns, staging_bytes=n * ns.block_nbytes, same_host="off") as client:
+        hashes = block_hashes(ns, list(range(n * ns.block_tokens)))
+        views = client._staging_views(n)
+        for k, view in enumerate(views):
+            view[:] = np.random.default_rng(k).integers(0, 255, view.size, dtype=np.uint8)
+        assert client.save_blocks(hashes, views) == n, client.last_refused
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            loaded = client.load_blocks(hashes, views)
+            print(json.dumps({"s": time.perf_counter() - t0, "blocks": loaded, "bytes": loaded * ns.block_nbytes,
+                              "phases": client.last_timings}), flush=True)
+
+
+def results(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> list[dict]:
+    assert proc.wait(timeout=timeout_s) == 0, log.read_text()[-3000:]
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def run(args) -> dict:
+    block, nbytes = parse_size(args.block), parse_size(args.bytes)
+    with tempfile.TemporaryDirectory(prefix="kvstore-hosts-") as tmp_name, \
+            Hosts(Path(tmp_name), ["dir", "w1", "e1"]) as hosts:
+        tmp = Path(tmp_name)
+        me = [sys.executable, str(Path(__file__).resolve())]
+        hosts.shape("e1", args.rate)
+        receiver = hosts.spawn("e1", [*me, "--role", "raw-receiver", "--bytes", args.bytes, "--repeats",
+                                      str(args.repeats)], tmp / "raw-receiver.log")
+        wait_until(lambda: "ready" in (tmp / "raw-receiver.log").read_text(), 30, "the raw receiver")
+        sender = hosts.spawn("w1", [*me, "--role", "raw-sender", "--url", hosts.addr("e1"), "--bytes", args.bytes,
+                                    "--repeats", str(args.repeats)], tmp / "raw-sender.log")
+        raw = results(receiver, tmp / "raw-receiver.log")
+        sender.wait(timeout=60)
+        url = f"http://{hosts.addr('dir')}:{PORT}"
+        directory = hosts.spawn("dir", kvstore_cmd("directory", "serve", "--insecure-no-auth", "--host",
+                                                   hosts.addr("dir"), "--port", str(PORT), "--data-dir",
+                                                   str(tmp / "var")), tmp / "directory.log")
+        wait_http(url + "/readyz?workers=0", proc=directory)
+        hosts.spawn("w1", kvstore_cmd("worker", "serve", "--directory-url", url, "--name", "w1", "--host",
+                                      hosts.addr("w1"), "--dram-bytes", format_size(nbytes + (64 << 20)),
+                                      "--page-bytes", "64KiB", "--arena-dir", str(hosts.folder("w1") / "arenas")),
+                    tmp / "worker.log", TCP)
+        wait_http(url + "/readyz?workers=1")
+        engine = hosts.spawn("e1", [*me, "--role", "store-engine", "--url", url, "--block", args.block, "--bytes",
+                                    args.bytes, "--repeats", str(args.repeats)], tmp / "engine.log", TCP)
+        store = results(engine, tmp / "engine.log")
+    raw_gbps = median([r["bytes"] / r["s"] / 1e9 for r in raw])
+    store_gbps = median([r["bytes"] / r["s"] / 1e9 for r in store])
+    return {"machine": machine(), "rate": args.rate, "block": args.block, "bytes": args.bytes,
+            "raw_tcp_GBps": raw_gbps, "store_load_GBps": store_gbps, "load_vs_raw": store_gbps / raw_gbps,
+            "raw": raw, "store": store}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="10gbit", help="tc's rate for the engine host's link")
+    parser.add_argument("--block", default="4MiB")
+    parser.add_argument("--bytes", default="256MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    parser.add_argument("--role", choices=["raw-receiver", "raw-sender", "store-engine"], help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)  # the directory's (store-engine), e1's address (raw-sender)
+    args = parser.parse_args()
+    if args.role == "raw-receiver":
+        return raw_receiver("0.0.0.0", parse_size(args.bytes), args.repeats)
+    if args.role == "raw-sender":
+        return raw_sender(args.url, parse_size(args.bytes), args.repeats)
+    if args.role == "store-engine":
+        return store_engine(args.url, parse_size(args.block), parse_size(args.bytes), args.repeats)
+    result = run(args)
+    print_table(["link", "block", "bytes", "raw TCP GB/s", "store load GB/s", "load ÷ raw"],
+                [[args.rate, args.block, args.bytes, result["raw_tcp_GBps"], result["store_load_GBps"],
+                  result["load_vs_raw"]]])
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
