@@ -38,3 +38,18 @@ def test_every_metric_and_setting_is_in_them():
     for cls, prefix in ((DirectorySettings, "KVSTORE_"), (WorkerSettings, "KVSTORE_WORKER_")):
         for name in cls.model_fields:
             assert f"`{prefix}{name.upper()}`" in configuration, name
+
+
+def test_the_design_says_what_relaxed_commits_promise_and_the_default_stays_durable():
+    """The control plane's first rule names the one mode that relaxes it, with the window the
+    setting states: visible at return, durable within 3 x wal_writer_delay; off by default."""
+    from kvstore.directory.settings import DirectorySettings
+
+    assert DirectorySettings.model_fields["relaxed_commits"].default is False
+    assert "0.6 s" in DirectorySettings.model_fields["relaxed_commits"].description
+    design = (ROOT / "docs/architecture.md").read_text()
+    rule = design[design.index("1. **A block is visible"):design.index("2. **A pinned replica")]
+    assert "committed in SQL** (durably, by default)" in rule
+    assert "relaxed commits" in rule and "durable within three" in rule and "0.6 s" in rule
+    relaxed = design[design.index("## Relaxed commits"):]
+    assert "**visible at return, durable within 0.6 s**" in relaxed
