@@ -1,9 +1,9 @@
 """What a saved block costs in SQL alone: the directory's own statements with nothing around them.
 
 The directory's schema (its migrations) in a fresh SQLite database with the directory's settings; then
-saves of `--chain` blocks, as the save path's commit writes them (one multi-row INSERT ... RETURNING of
-the block rows, one of the replica rows, COMMIT), straight through `sqlite3`, until `--blocks` are
-stored. Each step's thread CPU per block, per stretch of the fill. Beside it, the same blocks as one
+saves of `--chain` blocks, as the save path's commit writes them (the first free block id, one
+executemany of the block rows with the ids that follow, one multi-row INSERT ... RETURNING of the
+replica rows, COMMIT), straight through `sqlite3`, until `--blocks` are stored. Each step's thread CPU per block, per stretch of the fill. Beside it, the same blocks as one
 row per save (the chain's hashes and pages packed in two BLOBs): what a schema without a row per block
 would cost.
 
@@ -58,16 +58,16 @@ def save_rows(conn: sqlite3.Connection, chain: int, n: int, clock) -> list[float
     spent = []
     t = clock()
     conn.execute("BEGIN")
-    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, 0)"] * n)
-    params = tuple(x for k, h in enumerate(hashes)
-                   for x in ("ns", h, hashes[k - 1] if k else None, k, 65536, f"{k:016x}", now, now))
-    ids = conn.execute("INSERT INTO blocks (namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
-                       f"last_access, hit_count) VALUES {values} ON CONFLICT (namespace_id, hash) DO NOTHING "
-                       "RETURNING id, hash", params).fetchall()
+    ((first,),) = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM blocks").fetchall()
+    conn.executemany("INSERT INTO blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
+                     "last_access, hit_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                     [(first + k, "ns", h, hashes[k - 1] if k else None, k, 65536, f"{k:016x}", now, now)
+                      for k, h in enumerate(hashes)])
+    ids = [first + k for k in range(n)]
     spent.append(clock() - t)
     t = clock()
     values = ", ".join(["(?, ?, ?, 'ready', ?, ?, ?, ?, ?)"] * n)
-    params = tuple(x for k, (block_id, _) in enumerate(ids)
+    params = tuple(x for k, block_id in enumerate(ids)
                    for x in (block_id, 1, 1, f"tok{chain}", f"[[{16 * (chain * n + k)}, 16]]", 65536, None, now))
     conn.execute("INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, expires_at, "
                  f"created_at) VALUES {values} RETURNING id, block_id", params).fetchall()

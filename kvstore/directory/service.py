@@ -85,7 +85,7 @@ class DirectoryService:
                                  promote_timeout_s=min(settings.move_timeout_s, settings.lease_ttl_s),
                                  read=self.writer.read)
         spread = Spread(write, moves, reclaim, self.pools)
-        self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock)
+        self.membership = Membership(write, self.calls, reclaim, self.pools, settings, clock, self.index.ids)
         self.store = Store(self.writer, self.index, self.pools, self.reservations, self.policies, metrics, settings,
                            self.movement.make_room, clock)
         self.loads = Loads(write, self.index, self.movement.promote, reclaim, self.policies, metrics, settings, clock,
@@ -125,6 +125,7 @@ class DirectoryService:
                 self.calls.authorize(worker.control_url, worker.control_secret)
         if rebuild_index:
             self.index.rebuild(tx.session)
+            repo.merge_blocks(tx.session, self.index.duplicates)  # the leader's to resolve: it alone writes
         else:
             self.index.reload_topology(tx.session)
         self.pools.rebuild(tx.session, self.index.tiers, self.index.workers)
@@ -293,7 +294,7 @@ class DirectoryService:
         namespace = self.namespace(req.namespace_id, tenants)
         hashes = req.hashes if req.hashes is not None else \
             prefix_hashes(namespace, req.token_ids, req.hash_seed, max_blocks=MAX_INSPECTED)
-        return inspection.inspect(self.sessions, req.namespace_id, namespace.block_tokens, hashes)
+        return inspection.inspect(self.sessions, req.namespace_id, namespace.block_tokens, hashes, self.index.ids)
 
     def complete_loads(self, req) -> specs.LoadCompleted:
         return self.loads.complete(req)

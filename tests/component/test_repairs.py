@@ -10,7 +10,7 @@ from kvstore.connector.client import _accepted
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.inspection import InspectRequest
-from kvstore.directory.db import repository as repo
+from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.models import Replica
 from kvstore.directory.db.models.replica import MOVING, WRITING
 from kvstore.directory.moves import sql as moves_sql
@@ -77,3 +77,31 @@ def test_a_completion_asked_again_says_what_the_first_one_did_and_commits_nothin
     stats = stack.client.stats()
     assert (stats.blocks, stats.replicas, stats.reservations) == (2, 2, 0)
     assert _accepted(stack.client.complete_store, specs.CompleteStore(token=prepared.token, blocks=[]))
+
+
+def test_a_rebuild_keeps_the_newest_row_of_a_hash_saved_twice_and_gives_it_the_others_replicas(stack, caplog):
+    """No unique index keeps one row per (namespace, hash): a row written again beside an old one
+    (here by hand) is met by the leader's rebuild, which keeps the newest and says how many it found."""
+    hashes = chain(2)
+    complete(stack, prepare(stack, hashes))
+
+    def duplicate(tx) -> tuple[int, int]:
+        block = repo.blocks_by_hash(tx.session, stack.namespace_id, hashes[:1])[hashes[0]]
+        replica, tier, worker = repo.replicas_of(tx.session, [block.id])[0]
+        (new_id,), = direct.rows(tx.session, "SELECT max(id) + 1 FROM blocks")
+        direct.execute(tx.session, "INSERT INTO blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, "
+                       "created_at, last_access, hit_count) SELECT ?, namespace_id, hash, parent, depth, nbytes, "
+                       "checksum, created_at, last_access, hit_count FROM blocks WHERE id = ?", (new_id, block.id))
+        direct.insert_replicas(tx.session, [(new_id, tier.id, worker.epoch, "copy", [[900, 2]], 2 * PAGE, 0.0)])
+        return block.id, new_id
+    old_id, new_id = stack.service.writer.run(duplicate)
+    with caplog.at_level("WARNING", logger="kvstore.directory.db.index"):
+        stack.service.reread(lambda session: None)
+    assert "found 1 duplicate block rows" in caplog.text
+
+    def rows(tx) -> list[tuple]:
+        return direct.rows(tx.session, "SELECT b.id, count(r.id) FROM blocks b JOIN replicas r ON r.block_id = b.id "
+                           "WHERE b.hash = ? GROUP BY b.id", (hashes[0],))
+    assert [tuple(row) for row in stack.service.writer.run(rows)] == [(new_id, 2)]  # the old row's replica moved
+    assert stack.service.index.ids(stack.namespace_id, hashes[:1]) == {hashes[0]: new_id} and old_id != new_id
+    assert hits(stack, hashes) == 2

@@ -2,7 +2,8 @@
 
     connection, sql = driver(session, sql)      # `?` placeholders, as the driver wants them
     rows(session, sql, params) / execute(session, sql, params) / driver_many(session, sql, rows)
-    insert_blocks / insert_replicas             # multi-row INSERTs ... RETURNING
+    insert_blocks                               # one executemany, ids assigned here
+    insert_replicas                             # multi-row INSERTs ... RETURNING
     set_states(session, {replica id: state})
     expire_loaded(session, model, ids)          # after a driver UPDATE of rows the ORM may hold
 
@@ -84,26 +85,38 @@ def marks(n: int) -> str:
     return ", ".join("?" * n)
 
 
-def insert_blocks(session: Session, namespace_id: str, blocks: list[tuple], now: float) -> dict[str, int]:
-    """(hash, parent, depth, nbytes, checksum) rows, committed; returns hash -> id. A block row that is
-    already there (a replica of it is still being deleted) keeps its id and takes the new checksum."""
-    ids: dict[str, int] = {}
-    for start in range(0, len(blocks), ROWS_PER_INSERT):
-        chunk = blocks[start : start + ROWS_PER_INSERT]
-        values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, 0)"] * len(chunk))
-        params = tuple(x for h, p, d, n, c in chunk for x in (namespace_id, h, p, d, n, c, now, now))
-        ids.update((h, i) for i, h in rows(
-            session, "INSERT INTO blocks (namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
-            f"last_access, hit_count) VALUES {values} ON CONFLICT (namespace_id, hash) DO NOTHING RETURNING id, hash",
-            params))
-    there = [b for b in blocks if b[0] not in ids]
-    if there:
-        for chunk in chunks([b[0] for b in there]):
-            ids.update((h, i) for h, i in rows(
-                session, f"SELECT hash, id FROM blocks WHERE namespace_id = ? AND hash IN ({marks(len(chunk))})",
-                (namespace_id, *chunk)))
-        driver_many(session, "UPDATE blocks SET checksum = ? WHERE id = ?", [(b[4], ids[b[0]]) for b in there])
+def insert_blocks(session: Session, namespace_id: str, blocks: list[tuple], now: float,
+                  there: dict[str, int] | None = None) -> dict[str, int]:
+    """(hash, parent, depth, nbytes, checksum) rows, committed; returns hash -> id. `there`: hash -> id
+    of the blocks the lookup index holds already (a row whose replicas cannot be read now): such a
+    row keeps its id and takes the new checksum. No SQL asks whether a hash is there: no index
+    answers that (`models/block.py`); a row the index does not know of is inserted again, and a
+    rebuild from SQL resolves the duplicates."""
+    kept = still_there(session, there or {})
+    new = [b for b in blocks if b[0] not in kept]
+    first = next_block_id(session)
+    ids = {**kept, **{b[0]: first + k for k, b in enumerate(new)}}
+    driver_many(session, "INSERT INTO blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
+                "last_access, hit_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                [(first + k, namespace_id, h, p, d, n, c, now, now) for k, (h, p, d, n, c) in enumerate(new)])
+    driver_many(session, "UPDATE blocks SET checksum = ? WHERE id = ?",
+                [(b[4], kept[b[0]]) for b in blocks if b[0] in kept])
     return ids
+
+
+def next_block_id(session: Session) -> int:
+    """The first free block id. The writer assigns them (one prepared statement for all the rows of
+    a save, no RETURNING); asked in its own transaction, where it is the only writer, each time:
+    never stale after a change of leader, and an index's last entry costs nothing to read."""
+    return rows(session, "SELECT coalesce(max(id), 0) + 1 FROM blocks")[0][0]
+
+
+def still_there(session: Session, there: dict[str, int]) -> dict[str, int]:
+    """The entries of `there` whose row is still there (this transaction may have deleted one)."""
+    ids = list(there.values())
+    found = {i for chunk in chunks(ids) for i, in rows(session, f"SELECT id FROM blocks WHERE id IN "
+                                                         f"({marks(len(chunk))})", tuple(chunk))}
+    return {h: i for h, i in there.items() if i in found}
 
 
 def insert_replicas(session: Session, replicas: list[tuple], state: str = READY,

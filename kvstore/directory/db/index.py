@@ -1,18 +1,23 @@
 """The lookup index: committed blocks and their readable replicas, in memory.
 
     index.rebuild(session)                   # at start, from SQL; `ready` is False until then
+    index.duplicates                         # what the last rebuild found: older block id -> the kept one
     index.reload(session, block_ids)         # after a commit that touched these blocks
     index.reload_topology(session)           # after a commit that touched workers or tiers
     index.workers / index.tiers / index.tiers_of(worker_id)   # that topology: {id: view}, {kind: TierView}
     index.follow_commit(sessions, touched, topology, committed)   # the writer's after-commit: all three
     index.lookup(namespace_id, hashes) -> [Hit]   # leading blocks with a readable replica; no lock, no SQL
     index.count(namespace_id, hashes) -> (hits, {kind: hits}, [(kind, n)])   # the same, without locations
+    index.ids(namespace_id, hashes) -> {hash: block id}   # the blocks it holds, readable or not
+    index.id_of(namespace_id, hash) -> block id | None     # one of them (a parent's id)
     index.record(entries)                         # a load read them: for the access statistics
     index.drain_accesses() -> (counts, entries)   # what loads read since
 
-SQL is the truth; this is a copy the writer brings up to date after each group commit and before it
+SQL is the durable record; this is a copy the writer brings up to date after each group commit and before it
 answers the callers, so a lookup never sees a block before its commit is durable and a caller's own
-commit is visible to its next lookup. Readers run on any thread without a lock: every update replaces
+commit is visible to its next lookup. It is also the authority for uniqueness: no SQL index keeps
+one row per (namespace, hash), a save asks the index, and a rebuild meets the rare duplicate rows
+(a block saved again while its old row held no readable replica) and keeps the newest. Readers run on any thread without a lock: every update replaces
 whole values (an entry, the topology dicts), which other threads see atomically.
 """
 
@@ -62,6 +67,8 @@ class Index:
         self._sizes: dict[int, int] = {}  # each block size once (32 bytes a block)
         self._owed_lock = threading.Lock()
         self._owed: tuple[set[int], bool] = (set(), False)  # committed, not yet read back: blocks, topology
+        self.duplicates: dict[int, int] = {}  # found by the last rebuild: older row's id -> the newest's
+        self._rebuilding = False
 
     @property
     def num_blocks(self) -> int:
@@ -97,6 +104,14 @@ class Index:
         homes = self._readable_homes
         return {h for h, entry in zip(hashes, map(blocks.get, hashes))
                 if entry is not None and (_HOME(entry) in homes or self._best(entry) is not None)}
+
+    def ids(self, namespace_id: str, hashes: list[str]) -> dict[str, int]:
+        """hash -> block id of those of `hashes` the index holds (readable or not): what a save and an
+        adoption ask instead of SQL, which keeps no index on hashes."""
+        blocks = self._blocks.get(namespace_id)
+        if not blocks:
+            return {}
+        return {h: entry[_ID] for h, entry in zip(hashes, map(blocks.get, hashes)) if entry is not None}
 
     def _leading(self, namespace_id: str, hashes: list[str]) -> tuple[list[tuple], list[tuple]]:
         """The leading blocks with a readable replica, and the home of the replica each is read from.
@@ -141,17 +156,26 @@ class Index:
 
     def rebuild(self, session: Session) -> None:
         """Everything from SQL, streamed in block order (a million blocks need no million rows in
-        memory at once), then frozen out of the garbage collector's sight (`core/heap.py`)."""
+        memory at once), then frozen out of the garbage collector's sight (`core/heap.py`). Rows of one
+        (namespace, hash) met again are duplicates: the newest (highest id) is kept, the others are
+        left in `duplicates` for the leader to merge (`repository.merge_blocks`)."""
         self.reload_topology(session)
         self._blocks, self._by_id = {}, heap.frozen_dict()
-        batch: list = []
-        result = session.execute(_rows_query().order_by(Block.id), execution_options={"yield_per": REBUILD_BATCH})
-        for row in result:
-            if len(batch) >= REBUILD_BATCH and row[0] != batch[-1][0]:
-                self._apply(batch, set(), None)
-                batch = []
-            batch.append(row)
-        self._apply(batch, set(), None)
+        self.duplicates, self._rebuilding = {}, True
+        try:
+            batch: list = []
+            result = session.execute(_rows_query().order_by(Block.id), execution_options={"yield_per": REBUILD_BATCH})
+            for row in result:
+                if len(batch) >= REBUILD_BATCH and row[0] != batch[-1][0]:
+                    self._apply(batch, set(), None)
+                    batch = []
+                batch.append(row)
+            self._apply(batch, set(), None)
+        finally:
+            self._rebuilding = False
+        if self.duplicates:
+            log.warning("the index's rebuild found %d duplicate block rows (a newer row of the same hash "
+                        "is kept)", len(self.duplicates))
         heap.freeze()
         self.ready = True
 
@@ -219,7 +243,7 @@ class Index:
         self._namespace(namespace_id)[block_hash] = entry
         self._by_id[block_id] = entry
         if changes is not None:
-            changes.append((block_id, self._id_of(namespace_id, parent), namespace_id, block_hash, (tier_id,), ()))
+            changes.append((block_id, self.id_of(namespace_id, parent), namespace_id, block_hash, (tier_id,), ()))
 
     def reload_topology(self, session: Session) -> None:
         workers = {w.id: WorkerView(w.id, w.name, w.agent_name, w.epoch, w.state, w.control_url,
@@ -288,8 +312,10 @@ class Index:
         if changes is not None:
             changes.append((block_id, None, namespace_id, block_hash, (), [r[_TIER] for r in _replicas(old)]))
 
-    def _id_of(self, namespace_id: str, block_hash: str | None) -> int | None:
-        entry = self._blocks[namespace_id].get(block_hash) if block_hash else None
+    def id_of(self, namespace_id: str, block_hash: str | None) -> int | None:
+        """The block id of a hash the index holds (readable or not), else None: a parent's id, where SQL
+        has no index to join a block to its parent by hash."""
+        entry = self._blocks.get(namespace_id, {}).get(block_hash) if block_hash else None
         return entry[_ID] if entry is not None else None
 
     def _apply(self, rows, asked: set[int], changes: list | None) -> None:
@@ -307,11 +333,13 @@ class Index:
             replicas.sort(key=lambda r: tiers.PREFERENCE[tiers_[r[_TIER]].kind] if r[_TIER] in tiers_ else 99)
             previous = self._by_id.get(block_id)
             if previous is not None and (previous[_NAMESPACE], previous[_HASH]) != (namespace_id, block_hash):
-                self._forget(block_id, changes)  # SQLite gave a deleted block's id to this new one
+                self._forget(block_id, changes)  # the writer gave a deleted block's id to this new one
             by_hash = self._namespace(namespace_id)
             old = by_hash.get(block_hash)
             if old is not None and old[_ID] != block_id:  # the block was deleted and saved again
                 self._by_id.pop(old[_ID], None)
+                if self._rebuilding:  # both rows are there: rows come in id order, this one is newer
+                    self.duplicates[old[_ID]] = block_id
             entry = (block_id, namespace_id, block_hash, self._sizes.setdefault(nbytes, nbytes), checksum,
                      replicas[0] if len(replicas) == 1 else tuple(replicas), self._home(replicas[0]))
             by_hash[block_hash] = entry
@@ -320,7 +348,7 @@ class Index:
                 before = {r[_TIER] for r in _replicas(old)} if old is not None else set()
                 after = {r[_TIER] for r in replicas}
                 if before != after:
-                    changes.append((block_id, self._id_of(namespace_id, parent), namespace_id, block_hash,
+                    changes.append((block_id, self.id_of(namespace_id, parent), namespace_id, block_hash,
                                     sorted(after - before), sorted(before - after)))
 
 

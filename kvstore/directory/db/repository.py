@@ -89,11 +89,29 @@ def active_tiers(session: Session, kind: str) -> list[tuple[Tier, Worker]]:
 
 
 def blocks_by_hash(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, Block]:
+    """A scan of the blocks (no index serves hashes: `models/block.py`), for admin calls and tests;
+    the newest row of a hash wins. The lookup index answers the hot paths (`Index.ids`)."""
     found: dict[str, Block] = {}
     for chunk in chunks(hashes):
-        query = select(Block).where(Block.namespace_id == namespace_id, Block.hash.in_(chunk))
+        query = select(Block).where(Block.namespace_id == namespace_id, Block.hash.in_(chunk)).order_by(Block.id)
         found.update((b.hash, b) for b in session.scalars(query))
     return found
+
+
+def merge_blocks(session: Session, duplicates: dict[int, int]) -> None:
+    """Duplicate rows a rebuild found (older id -> the newest row of its hash): their replicas move to
+    the newest and they are deleted, so no replica (nor the pages it holds) is lost."""
+    for chunk in chunks(sorted(duplicates)):
+        driver_many(session, "UPDATE replicas SET block_id = ? WHERE block_id = ?",
+                    [(_newest(duplicates, old), old) for old in chunk])
+        direct.execute(session, f"DELETE FROM blocks WHERE id IN ({direct.marks(len(chunk))})", tuple(chunk))
+    touched(session, set(duplicates) | set(duplicates.values()))
+
+
+def _newest(duplicates: dict[int, int], block_id: int) -> int:
+    while block_id in duplicates:  # three rows of a hash: the oldest names the middle one
+        block_id = duplicates[block_id]
+    return block_id
 
 
 def replicas_of(session: Session, block_ids: list[int]) -> list[tuple[Replica, Tier, Worker]]:
@@ -108,21 +126,6 @@ def _replicas_where(session: Session, column, ids: list[int]) -> list[tuple[Repl
                  .join(Worker, Tier.worker_id == Worker.id).where(column.in_(chunk)))
         rows.extend(session.execute(query).tuples())
     return rows
-
-
-class BlockRef(NamedTuple):
-    id: int
-    depth: int
-
-
-def block_refs(session: Session, namespace_id: str, hashes: list[str]) -> dict[str, BlockRef]:
-    """hash -> (id, depth) of the blocks the directory has, as plain rows."""
-    found: dict[str, BlockRef] = {}
-    for chunk in chunks(hashes):
-        query = select(Block.hash, Block.id, Block.depth).where(Block.namespace_id == namespace_id,
-                                                                Block.hash.in_(chunk))
-        found.update((h, BlockRef(i, d)) for h, i, d in session.execute(query))
-    return found
 
 
 def replicas_with_token(session: Session, token: str, state: str) -> list[tuple[Replica, Block, Tier, Worker]]:

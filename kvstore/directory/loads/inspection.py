@@ -1,7 +1,7 @@
 """A prefix's blocks as operators inspect them: which are stored, where each replica is, its pins.
 
     prefix_hashes(namespace, token_ids, seed) -> [hex]   # the namespace's own scheme, vLLM's included
-    inspect(sessions, namespace_id, block_tokens, hashes) -> InspectResult
+    inspect(sessions, namespace_id, block_tokens, hashes, block_ids) -> InspectResult
 """
 
 from __future__ import annotations
@@ -26,9 +26,17 @@ def prefix_hashes(namespace: Namespace, token_ids: list[int], seed: str | None =
                        "which the store cannot compute: give the hashes", hash_scheme=namespace.hash_scheme)
 
 
-def inspect(sessions, namespace_id: str, block_tokens: int, hashes: list[str]) -> inspection.InspectResult:
+def inspect(sessions, namespace_id: str, block_tokens: int, hashes: list[str],
+            block_ids=lambda namespace_id, hashes: {}) -> inspection.InspectResult:
+    """`block_ids`: the lookup index's (namespace, hashes) -> {hash: id}; the blocks it does not hold
+    (none of their replicas readable) are looked for by a scan: no SQL index serves hashes."""
     with sessions() as session:
-        blocks = repo.blocks_by_hash(session, namespace_id, hashes)
+        known = block_ids(namespace_id, hashes)
+        by_id = repo.blocks_by_id(session, list(known.values()))
+        blocks = {h: by_id[i] for h, i in known.items() if i in by_id}
+        missing = [h for h in hashes if h not in blocks]
+        if missing:
+            blocks.update(repo.blocks_by_hash(session, namespace_id, missing))
         rows = repo.replicas_of(session, [b.id for b in blocks.values()])
         pins = repo.pin_counts(session, [r.id for r, _, _ in rows])
     by_block: dict[int, list[inspection.ReplicaInfo]] = {}

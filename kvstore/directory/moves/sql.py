@@ -40,7 +40,6 @@ _VICTIMS = (f"SELECT {_VICTIM_COLUMNS}{{}} FROM replicas r JOIN blocks b ON b.id
 # Blocks named by id: tier and state compared in Python (`direct.py`: statements that name rows)
 _BY_ID = (f"SELECT {_VICTIM_COLUMNS}, r.tier_id, r.state FROM replicas r JOIN blocks b ON b.id = r.block_id "
           "WHERE r.block_id IN ({})")
-_PARENT = "LEFT JOIN blocks p ON p.namespace_id = b.namespace_id AND p.hash = b.parent"
 _PINNED = "EXISTS (SELECT 1 FROM leases l WHERE l.replica_id = r.id)"
 
 
@@ -57,27 +56,40 @@ def demotion_candidates(session: Session, tier_id: int, limit: int,
         (tier_id, *params, limit))]
 
 
-def ready_replicas_of_tier(session: Session, tier_id: int) -> list[tuple[VictimReplica, VictimBlock, bool, int | None]]:
+ParentId = Callable[[str, str | None], int | None]  # (namespace, parent hash) -> the parent's block id
+
+
+def _no_parent(namespace_id: str, parent: str | None) -> None:
+    return None
+
+
+def ready_replicas_of_tier(session: Session, tier_id: int,
+                           parent_id: ParentId = _no_parent) -> list[tuple[VictimReplica, VictimBlock, bool, int | None]]:
     """Every READY replica of a tier with its block, whether a reader pins it, and its parent
-    block's id (None: no parent, or not stored)."""
-    return [(*_victim(row), bool(row[10]), row[11]) for row in rows(
-        session, f"SELECT {_VICTIM_COLUMNS}, {_PINNED}, p.id FROM replicas r JOIN blocks b ON b.id = r.block_id "
-        f"{_PARENT} WHERE r.tier_id = ? AND r.state = '{READY}'", (tier_id,))]
+    block's id (None: no parent, or not stored). `parent_id`: the lookup index's (`Index.id_of`): no
+    SQL index joins a block to its parent by hash (`models/block.py`), and without one each row
+    scanned the table."""
+    return [(*_victim(row), bool(row[10]), parent_id(row[3], row[5])) for row in rows(
+        session, f"SELECT {_VICTIM_COLUMNS}, {_PINNED} FROM replicas r JOIN blocks b ON b.id = r.block_id "
+        f"WHERE r.tier_id = ? AND r.state = '{READY}'", (tier_id,))]
 
 
-def policy_rows(session: Session, tier_id: int, fill: Callable[[list[tuple]], None], at_once: int = 10_000) -> None:
+def policy_rows(session: Session, tier_id: int, fill: Callable[[list[tuple]], None],
+                parent_id: ParentId = _no_parent, at_once: int = 10_000) -> None:
     """(block id, parent block id, hit count, namespace id, hash) of every READY replica of a tier,
     the namespace and hash only where the hit count is not 0, oldest first (deeper blocks first
     on ties), handed to `fill` `at_once` at a time as a policy is built from them: sorted by the
-    database, which holds no GIL, into plain tuples of plain values."""
+    database, which holds no GIL, into plain tuples of plain values. The parent's id comes from
+    `parent_id` (as in `ready_replicas_of_tier`)."""
     connection, statement = driver(session, (
-        "SELECT b.id, p.id, b.hit_count, CASE WHEN b.hit_count > 0 THEN b.namespace_id END, "
-        f"CASE WHEN b.hit_count > 0 THEN b.hash END FROM replicas r JOIN blocks b ON b.id = r.block_id {_PARENT} "
+        "SELECT b.id, b.namespace_id, b.parent, b.hit_count, CASE WHEN b.hit_count > 0 THEN b.hash END "
+        "FROM replicas r JOIN blocks b ON b.id = r.block_id "
         f"WHERE r.tier_id = ? AND r.state = '{READY}' ORDER BY b.last_access, b.depth DESC"))
     result = connection.exec_driver_sql(statement, (tier_id,))
     try:
         while chunk := result.cursor.fetchmany(at_once):
-            fill(chunk)
+            fill([(block_id, parent_id(namespace_id, parent), hits, namespace_id if hits else None, block_hash)
+                  for block_id, namespace_id, parent, hits, block_hash in chunk])
     finally:
         result.close()
     shrink(session)

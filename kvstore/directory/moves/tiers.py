@@ -168,7 +168,8 @@ class Movement:
             if peeked is not None:
                 return _enough(sql.ready_replicas_of_blocks(tx.session, tier.id, peeked), to_free)
         if dry_run or not self._policies.built(tier):  # built before the job (_build_policy) unless it ran dry
-            return self._policies.victims(tier, _victim_rows(tx, tier.id), protected, to_free, limit, dry_run)
+            return self._policies.victims(tier, _victim_rows(tx, tier.id, self._topology.id_of), protected, to_free,
+                                          limit, dry_run)
         return self._victims_from_policy(tx, tier, to_free, protected, limit)
 
     def _build_policy(self, tier_id: int) -> None:
@@ -176,7 +177,8 @@ class Movement:
         writer (a job that read them held every save's commit for as long: 19 s at 1M blocks)."""
         tier = self._topology.tiers.get(tier_id)
         if tier is not None and not self._policies.built(tier):
-            self._policies.build(tier, lambda fill: self._read(lambda tx: sql.policy_rows(tx.session, tier_id, fill)))
+            self._policies.build(tier, lambda fill: self._read(lambda tx: sql.policy_rows(
+                tx.session, tier_id, fill, self._topology.id_of)))
 
     def _victims_from_policy(self, tx: Tx, tier: Tier, to_free: int, protected: set[int],
                              limit: int) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
@@ -291,9 +293,9 @@ def _enough(candidates: list[tuple[sql.VictimReplica, sql.VictimBlock]],
     return chosen
 
 
-def _victim_rows(tx: Tx, tier_id: int) -> list[VictimRow]:
+def _victim_rows(tx: Tx, tier_id: int, parent_id: sql.ParentId) -> list[VictimRow]:
     """Every READY replica of the tier, as the policies take them."""
-    return [VictimRow(key=b.id, parent=parent_id, last_access=b.last_access, depth=b.depth, hit_count=b.hit_count,
+    return [VictimRow(key=b.id, parent=parent, last_access=b.last_access, depth=b.depth, hit_count=b.hit_count,
                       nbytes=r.reserved_bytes, pinned=pinned, row=(r, b),
                       name=block_key(b.namespace_id, b.hash) if b.hit_count else "")
-            for r, b, pinned, parent_id in sql.ready_replicas_of_tier(tx.session, tier_id)]
+            for r, b, pinned, parent in sql.ready_replicas_of_tier(tx.session, tier_id, parent_id)]

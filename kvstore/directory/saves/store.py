@@ -281,11 +281,12 @@ class Store:
         """The blocks, their checksums and their READY replicas, and the tier's used bytes."""
         chain = {b.hash: b.parent for b in blocks}
         outside = sorted({p for p in chain.values() if p is not None and p not in chain})
-        depths = sql.depths(tx.session, r.namespace_id, outside) if outside else {}
+        depths = sql.depths(tx.session, self._index.ids(r.namespace_id, outside)) if outside else {}
         for block in blocks:  # parents come first in a chain
             depths[block.hash] = depths[block.parent] + 1 if block.parent in depths else 0
         block_ids = direct.insert_blocks(tx.session, r.namespace_id, [
-            (b.hash, b.parent, depths[b.hash], b.nbytes, checksums[b.hash]) for b in blocks], now)
+            (b.hash, b.parent, depths[b.hash], b.nbytes, checksums[b.hash]) for b in blocks], now,
+            there=self._index.ids(r.namespace_id, list(chain)))  # rows whose replicas cannot be read now
         replica_ids = direct.insert_replicas(tx.session, [
             (block_ids[b.hash], r.tier_id, r.epoch, r.token, b.runs, r.bytes_of([b]), now) for b in blocks])
         repo.add_used(tx.session, {r.tier_id: r.bytes_of(blocks)})

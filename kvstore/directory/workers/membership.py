@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 class Membership:
     def __init__(self, write: Write, calls: WorkerCalls, reclaim: Reclaim, pools: PagePools, settings: DirectorySettings,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], block_ids: Callable[[str, list[str]], dict[str, int]]) -> None:
         self._write = write
+        self._block_ids = block_ids  # the lookup index's (namespace, hashes) -> {hash: id}: no SQL index has them
         self._calls = calls
         self._reclaim = reclaim
         self._pools = pools
@@ -180,13 +181,9 @@ class Membership:
                      worker.name, len(lost), len(adopted), len(unknown))
 
     def _adopt(self, tx: Tx, worker: Worker, tier: Tier, survivor: specs.Survivor, now: float) -> None:
-        blocks = repo.blocks_by_hash(tx.session, survivor.namespace_id, [survivor.hash])
-        if survivor.hash not in blocks:
-            ids = direct.insert_blocks(tx.session, survivor.namespace_id, [
-                (survivor.hash, None, 0, survivor.nbytes, survivor.checksum)], now)
-            block_id = ids[survivor.hash]
-        else:
-            block_id = blocks[survivor.hash].id
+        there = direct.still_there(tx.session, self._block_ids(survivor.namespace_id, [survivor.hash]))
+        block_id = there.get(survivor.hash) or direct.insert_blocks(tx.session, survivor.namespace_id, [
+            (survivor.hash, None, 0, survivor.nbytes, survivor.checksum)], now)[survivor.hash]
         pages = [[r.first, r.count] for r in survivor.runs]
         direct.insert_replicas(tx.session, [(block_id, tier.id, worker.epoch, survivor.token, pages,
                                            sum(r.count for r in survivor.runs) * tier.page_bytes, now)])

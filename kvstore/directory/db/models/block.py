@@ -1,14 +1,18 @@
-from sqlalchemy import BigInteger, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import BigInteger, Float, ForeignKey, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from kvstore.directory.db.models.base import Base
 
 
 class Block(Base):
-    __tablename__ = "blocks"
-    __table_args__ = (UniqueConstraint("namespace_id", "hash"),)
+    """One stored block. No unique index on (namespace, hash): the leader's lookup index is the
+    authority for uniqueness (a save asks it, not SQL), and a random hash's index entry was the
+    dearest part of a save's INSERT. A rebuild from SQL resolves the rare duplicate rows
+    (`Index.rebuild`). Ids are assigned by the writer (`direct.insert_blocks`), not by the database."""
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    __tablename__ = "blocks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     namespace_id: Mapped[str] = mapped_column(ForeignKey("namespaces.id"))
     hash: Mapped[str] = mapped_column(String(128))
     parent: Mapped[str | None] = mapped_column(String(128), nullable=True)
