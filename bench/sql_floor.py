@@ -26,8 +26,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import machine, random_hash  # noqa: E402
 from kvstore.directory.db import engine as db  # noqa: E402
 
-PRAGMAS = ("PRAGMA journal_mode=WAL", "PRAGMA foreign_keys=ON", "PRAGMA synchronous=NORMAL",
-           "PRAGMA cache_size=-65536", "PRAGMA temp_store=MEMORY")  # as `db/engine.py` sets them
+PRAGMAS = db.SQLITE_PRAGMAS  # the directory's own
 STEPS = ("blocks", "replicas", "commit")
 
 

@@ -17,7 +17,8 @@ class Replica(Base):
     tier_id: Mapped[int] = mapped_column(ForeignKey("tiers.id", ondelete="CASCADE"))  # (tier_id, state) indexes it
     epoch: Mapped[int] = mapped_column(Integer)  # the worker's epoch at allocation
     state: Mapped[str] = mapped_column(String(16))  # (state, expires_at) indexes it
-    token: Mapped[str] = mapped_column(String(64), index=True)  # reservation (ownership) token
+    token: Mapped[str] = mapped_column(String(64))  # reservation (ownership) token; asked for with state WRITING,
+    # whose index finds it (migration 0011)
     pages: Mapped[list] = mapped_column(JSON)  # [[first_page, count], ...]
     reserved_bytes: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # WRITING only
