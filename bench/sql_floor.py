@@ -3,9 +3,9 @@
 The directory's schema (its migrations) in a fresh SQLite database with the directory's settings; then
 saves of `--chain` blocks, as the save path's commit writes them (the first free block id, one
 executemany of the block rows with the ids that follow, one multi-row INSERT ... RETURNING of the
-replica rows, COMMIT), straight through `sqlite3`, until `--blocks` are stored. Each step's thread CPU per block, per stretch of the fill. Beside it, the same blocks as one
-row per save (the chain's hashes and pages packed in two BLOBs): what a schema without a row per block
-would cost.
+replica rows, COMMIT), straight through `sqlite3`, until `--blocks` are stored. Each step's thread
+CPU per block, per stretch of the fill. Beside it, the same blocks as one row per save (the chain's
+hashes and pages packed in two BLOBs): what a schema without a row per block would cost.
 
     .venv/bin/python bench/sql_floor.py --blocks 1000000 --json bench/out/sql_floor.json
 """

@@ -13,12 +13,13 @@
     index.record(entries)                         # a load read them: for the access statistics
     index.drain_accesses() -> (counts, entries)   # what loads read since
 
-SQL is the durable record; this is a copy the writer brings up to date after each group commit and before it
-answers the callers, so a lookup never sees a block before its commit is durable and a caller's own
-commit is visible to its next lookup. It is also the authority for uniqueness: no SQL index keeps
-one row per (namespace, hash), a save asks the index, and a rebuild meets the rare duplicate rows
-(a block saved again while its old row held no readable replica) and keeps the newest. Readers run on any thread without a lock: every update replaces
-whole values (an entry, the topology dicts), which other threads see atomically.
+SQL is the durable record; this is a copy the writer brings up to date after each group commit and
+before it answers the callers, so a lookup never sees a block before its commit is durable and a
+caller's own commit is visible to its next lookup. It is also the authority for uniqueness: no SQL
+index keeps one row per (namespace, hash), a save asks the index, and a rebuild meets the rare
+duplicate rows (a block saved again while its old row held no readable replica) and keeps the
+newest. Readers run on any thread without a lock: every update replaces whole values (an entry,
+the topology dicts), which other threads see atomically.
 """
 
 from __future__ import annotations

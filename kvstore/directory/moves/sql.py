@@ -63,8 +63,8 @@ def _no_parent(namespace_id: str, parent: str | None) -> None:
     return None
 
 
-def ready_replicas_of_tier(session: Session, tier_id: int,
-                           parent_id: ParentId = _no_parent) -> list[tuple[VictimReplica, VictimBlock, bool, int | None]]:
+def ready_replicas_of_tier(session: Session, tier_id: int, parent_id: ParentId = _no_parent,
+                           ) -> list[tuple[VictimReplica, VictimBlock, bool, int | None]]:
     """Every READY replica of a tier with its block, whether a reader pins it, and its parent
     block's id (None: no parent, or not stored). `parent_id`: the lookup index's (`Index.id_of`): no
     SQL index joins a block to its parent by hash (`models/block.py`), and without one each row
