@@ -2,8 +2,8 @@
 
 The directory's schema (its migrations) in a fresh SQLite database with the directory's settings; then
 saves of `--chain` blocks, as the save path's commit writes them (the first free block id, one
-executemany of the block rows with the ids that follow, one multi-row INSERT ... RETURNING of the
-replica rows, COMMIT), straight through `sqlite3`, until `--blocks` are stored. Each step's thread
+multi-row INSERT of the block rows with the ids that follow, one multi-row INSERT ... RETURNING of
+the replica rows, COMMIT), straight through `sqlite3`, until `--blocks` are stored. Each step's thread
 CPU per block, per stretch of the fill. Beside it, the same blocks as one row per save (the chain's
 hashes and pages packed in two BLOBs): what a schema without a row per block would cost.
 
@@ -58,10 +58,11 @@ def save_rows(conn: sqlite3.Connection, chain: int, n: int, clock) -> list[float
     t = clock()
     conn.execute("BEGIN")
     ((first,),) = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM blocks").fetchall()
-    conn.executemany("INSERT INTO blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
-                     "last_access, hit_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
-                     [(first + k, "ns", h, hashes[k - 1] if k else None, k, 65536, f"{k:016x}", now, now)
-                      for k, h in enumerate(hashes)])
+    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"] * n)
+    conn.execute("INSERT INTO blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
+                 f"last_access, hit_count) VALUES {values}", tuple(
+                     x for k, h in enumerate(hashes)
+                     for x in (first + k, "ns", h, hashes[k - 1] if k else None, k, 65536, f"{k:016x}", now, now)))
     ids = [first + k for k in range(n)]
     spent.append(clock() - t)
     t = clock()

@@ -2,7 +2,7 @@
 
     connection, sql = driver(session, sql)      # `?` placeholders, as the driver wants them
     rows(session, sql, params) / execute(session, sql, params) / driver_many(session, sql, rows)
-    insert_blocks                               # one executemany, ids assigned here
+    insert_blocks                               # multi-row INSERTs, ids assigned here
     insert_replicas                             # multi-row INSERTs ... RETURNING
     set_states(session, {replica id: state})
     expire_loaded(session, model, ids)          # after a driver UPDATE of rows the ORM may hold
@@ -96,18 +96,22 @@ def insert_blocks(session: Session, namespace_id: str, blocks: list[tuple], now:
     new = [b for b in blocks if b[0] not in kept]
     first = next_block_id(session)
     ids = {**kept, **{b[0]: first + k for k, b in enumerate(new)}}
-    driver_many(session, "INSERT INTO blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
-                "last_access, hit_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
-                [(first + k, namespace_id, h, p, d, n, c, now, now) for k, (h, p, d, n, c) in enumerate(new)])
+    for start in range(0, len(new), ROWS_PER_INSERT):  # one statement, not an executemany: a row costs
+        chunk = new[start : start + ROWS_PER_INSERT]  # SQLite's driver about 0.4 µs less (bench/sql_floor.py)
+        values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"] * len(chunk))
+        execute(session, "INSERT INTO blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
+                f"last_access, hit_count) VALUES {values}", tuple(
+                    x for k, (h, p, d, n, c) in enumerate(chunk, first + start)
+                    for x in (k, namespace_id, h, p, d, n, c, now, now)))
     driver_many(session, "UPDATE blocks SET checksum = ? WHERE id = ?",
                 [(b[4], kept[b[0]]) for b in blocks if b[0] in kept])
     return ids
 
 
 def next_block_id(session: Session) -> int:
-    """The first free block id. The writer assigns them (one prepared statement for all the rows of
-    a save, no RETURNING); asked in its own transaction, where it is the only writer, each time:
-    never stale after a change of leader, and an index's last entry costs nothing to read."""
+    """The first free block id. The writer assigns them (a save's rows need no RETURNING); asked in
+    its own transaction, where it is the only writer, each time: never stale after a change of
+    leader, and an index's last entry costs nothing to read."""
     return rows(session, "SELECT coalesce(max(id), 0) + 1 FROM blocks")[0][0]
 
 
