@@ -107,5 +107,8 @@ def test_a_worker_host_lost_after_its_blocks_were_copied_loses_no_prefix(hosts, 
                "every block copied to the other worker's host (worker to worker, over TCP)")
     hosts.workers["w1"].send_signal(signal.SIGKILL)  # the host is gone: its DRAM with it
     hosts.workers["w1"].wait()
+    # until the directory declares it dead (its heartbeat timeout) it may still hand out w1's copies,
+    # whose reads fail: a miss, never wrong bytes; from then on every block is read from w2
+    wait_until(lambda: hosts.client.worker("w1").state == "dead", 60, "w1 declared dead")
     loaded = engine(hosts, "e2", "load", tmp_path)
     assert loaded["loaded_tokens"] == 1040 and loaded["max_abs_diff"] <= 1e-4, loaded
