@@ -39,7 +39,8 @@ def test_decode_waits_for_the_handoff_and_decodes_as_a_colocated_engine(stack, t
     prefill = start(stack, tmp_path, "prefill", "prefill", "--handoff", "pd-1", "--after", waiting, "--delay-s", "1")
     p, d = result(prefill, tmp_path, "prefill"), result(decode, tmp_path, "decode")
     assert p["stored_tokens"] == PROMPT_TOKENS  # 65 full blocks
-    assert d["outcome"] == "committed" and d["waiting_at"] < p["finished_at"], (d, p)  # it waited, then loaded
+    # it waited, then loaded; "present" when the blocks' commit reached it before the hand-off's own
+    assert d["outcome"] in ("committed", "present") and d["waiting_at"] < p["finished_at"], (d, p)
     assert d["loaded_tokens"] == PROMPT_TOKENS - 1 and d["computed_tokens"] == 1
     assert d["first_logits_diff"] <= 1e-4, d
     assert d["generated"] == d["reference"] and d["generated"][0] == p["first_token"]
