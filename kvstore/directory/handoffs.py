@@ -85,10 +85,7 @@ class Handoffs:
 
         def job(tx: Tx) -> Known:
             known = Known("failed" if commit.failed else "committed", commit.num_tokens, self._clock())
-            row = repo.handoff(tx.session, key)
-            if row is None:
-                row = HandoffRow(namespace_id=key.namespace_id, handoff_id=key.handoff_id)
-                tx.session.add(row)
+            row = repo.handoff_row(tx.session, key)
             row.state, row.num_tokens, row.committed_at = known.state, known.num_tokens, known.committed_at
             row.finished_at = commit.finished_at
             tx.session.info.setdefault("handoffs", set()).add(key.encode())

@@ -47,8 +47,7 @@ from kvstore.directory.db.changelog import ChangeLog
 from kvstore.directory.settings import DirectorySettings
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
-    from sqlalchemy.orm import Session, sessionmaker
+    from kvstore.directory.db.engine import Engine, Session, sessionmaker
 
 log = logging.getLogger(__name__)
 CAMPAIGN_S = 0.5  # a follower asks for the lock this often, and reads the change log at least this often
@@ -241,11 +240,7 @@ class Leader:
         log.info("this directory replica leads now (term %d)", self.term)
 
     def _holds_lock(self) -> bool:
-        try:
-            self._conn.execute("SELECT 1")
-            return True
-        except Exception:  # noqa: BLE001 (any failure of the lock's connection ends the lead)
-            return False
+        return sql.still_connected(self._conn)
 
     def _regain(self) -> bool | None:
         """After the lock's connection dropped: reconnect and take the lock again. True if this

@@ -24,7 +24,7 @@ from kvstore.directory.db.writer import Tx, Writer, forget_marks
 from kvstore.directory.handoffs import Handoffs
 from kvstore.directory.loads.loads import Loads
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.moves import sql as moves_sql
+from kvstore.directory.db import moves as moves_sql
 from kvstore.directory.moves.orphans import Orphans
 from kvstore.directory.moves.spread import Spread
 from kvstore.directory.moves.tiers import Movement

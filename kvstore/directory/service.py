@@ -56,7 +56,7 @@ from kvstore.directory.workers.membership import Membership
 from kvstore.directory.workers.reclaim import Reclaim
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session, sessionmaker
+    from kvstore.directory.db.engine import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 

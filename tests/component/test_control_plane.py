@@ -24,8 +24,7 @@ def index_matches_sql(service) -> None:
     fresh = Index()
     with service.sessions() as session:
         fresh.rebuild(session)
-    assert fresh._blocks == {ns: by_hash for ns, by_hash in service.index._blocks.items() if by_hash}  # kept once made
-    assert fresh._by_id == service.index._by_id
+    assert fresh.contents() == service.index.contents()
 
 
 def one_worker(database_url: str, pages: int = 32, **settings):
@@ -142,13 +141,13 @@ def test_a_save_of_blocks_whose_completion_is_committing_does_not_write_them_aga
     first = prepare(s, chain(2))
     writer = s.service.writer
     committed, go_on = threading.Event(), threading.Event()
-    follow = writer._on_commit
+    follow = writer.on_commit
 
     def slow_follow(*args):
         committed.set()
         go_on.wait(10)
         follow(*args)
-    writer._on_commit = slow_follow
+    writer.on_commit = slow_follow
     answers: dict[str, object] = {}
     completer = threading.Thread(target=lambda: answers.update(done=complete(s, first)))
     completer.start()
@@ -156,7 +155,7 @@ def test_a_save_of_blocks_whose_completion_is_committing_does_not_write_them_aga
         assert committed.wait(10)
         assert [b.status for b in prepare(s, chain(2)).blocks] == ["in_progress"] * 2
     finally:
-        writer._on_commit = follow
+        writer.on_commit = follow
         go_on.set()
         completer.join(10)
     assert answers["done"].committed == 2
@@ -183,7 +182,7 @@ def test_waiting_writers_share_one_commit(quiet):
               for k in range(6)]
     for t in savers:
         t.start()
-    wait_until(lambda: writer._queue.qsize() >= 6, 10, "six prepares queued")
+    wait_until(lambda: writer.queued >= 6, 10, "six prepares queued")
     release.set()
     for t in [holder, *savers]:
         t.join()
@@ -214,7 +213,7 @@ def test_a_failing_job_is_rolled_back_alone(quiet):
                threading.Thread(target=lambda: outcome.setdefault("good", _try(stack.service.writer.run, good)))]
     for t in runners:
         t.start()
-    wait_until(lambda: stack.service.writer._queue.qsize() >= 2, 10, "both queued")
+    wait_until(lambda: stack.service.writer.queued >= 2, 10, "both queued")
     release.set()
     for t in [holder, *runners]:
         t.join()

@@ -58,7 +58,7 @@ def test_eviction_order_survives_a_directory_restart(database_url, control):
 def test_saves_commit_while_a_tiers_policy_is_built(database_url, control, monkeypatch):
     """The first eviction after a start builds the tier's policy from all its rows (19 s at 1M
     blocks): read as a job of the writer, it held every save's commit for as long."""
-    from kvstore.directory.moves import sql
+    from kvstore.directory.db import moves as sql
 
     reading, saved, during = threading.Event(), threading.Event(), []
 
@@ -89,7 +89,7 @@ def test_a_dry_run_asks_the_tiers_policy_without_reading_the_tier_or_changing_it
     """A dry run read every replica of the tier into an object per row and synced a copy of the
     policy with them (seconds at a million blocks, lookups' p99 up to 8x meanwhile): it now asks
     the built policy what it would evict next."""
-    from kvstore.directory.moves import sql
+    from kvstore.directory.db import moves as sql
 
     def whole_tier(*args):
         raise AssertionError("a dry run read the whole tier")

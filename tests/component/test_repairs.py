@@ -13,7 +13,7 @@ from kvstore.core.inspection import InspectRequest
 from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.models import Replica
 from kvstore.directory.db.models.replica import MOVING, WRITING
-from kvstore.directory.moves import sql as moves_sql
+from kvstore.directory.db import moves as moves_sql
 from tests.calls import BLOCK, chain, complete, hits, prepare
 from tests.stacks import DEFAULT_MARKS, PAGE, dram_tier, registration
 

@@ -139,6 +139,15 @@ def unlisten(conn) -> None:
     conn.execute(f"UNLISTEN {CHANNEL}")
 
 
+def still_connected(conn) -> bool:
+    """Whether the lock's connection (and so the lock) is still there."""
+    try:
+        conn.execute("SELECT 1")
+        return True
+    except Exception:  # noqa: BLE001 (any failure of the lock's connection ends the lead)
+        return False
+
+
 # ---- the leader row and the log -----------------------------------------------------------------------
 
 def leader_url(session: Session) -> str:

@@ -77,6 +77,11 @@ class Index:
 
     # ---- reads (any thread) ----------------------------------------------------------------
 
+    def contents(self) -> tuple[dict[str, dict[str, tuple]], dict[int, tuple]]:
+        """Every entry, by namespace and hash (namespaces that hold one) and by block id: two indexes
+        that know the same blocks and replicas compare equal. For checks, not for the hot path."""
+        return {ns: dict(by_hash) for ns, by_hash in self._blocks.items() if by_hash}, dict(self._by_id)
+
     def lookup(self, namespace_id: str, hashes: list[str]) -> list[Hit]:
         entries, homes = self._leading(namespace_id, hashes)
         hits = []

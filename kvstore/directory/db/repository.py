@@ -56,6 +56,35 @@ def add_namespace(session: Session, namespace_id: str, spec: dict, now: float) -
     session.add(NamespaceRow(id=namespace_id, spec=spec, created_at=now))
 
 
+def flush(session: Session) -> None:
+    """Send what the session holds so far (new rows get their ids), inside the transaction."""
+    session.flush()
+
+
+def handoff_row(session: Session, key: tuple[str, str]) -> HandoffRow:
+    """The hand-off's row (key: namespace id, hand-off id), a new one if there is none."""
+    row = session.get(HandoffRow, key)
+    if row is None:
+        row = HandoffRow(namespace_id=key[0], handoff_id=key[1])
+        session.add(row)
+    return row
+
+
+def new_worker(session: Session, name: str, now: float) -> Worker:
+    worker = Worker(name=name, epoch=0, registered_at=now)
+    session.add(worker)
+    return worker
+
+
+def tier_row(session: Session, existing: dict[str, Tier], worker_id: int, kind: str) -> Tier:
+    """The worker's tier of this kind among `existing` (`tiers_of`), a new one if it has none."""
+    tier = existing.get(kind)
+    if tier is None:
+        tier = Tier(worker_id=worker_id, kind=kind, used_bytes=0)
+        session.add(tier)
+    return tier
+
+
 def ping(session: Session) -> None:
     session.execute(select(1))
 

@@ -24,3 +24,7 @@ def token(session: Session, token_id: str) -> TokenRow | None:
 
 def every(session: Session) -> list[TokenRow]:
     return session.query(TokenRow).order_by(TokenRow.created_at).all()
+
+
+def add(session: Session, row: TokenRow) -> None:
+    session.add(row)

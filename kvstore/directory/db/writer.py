@@ -91,7 +91,7 @@ class Writer:
                  relax: bool = False) -> None:
         self._sessions = sessions
         self.relax = relax
-        self._on_commit = on_commit or (lambda blocks, topology, committed: None)
+        self.on_commit = on_commit or (lambda blocks, topology, committed: None)
         self._before_commit = before_commit
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = threading.Event()
@@ -114,6 +114,11 @@ class Writer:
         future: Future = Future()
         self._queue.put((job, future, mode))
         return future
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the writer's thread (the group it runs now not counted)."""
+        return self._queue.qsize()
 
     def read(self, job: Callable[[Tx], T]) -> T:
         """A job that only reads, on the caller's thread and its own session (rolled back): long reads
@@ -217,7 +222,7 @@ class Writer:
         self.jobs += len(group)
         if touched or topology or committed:
             try:
-                self._on_commit(touched, topology, committed)
+                self.on_commit(touched, topology, committed)
             except Exception:  # committed is committed: the callers are answered and after-commit work runs
                 log.exception("following a commit of %d jobs failed", len(group))
         for tx, future, result, error in outcomes:
@@ -249,7 +254,7 @@ class Writer:
                     "happened" if happened else "did not happen")
         if happened and (touched or topology):
             try:
-                self._on_commit(touched, topology, [])
+                self.on_commit(touched, topology, [])
             except Exception:
                 log.exception("following a late commit of %d jobs failed", len(outcomes))
         for tx, _, _, error in outcomes:

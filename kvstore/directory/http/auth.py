@@ -141,7 +141,7 @@ class Tokens:
         def job(tx) -> bool:
             if sql.digest_seen(tx.session, row.digest):
                 return False
-            tx.session.add(row)
+            sql.add(tx.session, row)
             return True
         try:
             if not self._write(job):

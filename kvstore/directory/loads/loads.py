@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
-from kvstore.directory.loads import sql
+from kvstore.directory.db import loads as sql
 from kvstore.directory.db import repository as repo
 from kvstore.directory.db.index import Index
 from kvstore.directory.db import views

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvstore.core import moving, specs, tiers
-from kvstore.directory.moves import sql
+from kvstore.directory.db import moves as sql
 from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.index import Index
 from kvstore.directory.metrics import DirectoryMetrics

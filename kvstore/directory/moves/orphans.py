@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvstore.directory.moves import sql
+from kvstore.directory.db import moves as sql
 from kvstore.directory.db import repository as repo
 from kvstore.directory.db.models.replica import WRITING
 from kvstore.directory.moves.move import Moves, move_executor

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.directory.moves import sql
+from kvstore.directory.db import moves as sql
 from kvstore.directory.db import repository as repo
 from kvstore.directory.db.models.replica import DELETING, READY, VISIBLE
 from kvstore.directory.moves.move import Moves
@@ -97,7 +97,7 @@ class Spread:
             credit[dest] -= replica.reserved_bytes
             copies.setdefault((worker.id, tier.id, dest), []).append(replica.id)
         if dropped:
-            tx.session.flush()
+            repo.flush(tx.session)
             self._reclaim.collect_deleting(tx)
         return copies, dropped
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvstore.core import tiers
-from kvstore.directory.moves import sql
+from kvstore.directory.db import moves as sql
 from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.index import Index
 from kvstore.directory.db.views import Hit

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from kvstore.core import specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.core.pages import pages_for
-from kvstore.directory.saves import sql
+from kvstore.directory.db import saves as sql
 from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.index import Index
 from kvstore.directory.db import views

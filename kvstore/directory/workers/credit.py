@@ -24,7 +24,7 @@ from kvstore.core.pages import PageAllocator
 from kvstore.directory.db import repository as repo
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
+    from kvstore.directory.db.engine import Session
 
 log = logging.getLogger(__name__)
 OWNER = "directory"  # the pool's own tag for the pages it hands out

@@ -75,8 +75,7 @@ class Membership:
                                "another token", worker=reg.name)
         worker = repo.worker_by_name(tx.session, reg.name)
         if worker is None:
-            worker = Worker(name=reg.name, epoch=0, registered_at=now)
-            tx.session.add(worker)
+            worker = repo.new_worker(tx.session, reg.name, now)
         elif worker.owner != owner and self._alive(worker, now):
             raise KVStoreError("conflict", f"worker name {reg.name!r} is held by a live worker registered with "
                                "another token", worker=reg.name)
@@ -86,10 +85,10 @@ class Membership:
         worker.agent_metadata = metadata
         worker.control_url, worker.backends = reg.control_url, list(reg.backends)
         worker.state, worker.heartbeat_at = "active", now
-        tx.session.flush()
+        repo.flush(tx.session)
         self.drop_volatile(tx, worker)
         self._upsert_tiers(tx, worker, reg.tiers)
-        tx.session.flush()
+        repo.flush(tx.session)
         self._reconcile(tx, worker, reg.inventory, now)
         return worker.id, worker.epoch
 
@@ -146,11 +145,10 @@ class Membership:
     def _upsert_tiers(self, tx: Tx, worker: Worker, tiers: list[specs.TierSpec]) -> None:
         existing = repo.tiers_of(tx.session, worker.id)
         for spec in tiers:
-            tier = existing.get(spec.kind) or Tier(worker_id=worker.id, kind=spec.kind, used_bytes=0)
+            tier = repo.tier_row(tx.session, existing, worker.id, spec.kind)
             tier.capacity_bytes, tier.page_bytes, tier.base_addr = spec.capacity_bytes, spec.page_bytes, spec.base_addr
             tier.device = spec.device
             tier.high_watermark, tier.low_watermark = spec.high_watermark, spec.low_watermark
-            tx.session.add(tier)
 
     def _reconcile(self, tx: Tx, worker: Worker, inventory: list[specs.Survivor], now: float) -> None:
         """A (re)starting worker reports what its durable tiers hold: keep what it still has,
@@ -173,7 +171,7 @@ class Membership:
         # pages of unknown blocks go back; unknown objects stay in the bucket (they may be another's)
         unknown = [(s.token, s.runs) for s in found.values() if s not in adopted and s.kind != "s3"]
         tx.after_commit.append(self._calls.free_later(worker.control_url, unknown))
-        tx.session.flush()
+        repo.flush(tx.session)
         for tier in own.values():
             repo.recompute_used(tx.session, tier)
         if lost or found:

@@ -1,4 +1,4 @@
-"""The load path's SQL, straight through the database driver (see saves/sql.py for why).
+"""The load path's SQL, straight through the database driver (see `saves.py` for why).
 
 prepare_load pins each block it answers with one lease row, complete_load deletes
 them: with thousands of blocks a call, ORM objects and SQLAlchemy's per-row
