@@ -31,6 +31,7 @@ from kvstore.core.keys import Namespace
 from kvstore.core.pages import PageAllocator
 from kvstore.core.tiers import MEMORY
 from kvstore.directory.app import create_app
+from kvstore.directory.build import build
 from kvstore.directory.settings import DirectorySettings
 from kvstore.worker.control import ControlServer
 from tests.helpers import MotoServer, ServerThread, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
@@ -119,7 +120,7 @@ def directory_stack(settings: DirectorySettings, control: ControlServer | None =
         control = ControlServer({"dram": PageAllocator(num_pages=pages, page_bytes=PAGE)}, verifier=Verdicts())
         control.start()
     try:
-        app = create_app(settings)
+        app = create_app(build(settings))
         admin = app.state.tokens.create(TokenCreate(name="test admin", scopes=["admin"])).token \
             if settings.require_auth else None
         with ServerThread(app) as server:
@@ -161,7 +162,7 @@ def directory_replica(database_url: str, **overrides) -> Iterator[tuple[object, 
     """One directory (a replica, on PostgreSQL) in a server thread, advertising its own address:
     (the app, its URL)."""
     port = free_port()
-    app = create_app(make_settings(database_url, advertise_url=f"http://127.0.0.1:{port}", **overrides))
+    app = create_app(build(make_settings(database_url, advertise_url=f"http://127.0.0.1:{port}", **overrides)))
     with ServerThread(app, port=port) as server:
         yield app, server.url
 

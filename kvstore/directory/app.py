@@ -1,6 +1,8 @@
-"""The directory's process: the service, its election and background thread, behind HTTP.
+"""The directory's process: a replica's parts (`build.py`), its election and background thread,
+behind HTTP.
 
-    create_app(settings) -> ASGI app   # `.state.service`, `.state.leader`, `.fastapi`
+    create_app(settings | parts) -> ASGI app   # `.state.parts` (and `.state.service`, `.state.tokens`,
+                                               # `.state.leader`), `.fastapi`
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from kvstore.directory.db import engine as db
-from kvstore.directory.db.changelog import ChangeLog
+from kvstore.directory.build import Parts, build
 from kvstore.directory.http.auth import Guard, RateLimit, Tokens
 from kvstore.directory.http.hot import HotCalls, HotPath, document_bodies, hot_routes
-from kvstore.directory.http.routes import ERRORS, add_error_handlers, routes, token_routes
+from kvstore.directory.http.routes import (ERRORS, add_error_handlers, admin_routes, engine_routes, health_routes,
+                                           namespace_routes, token_routes, worker_routes)
 from kvstore.directory.leader import Leader
-from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.service import DirectoryService
 from kvstore.directory.settings import DirectorySettings
 
@@ -32,11 +33,11 @@ GIL_SWITCH_S = 0.0005
 TOKENS_RELOAD_S = 5.0
 
 
-def create_app(settings: DirectorySettings | None = None):
-    """The directory as an ASGI app: FastAPI behind the hot calls' path. `.state.service` is the
-    service, `.fastapi` the framework app (routes, OpenAPI)."""
+def create_app(settings: DirectorySettings | Parts | None = None):
+    """The directory as an ASGI app: FastAPI behind the hot calls' path. `.state.parts` are the
+    replica's parts, `.fastapi` the framework app (routes, OpenAPI)."""
     app = create_fastapi(settings)
-    settings = app.state.service.settings
+    settings = app.state.parts.settings
     guard = Guard(app.routes, app.state.tokens, settings.require_auth, settings.open_metrics,
                   RateLimit(settings.engine_rate, settings.engine_burst))
     fast = HotPath(app, app.state.hot, guard, app.state.service.metrics, app.state.leader)
@@ -44,18 +45,9 @@ def create_app(settings: DirectorySettings | None = None):
     return fast
 
 
-def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
-    settings = settings or DirectorySettings()
-    if settings.migrate_on_start:
-        db.upgrade(settings.database_url)
-    engine = db.make_engine(settings.database_url)
-    sessions = db.make_sessions(engine)
-    changelog = ChangeLog(enabled=engine.dialect.name == "postgresql")
-    changelog.relaxed = changelog.enabled and settings.relaxed_commits
-    service = DirectoryService(sessions, settings, DirectoryMetrics(), changelog)
-    tokens = Tokens(sessions, service.write)
-    tokens.load()
-    leader = Leader(service, changelog, engine, settings.advertise_url)
+def create_fastapi(settings: DirectorySettings | Parts | None = None) -> FastAPI:
+    parts = settings if isinstance(settings, Parts) else build(settings)
+    service, tokens, leader = parts.service, parts.tokens, parts.leader
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -69,15 +61,17 @@ def create_fastapi(settings: DirectorySettings | None = None) -> FastAPI:
         service.flush()
         leader.close()
         _app.state.hot.close()
-        service.close()
-        engine.dispose()
+        parts.close()
 
     sys.setswitchinterval(GIL_SWITCH_S)
     app = FastAPI(title="kvstore directory", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.parts = parts
     app.state.service, app.state.tokens, app.state.leader = service, tokens, leader
     add_error_handlers(app)
-    app.include_router(routes(service, leader), responses=ERRORS)
-    app.include_router(token_routes(tokens), responses=ERRORS)
+    for router in (health_routes(service, parts.admin, leader), namespace_routes(parts.namespaces),
+                   worker_routes(service.membership), engine_routes(service), admin_routes(parts.admin),
+                   token_routes(tokens)):
+        app.include_router(router, responses=ERRORS)
     app.state.hot = HotCalls(service)
     app.include_router(hot_routes(app.state.hot), responses=ERRORS)
     document_bodies(app)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,8 +28,11 @@ from kvstore.core.namespaces import NamespaceInfo
 from kvstore.directory import wire
 from kvstore.directory.db.engine import outage
 from kvstore.directory.http.auth import NOBODY, PRINCIPAL, Principal, Tokens
+from kvstore.directory.admin import Admin
 from kvstore.directory.leader import LAG_S, Leader
+from kvstore.directory.namespaces import Namespaces
 from kvstore.directory.service import DirectoryService
+from kvstore.directory.workers.membership import Membership
 
 log = logging.getLogger(__name__)
 READY_CACHE_S = 1.0  # /readyz reads the database at most this often
@@ -57,8 +61,8 @@ class _Readiness:
     """Whether the database answers, asked at most once per READY_CACHE_S however many probes ask:
     /readyz is open to anyone and must not become a way to load the database."""
 
-    def __init__(self, service: DirectoryService) -> None:
-        self._service = service
+    def __init__(self, ping: Callable[[], None]) -> None:
+        self._ping = ping
         self._lock = threading.Lock()
         self._at, self._failure = -READY_CACHE_S, ""
 
@@ -67,7 +71,7 @@ class _Readiness:
         with self._lock:  # one query at a time; the others wait for it and share its answer
             if time.monotonic() - self._at >= READY_CACHE_S:
                 try:
-                    self._service.ping_database()
+                    self._ping()
                     self._failure = ""
                 except Exception as exc:  # noqa: BLE001 (any database failure makes the directory unready)
                     log.warning("readyz: the database does not answer: %s", exc)
@@ -117,7 +121,7 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error.to_body(), status_code=error.http_status)
 
 
-def routes(service: DirectoryService, leader: Leader) -> APIRouter:
+def health_routes(service: DirectoryService, admin: Admin, leader: Leader) -> APIRouter:
     r = APIRouter()
 
     @r.get("/healthz")
@@ -125,7 +129,7 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
         """200 while the process serves (a replica that lost the lead follows again: it serves)."""
         return JSONResponse({"status": "ok"})
 
-    readiness = _Readiness(service)
+    readiness = _Readiness(admin.ping_database)
 
     @r.get("/readyz")
     def readyz(workers: int = Query(1, ge=0, le=1_000_000, description="live workers needed; 0: only the "
@@ -152,50 +156,69 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
 
     @r.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
-        body = service.metrics_text()
+        body = admin.metrics_text()
         return Response(body, media_type="text/plain; version=0.0.4")
+
+    return r
+
+
+def namespace_routes(namespaces: Namespaces) -> APIRouter:
+    r = APIRouter()
 
     @r.post("/v1/namespaces")
     def register_namespace(body: NamespaceBody, who: Principal = Caller) -> dict:
-        return {"namespace_id": service.register_namespace(body.namespace, who.tenants)}
+        return {"namespace_id": namespaces.register(body.namespace, who.tenants)}
 
     @r.get("/v1/namespaces")
-    def namespaces(who: Principal = Caller) -> list[NamespaceInfo]:
-        return service.namespaces(who.tenants)
+    def listed(who: Principal = Caller) -> list[NamespaceInfo]:
+        return namespaces.listed(who.tenants)
 
     @r.put("/v1/namespaces/{namespace_id}/policy")
     def set_policy(namespace_id: str, body: specs.NamespacePolicy) -> specs.NamespacePolicy:
-        return service.set_policy(namespace_id, body)
+        return namespaces.set_policy(namespace_id, body)
+
+    return r
+
+
+def worker_routes(membership: Membership) -> APIRouter:
+    r = APIRouter()
 
     @r.post("/v1/workers")
     def register_worker(body: specs.WorkerRegistration, who: Principal = Caller) -> specs.Registered:
-        return service.membership.register_worker(body, who.id)
+        return membership.register_worker(body, who.id)
 
     @r.post("/v1/workers/{name}/heartbeat")
     def heartbeat(name: str, body: specs.Heartbeat, who: Principal = Caller) -> dict:
-        service.membership.heartbeat(name, body.epoch, who.id)
+        membership.heartbeat(name, body.epoch, who.id)
         return {"ok": True}
 
     @r.post("/v1/workers/{name}/deregister")
     def deregister(name: str, body: specs.Heartbeat, who: Principal = Caller) -> dict:
-        service.membership.deregister(name, body.epoch, who.id)
+        membership.deregister(name, body.epoch, who.id)
         return {"ok": True}
 
     @r.post("/v1/workers/{name}/drain")
     def drain(name: str) -> specs.WorkerInfo:
-        return service.membership.drain(name)
+        return membership.drain(name)
 
     @r.post("/v1/workers/{name}/undrain")
     def undrain(name: str) -> specs.WorkerInfo:
-        return service.membership.undrain(name)
+        return membership.undrain(name)
 
     @r.get("/v1/workers")
     def workers() -> list[specs.WorkerInfo]:
-        return service.membership.workers()
+        return membership.workers()
 
     @r.get("/v1/workers/{name}")
     def worker(name: str) -> specs.WorkerInfo:
-        return service.membership.worker(name)
+        return membership.worker(name)
+
+    return r
+
+
+def engine_routes(service: DirectoryService) -> APIRouter:
+    """An engine's calls other than the hot ones (`hot.py`), each checked against its tenants."""
+    r = APIRouter()
 
     @r.post("/v1/handoffs")
     def commit_handoff(body: HandoffCommit, who: Principal = Caller) -> HandoffState:
@@ -229,9 +252,15 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
     def inspect(body: InspectRequest, who: Principal = Caller) -> InspectResult:
         return service.inspect(body, who.tenants)
 
+    return r
+
+
+def admin_routes(admin: Admin) -> APIRouter:
+    r = APIRouter()
+
     @r.get("/v1/tiers")
     def tiers() -> list[specs.TierUsage]:
-        return service.tiers()
+        return admin.tiers()
 
     @r.post("/v1/admin/evict")
     def evict(body: specs.EvictRequest) -> specs.Evicted:
@@ -239,12 +268,12 @@ def routes(service: DirectoryService, leader: Leader) -> APIRouter:
             if body.namespace_id is None and not body.all:
                 raise KVStoreError("invalid", "this drops every replica of every namespace, S3 included: "
                                    "say \"all\": true, or name a namespace_id or a tier")
-            return service.evict(body.namespace_id, body.dry_run)
-        return service.evict_tier(body)
+            return admin.evict(body.namespace_id, body.dry_run)
+        return admin.evict_tier(body)
 
     @r.get("/v1/admin/stats")
     def stats() -> specs.Stats:
-        return service.stats()
+        return admin.stats()
 
     return r
 
