@@ -15,12 +15,13 @@ from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.tiers import MEMORY
 from kvstore.directory.db import repository as repo
-from kvstore.directory.db.changelog import ChangeLog, term
+from kvstore.directory.db.changelog import term
 from kvstore.directory.db.index import Index
 from kvstore.directory.db.models.replica import DELETING
 from kvstore.directory.db.writer import Tx, Writer
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.moves.tiers import Movement
+from kvstore.directory.role import Role
 from kvstore.directory.saves.reservations import Reservations
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.workers.membership import Membership
@@ -33,13 +34,13 @@ log = logging.getLogger(__name__)
 
 
 class Admin:
-    def __init__(self, sessions: sessionmaker[Session], writer: Writer, index: Index, changelog: ChangeLog,
+    def __init__(self, sessions: sessionmaker[Session], writer: Writer, index: Index, role: Role,
                  movement: Movement, reclaim: Reclaim, reservations: Reservations, pools: PagePools,
                  membership: Membership, metrics: DirectoryMetrics) -> None:
         self._sessions = sessions
         self._writer = writer
         self._index = index
-        self._changelog = changelog
+        self._role = role
         self._movement = movement
         self._reclaim = reclaim
         self._reservations = reservations
@@ -79,7 +80,7 @@ class Admin:
         return evicted
 
     def tiers(self) -> list[specs.TierUsage]:
-        leading = self._changelog.leading
+        leading = self._role.leading
         with self._sessions() as session:
             return [specs.TierUsage(worker=w.name, kind=t.kind, capacity_bytes=t.capacity_bytes,
                                     used_bytes=t.used_bytes + self._reservations.reserved_bytes(t.id), num_blocks=n,
@@ -91,7 +92,7 @@ class Admin:
 
     def metrics_text(self) -> bytes:
         """Prometheus' text: the counters, the stats, and (on the leader) tiers and workers."""
-        leading = self._changelog.leading
+        leading = self._role.leading
         return self._metrics.render(self.stats(), self.tiers() if leading else [], self._membership.workers())
 
     def ping_database(self) -> None:
@@ -104,6 +105,6 @@ class Admin:
             counts = repo.counts(session)  # its reservations are the moves' destinations
             counts["reservations"] += self._reservations.blocks
             return specs.Stats(**counts, replicas_by_tier=repo.replicas_by_tier(session),
-                               indexed_blocks=self._index.num_blocks, leader=self._changelog.leading,
-                               term=term(session) or 0, follower_lag_s=round(self._changelog.lag_s, 3),
+                               indexed_blocks=self._index.num_blocks, leader=self._role.leading,
+                               term=term(session) or 0, follower_lag_s=round(self._role.lag_s, 3),
                                commit_groups=self._writer.groups, committed_jobs=self._writer.jobs)

@@ -28,6 +28,7 @@ from kvstore.directory.moves.spread import Spread
 from kvstore.directory.moves.tiers import Movement
 from kvstore.directory.namespaces import Namespaces
 from kvstore.directory.reaper import Reaper
+from kvstore.directory.role import Role
 from kvstore.directory.saves.reservations import Reservations
 from kvstore.directory.saves.store import Store
 from kvstore.directory.service import DirectoryService
@@ -65,7 +66,9 @@ def build(settings: DirectorySettings | None = None, clock: Callable[[], float] 
         db.upgrade(settings.database_url)
     engine = db.make_engine(settings.database_url)
     sessions: sessionmaker[Session] = db.make_sessions(engine)
-    changelog = ChangeLog(enabled=engine.dialect.name == "postgresql")  # whether this replica leads; its log
+    alone = engine.dialect.name != "postgresql"  # SQLite: one directory, which leads from the start
+    role = Role(alone)
+    changelog = ChangeLog(enabled=not alone, role=role)
     changelog.relaxed = changelog.enabled and settings.relaxed_commits
     metrics = DirectoryMetrics()
 
@@ -84,7 +87,7 @@ def build(settings: DirectorySettings | None = None, clock: Callable[[], float] 
     membership = Membership(write, calls, reclaim, pools, settings, clock, index.ids)
     store = Store(writer, index, pools, reservations, policies, metrics, settings, movement.make_room, clock)
     loads = Loads(write, index, movement.promote, reclaim, policies, metrics, settings, clock, calls.verify)
-    handoffs = Handoffs(write, sessions, index.count, metrics, lambda: changelog.leading, clock)
+    handoffs = Handoffs(write, sessions, index.count, metrics, lambda: role.leading, clock)
     reaper = Reaper(writer, reclaim, membership, handoffs, store, loads, Orphans(write, moves, calls, reclaim),
                     Spread(write, moves, reclaim, pools), movement, metrics, clock)
     namespaces = Namespaces(write, sessions, clock)
@@ -93,7 +96,7 @@ def build(settings: DirectorySettings | None = None, clock: Callable[[], float] 
         policies=policies, pools=pools, calls=calls, reclaim=reclaim, reservations=reservations, store=store,
         loads=loads, handoffs=handoffs, membership=membership, movement=movement, reaper=reaper,
         namespaces=namespaces, clock=clock)
-    admin = Admin(sessions, writer, index, changelog, movement, reclaim, reservations, pools, membership, metrics)
+    admin = Admin(sessions, writer, index, role, movement, reclaim, reservations, pools, membership, metrics)
     tokens = Tokens(sessions, write)
     tokens.load()
     leader = Leader(service, changelog, engine, settings.advertise_url)

@@ -8,7 +8,8 @@
 
 `directory` is anything with the few calls of `Directory` below (the service is one); the
 term check and the change log of every commit are `db.changelog.ChangeLog`, which the
-directory's writer was built with.
+directory's writer was built with; the role it sets (leading, term, why it stopped) is the
+log's `role` (`role.py`), which the rest of the replica reads.
 
 The leader is the replica holding a PostgreSQL advisory lock, on a connection of its own: when its
 process dies the connection closes and the lock is free at once, and a follower that asks for it
@@ -90,6 +91,7 @@ class Leader:
                  clock: Callable[[], float] = time.time):
         self._directory = directory
         self._log = changelog
+        self._role = changelog.role
         self._engine = engine
         self._sessions = directory.sessions
         self._settings = directory.settings
@@ -109,20 +111,20 @@ class Leader:
 
     @property
     def leading(self) -> bool:
-        return self._log.leading
+        return self._role.leading
 
     @property
     def stepping_down(self) -> str:
         """Why this replica stopped leading, while it has not stepped down yet ("" otherwise)."""
-        return self._log.lost if self._started and not self.leading else ""
+        return self._role.lost if self._started and not self.leading else ""
 
     @property
     def term(self) -> int:
-        return self._log.term
+        return self._role.term
 
     @property
     def lag_s(self) -> float:
-        return self._log.lag_s
+        return self._role.lag_s
 
     # ---- the background thread ------------------------------------------------------------------
 
@@ -158,7 +160,7 @@ class Leader:
         if self.enabled and not self._holds_lock():
             regained = self._regain()
             if regained is False:
-                self._log.lose("it lost the leader's lock (its database connection dropped) and another "
+                self._role.lose("it lost the leader's lock (its database connection dropped) and another "
                                "replica has led since")
                 return
             if regained is None:
@@ -227,15 +229,15 @@ class Leader:
                 reread = self._log.restarted(session)  # since this follower's index was read
                 self._log.adopt(session)
             self._apply_changes()
-            self._log.lead(term)
+            self._role.lead(term)
             self._directory.start(rebuild_index=reread)
             sql.unlisten(self._conn)
         except BaseException:
-            self._log.leading = False
+            self._role.leading = False
             self._disconnect()
             raise
         self._started = self._excused = True  # recover() gave every live worker a full heartbeat timeout
-        self._log.leading = True
+        self._role.leading = True
         self._set_leader(self.url)
         log.info("this directory replica leads now (term %d)", self.term)
 
@@ -265,7 +267,7 @@ class Leader:
         connection was down), so what this one holds as the leader (reservations, page credit,
         heartbeats heard, its index) may be stale. The next follow round connects and reads the
         index from SQL; a later promotion builds the rest from SQL, as any promotion does."""
-        log.warning("this directory replica steps down (%s): it follows the leader again", self._log.lost)
+        log.warning("this directory replica steps down (%s): it follows the leader again", self._role.lost)
         self._started = self._followed = False
         self._disconnect()  # its lock, if it still held it, goes with the connection
         self._set_leader("")  # learned again by the next campaign: no call is forwarded to itself meanwhile
@@ -319,7 +321,7 @@ class Leader:
                     self._follow_start()
                     continue
                 changes = sql.changes_after(session, self._last, BATCH)
-                self._log.followed()
+                self._role.followed()
                 if changes is None:
                     return
                 self._directory.apply(session, changes)

@@ -74,7 +74,7 @@ class DirectoryService:
     @property
     def leading(self) -> bool:
         """Among several directory replicas, whether this one writes."""
-        return self.changelog.leading
+        return self.changelog.role.leading
 
     def reap(self) -> dict[str, int]:
         """The reaper's round (`reaper.py`), after the index reads back what it still owes (on the

@@ -1,8 +1,7 @@
-"""The leader's side of SQL: its term, the change log followers read, and the advisory lock.
+"""The leader's side of SQL: its term checked, the change log followers read, and the advisory lock.
 
-    log = ChangeLog(enabled)            # enabled: PostgreSQL (replicas may run side by side)
-    log.leading / log.term / log.lost   # this replica's role, set by `leader.Leader`
-    log.lag_s                           # a follower: seconds since it last read the change log
+    log = ChangeLog(enabled, role)      # enabled: PostgreSQL (replicas may run side by side); the
+                                        # replica's role (`role.py`) says whether and in which term it leads
     log.relaxed / log.stale / log.adopt(session)   # relaxed commits: has the database restarted since?
     Writer(..., before_commit=log.before_commit)   # every group commit checks the term and logs
 
@@ -33,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.db.models import Change, LeaderRow, Worker
+from kvstore.directory.role import Role
 
 log = logging.getLogger(__name__)
 LOCK_KEY = 0x6B7673746F7265  # the advisory lock of the leader ("kvstore")
@@ -40,22 +40,14 @@ CHANNEL = "kvstore_changes"
 
 
 class ChangeLog:
-    def __init__(self, enabled: bool = False, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, enabled: bool = False, role: Role | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.enabled = enabled
-        self.leading = not enabled  # one directory alone (SQLite) leads from the start
-        self.term = 0
-        self.lost = ""  # why this replica stopped leading (another took over); "" until then and once it leads
-        self._checks = False  # from its promotion on, a leader checks its term in every commit
+        self.role = role or Role(alone=not enabled)
         self._clock = clock
-        self._followed_at = time.monotonic()  # a follower last read the change log then
         self.relaxed = False  # saves may commit before their WAL is flushed (a setting; PostgreSQL)
         self.incarnation = None  # the database's start time when this replica last read its state
         self.stale = False  # the database restarted since: this replica's memory may name lost commits
-
-    def lead(self, term: int) -> None:
-        self.term = term
-        self._checks = True
-        self.lost = ""
 
     def adopt(self, session: Session) -> None:
         """This replica's state is being read from SQL in `session`: it holds for the database as it runs now."""
@@ -72,31 +64,15 @@ class ChangeLog:
         if start_time != self.incarnation:
             self.stale = True
 
-    def followed(self) -> None:
-        """A follower read the change log (whatever it found)."""
-        self._followed_at = time.monotonic()
-
-    @property
-    def lag_s(self) -> float:
-        """Seconds since this follower last read the change log; 0 on the leader."""
-        return 0.0 if self.leading else time.monotonic() - self._followed_at
-
-    def lose(self, why: str) -> None:
-        """This replica no longer leads. Its commits are refused from here on (another replica may
-        lead under a higher term); `leader.Leader` makes it follow again, from SQL."""
-        self.leading = False
-        if not self.lost:
-            log.warning("this directory replica no longer leads: %s; it follows again", why)
-        self.lost = why
-
     def before_commit(self, session: Session, touched: set[int], topology: bool, namespaces: bool,
                       committed: list, handoffs: set[str]) -> None:
         """In each group's transaction: the term is still ours (else roll back and stop), and what
         the group changed is logged for the followers."""
-        if not self._checks:
+        role = self.role
+        if not role.checks:
             return
-        check = update(LeaderRow).where(LeaderRow.id == 1, LeaderRow.term == self.term).values(term=LeaderRow.term)
-        if self.lost:  # a job made while it led must not commit now, even if nobody has raised the term yet
+        check = update(LeaderRow).where(LeaderRow.id == 1, LeaderRow.term == role.term).values(term=LeaderRow.term)
+        if role.lost:  # a job made while it led must not commit now, even if nobody has raised the term yet
             ours = False
         elif self.relaxed:
             row = session.execute(check.returning(func.pg_postmaster_start_time())).first()
@@ -106,7 +82,7 @@ class ChangeLog:
         else:
             ours = session.execute(check).rowcount == 1
         if not ours:
-            self.lose(f"another replica leads now (this one led in term {self.term})")
+            role.lose(f"another replica leads now (this one led in term {role.term})")
             raise KVStoreError("unavailable", "this directory replica no longer leads; ask another")
         if self.stale:
             raise KVStoreError("unavailable", "the database restarted and may have lost its last relaxed commits; "
