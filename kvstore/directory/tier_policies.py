@@ -167,6 +167,17 @@ class TierPolicies:
         return self._of(tier).built
 
     @_locked
+    def expected(self) -> list[tuple[tuple, Hints]]:
+        """The hints of saves not yet taken by a tier's policy, oldest first: (tier id, namespace,
+        hash) before the commit, (tier id, block id) after it."""
+        return list(self._expected.items())
+
+    @_locked
+    def eviction_of(self, tier):
+        """The tier's eviction policy (as built so far)."""
+        return self._of(tier).eviction
+
+    @_locked
     def changed(self, changes: list[tuple[int, int | None, str, str, list[int], list[int]]]) -> None:
         """(block id, parent block id, namespace, hash, added, removed): replicas of the block became
         readable on the tiers `added` and left `removed` (tier ids). Tiers whose policy is not built

@@ -136,6 +136,10 @@ class SessionLRU:
     def __iter__(self):
         return iter(list(self._state))
 
+    def is_tail(self, key: Hashable) -> bool:
+        """Whether `key` was saved as the tail of its request's prefix and has not been read since."""
+        return key in self._tails
+
     def __len__(self) -> int:
         return len(self._state)
 

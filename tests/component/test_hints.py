@@ -19,15 +19,15 @@ def test_a_saves_hints_reach_the_tiers_policy_and_bad_ones_are_refused(stack):
     complete(stack, stack.client.prepare_store(body))
     policies = stack.service.policies
     keys = [hit.block_id for hit in stack.service.index.lookup(stack.namespace_id, hashes)]  # the policy's keys
-    expected = [policies._expected[key] for key in policies._expected]  # kept until the tier's policy is built
-    assert [key[1:] for key in policies._expected] == [(k,) for k in keys]  # by block id once committed
+    expected = [hints for _, hints in policies.expected()]  # kept until the tier's policy is built
+    assert [key[1:] for key, _ in policies.expected()] == [(k,) for k in keys]  # by block id once committed
     assert [(h.retain, h.priority, h.tail) for h in expected] == [("turn", 2, False)] * 2 + [("turn", 2, True)]
     tier = next(iter(stack.service.index.tiers.values()))
     rows = [VictimRow(key=k, parent=None, last_access=0.0, depth=0, hit_count=0, nbytes=BLOCK, pinned=False, row=k)
             for k in keys]
     policies.victims(tier, rows, set(), to_free=0, limit=0)  # what the first demotion does: build it
-    eviction = policies._tiers[tier.id].eviction
-    assert keys[-1] in eviction._tails and keys[0] not in eviction._tails and not policies._expected
+    eviction = policies.eviction_of(tier)
+    assert eviction.is_tail(keys[-1]) and not eviction.is_tail(keys[0]) and not policies.expected()
     for bad in ({"retain": "forever"}, {"priority": 1000}, {"session_id": "x" * 257}, {"other": 1}):
         answer = stack.http.post("/v1/store/prepare", json={"namespace_id": stack.namespace_id, "hints": bad,
                                                             "blocks": [{"hash": "ab", "nbytes": BLOCK}]})

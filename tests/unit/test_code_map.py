@@ -97,3 +97,17 @@ def test_the_import_contract_keeps_sqlalchemy_in_db_for_every_module():
         if not any(".".join(parts[:i]) in sources for i in range(1, len(parts) + 1)):
             uncovered.append(name)
     assert not uncovered, f"add these to the contract in pyproject.toml: {uncovered}"
+
+
+PRIVATE_OF_SERVICE = re.compile(r"\bservice(?:\.[a-z]\w*)*\.(_[a-z]\w*)")
+
+
+def test_tests_touch_no_private_attribute_of_the_directory_service():
+    """Tests read the service and its parts through what they offer, so that its inside can change."""
+    found = [(path.relative_to(ROOT).as_posix(), m.group(0))
+             for path in sorted((ROOT / "tests").rglob("*.py")) if path.name != "test_code_map.py"
+             for m in PRIVATE_OF_SERVICE.finditer(path.read_text())]
+    assert not found, found
+    assert PRIVATE_OF_SERVICE.search("stack.service.writer._queue.qsize()")
+    assert PRIVATE_OF_SERVICE.search("service._reclaim")
+    assert not PRIVATE_OF_SERVICE.search("stack.service.writer.queued")
