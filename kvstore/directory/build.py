@@ -28,7 +28,6 @@ from kvstore.directory.moves.spread import Spread
 from kvstore.directory.moves.tiers import Movement
 from kvstore.directory.namespaces import Namespaces
 from kvstore.directory.reaper import Reaper
-from kvstore.directory.role import Role
 from kvstore.directory.saves.reservations import Reservations
 from kvstore.directory.saves.store import Store
 from kvstore.directory.service import DirectoryService
@@ -66,9 +65,8 @@ def build(settings: DirectorySettings | None = None, clock: Callable[[], float] 
         db.upgrade(settings.database_url)
     engine = db.make_engine(settings.database_url)
     sessions: sessionmaker[Session] = db.make_sessions(engine)
-    alone = engine.dialect.name != "postgresql"  # SQLite: one directory, which leads from the start
-    role = Role(alone)
-    changelog = ChangeLog(enabled=not alone, role=role)
+    changelog = ChangeLog(enabled=engine.dialect.name == "postgresql")  # SQLite: one directory, leading at once
+    role = changelog.role
     changelog.relaxed = changelog.enabled and settings.relaxed_commits
     metrics = DirectoryMetrics()
 

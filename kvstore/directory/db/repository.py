@@ -44,10 +44,6 @@ def blocks_by_id(session: Session, block_ids: list[int]) -> dict[int, Block]:
     return {b.id: b for chunk in chunks(block_ids) for b in session.query(Block).filter(Block.id.in_(chunk))}
 
 
-def handoff(session: Session, key: str) -> HandoffRow | None:
-    return session.get(HandoffRow, key)
-
-
 def namespace_rows(session: Session) -> list[NamespaceRow]:
     return session.query(NamespaceRow).order_by(NamespaceRow.created_at).all()
 

@@ -26,9 +26,9 @@ from kvstore.core.inspection import InspectRequest, InspectResult
 from kvstore.core.keys import Namespace
 from kvstore.core.namespaces import NamespaceInfo
 from kvstore.directory import wire
+from kvstore.directory.admin import Admin
 from kvstore.directory.db.engine import outage
 from kvstore.directory.http.auth import NOBODY, PRINCIPAL, Principal, Tokens
-from kvstore.directory.admin import Admin
 from kvstore.directory.leader import LAG_S, Leader
 from kvstore.directory.namespaces import Namespaces
 from kvstore.directory.service import DirectoryService
