@@ -66,11 +66,13 @@ def save_rows(conn: sqlite3.Connection, chain: int, n: int, clock) -> list[float
     ids = [first + k for k in range(n)]
     spent.append(clock() - t)
     t = clock()
-    values = ", ".join(["(?, ?, ?, 'ready', ?, ?, ?, ?, ?)"] * n)
+    ((first,),) = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM replicas").fetchall()
+    values = ", ".join(["(?, ?, ?, ?, 'ready', ?, ?, ?, ?, ?)"] * n)
     params = tuple(x for k, block_id in enumerate(ids)
-                   for x in (block_id, 1, 1, f"tok{chain}", f"[[{16 * (chain * n + k)}, 16]]", 65536, None, now))
-    conn.execute("INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, expires_at, "
-                 f"created_at) VALUES {values} RETURNING id, block_id", params).fetchall()
+                   for x in (first + k, block_id, 1, 1, f"tok{chain}", f"[[{16 * (chain * n + k)}, 16]]", 65536, None,
+                             now))
+    conn.execute("INSERT INTO replicas (id, block_id, tier_id, epoch, state, token, pages, reserved_bytes, expires_at, "
+                 f"created_at) VALUES {values}", params)
     spent.append(clock() - t)
     t = clock()
     conn.execute("COMMIT")

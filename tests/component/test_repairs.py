@@ -11,7 +11,6 @@ from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.inspection import InspectRequest
 from kvstore.directory.db import direct, repository as repo
-from kvstore.directory.db.models import Replica
 from kvstore.directory.db.models.replica import MOVING, WRITING
 from kvstore.directory.db import moves as moves_sql
 from tests.calls import BLOCK, chain, complete, hits, prepare
@@ -33,9 +32,8 @@ def test_a_source_a_failed_move_left_moving_is_ready_again_once_no_move_copies_i
             replica, tier, worker = repo.replicas_of(tx.session, [block.id])[0]
             replica.state = MOVING  # what a move's failed finish leaves
             if n == 1:  # this one's move is still copying: its destination is WRITING
-                tx.session.add(Replica(block_id=block.id, tier_id=tier.id, epoch=worker.epoch, state=WRITING,
-                                       token="move-1-" + "0" * 32, pages=[], reserved_bytes=0,
-                                       expires_at=4e9, created_at=0.0))
+                direct.insert_replicas(tx.session, [(block.id, tier.id, worker.epoch, "move-1-" + "0" * 32, [], 0, 0.0)],
+                                       state=WRITING, expires_at=4e9)
         tx.session.flush()  # asked in the same transaction: the reaper's thread cannot run in between
         return [r.block_id for r in moves_sql.stranded_moving(tx.session)], blocks[hashes[0]].id
     stranded, first = stack.service.writer.run(strand)

@@ -78,8 +78,9 @@ TOPOLOGY = ["INSERT INTO namespaces (id, spec, created_at) VALUES ('ns', '{}', 0
 def _block(block_id: int, block_hash: str, replicas: int) -> list[str]:
     return [f"INSERT INTO blocks (id, namespace_id, hash, depth, nbytes, checksum, created_at, last_access, hit_count) "
             f"VALUES ({block_id}, 'ns', '{block_hash}', 0, 4096, '0123456789abcdef', 0, 0, 0)"] + [
-            f"INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, created_at) "
-            f"VALUES ({block_id}, 1, 1, 'ready', 't', '[[{block_id}{k}, 1]]', 4096, 0)" for k in range(replicas)]
+            f"INSERT INTO replicas (id, block_id, tier_id, epoch, state, token, pages, reserved_bytes, created_at) "
+            f"VALUES ({block_id}{k}, {block_id}, 1, 1, 'ready', 't', '[[{block_id}{k}, 1]]', 4096, 0)"
+            for k in range(replicas)]  # numbered as the writer numbers them (0012: no sequence on PostgreSQL)
 
 
 def test_0010_drops_the_hash_index_of_a_populated_database_and_taking_it_back_keeps_every_replica(tmp_path):

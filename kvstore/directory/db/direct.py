@@ -126,17 +126,17 @@ def still_there(session: Session, there: dict[str, int]) -> dict[str, int]:
 def insert_replicas(session: Session, replicas: list[tuple], state: str = READY,
                     expires_at: float | None = None) -> dict[int, int]:
     """(block id, tier id, epoch, token, pages, reserved bytes, created_at) rows, in `state` (READY, or
-    WRITING with `expires_at` for a move's destinations); returns block id -> replica id."""
-    ids: dict[int, int] = {}
+    WRITING with `expires_at` for a move's destinations); returns block id -> replica id. The writer
+    numbers them (no row comes back per replica), as it does blocks."""
+    first = rows(session, "SELECT coalesce(max(id), 0) + 1 FROM replicas")[0][0] if replicas else 0
     for start in range(0, len(replicas), ROWS_PER_INSERT):
         chunk = replicas[start : start + ROWS_PER_INSERT]
-        values = ", ".join([f"(?, ?, ?, '{state}', ?, ?, ?, ?, ?)"] * len(chunk))
-        params = tuple(x for b, t, e, tok, pages, n, c in chunk
-                       for x in (b, t, e, tok, _json_runs(pages), n, expires_at, c))
-        ids.update((b, i) for i, b in rows(
-            session, "INSERT INTO replicas (block_id, tier_id, epoch, state, token, pages, reserved_bytes, "
-            f"expires_at, created_at) VALUES {values} RETURNING id, block_id", params))
-    return ids
+        values = ", ".join([f"(?, ?, ?, ?, '{state}', ?, ?, ?, ?, ?)"] * len(chunk))
+        execute(session, "INSERT INTO replicas (id, block_id, tier_id, epoch, state, token, pages, reserved_bytes, "
+                f"expires_at, created_at) VALUES {values}", tuple(
+                    x for k, (b, t, e, tok, pages, n, c) in enumerate(chunk, first + start)
+                    for x in (k, b, t, e, tok, _json_runs(pages), n, expires_at, c)))
+    return {r[0]: first + k for k, r in enumerate(replicas)}
 
 
 def _json_runs(pages) -> str:

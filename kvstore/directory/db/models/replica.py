@@ -12,7 +12,7 @@ class Replica(Base):
     __table_args__ = (Index("ix_replicas_tier_id_state", "tier_id", "state"),
                       Index("ix_replicas_state_expires_at", "state", "expires_at"))
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # the writer numbers them
     block_id: Mapped[int] = mapped_column(ForeignKey("blocks.id", ondelete="CASCADE"), index=True)
     tier_id: Mapped[int] = mapped_column(ForeignKey("tiers.id", ondelete="CASCADE"))  # (tier_id, state) indexes it
     epoch: Mapped[int] = mapped_column(Integer)  # the worker's epoch at allocation
