@@ -207,10 +207,10 @@ class KVStoreClient:
         """One prepare + write + complete; (leading blocks now held, why the next one is not)."""
         clock = _PhaseClock()
         parents = [parent] + hashes[:-1]
-        prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore(
-            namespace_id=self.namespace_id, writer=self.agent.name, hosts=self.hosts, hints=hints, blocks=[
-                specs.BlockToStore(hash=h.hex(), parent=p.hex() if p else None, nbytes=b.nbytes)
-                for h, p, b in zip(hashes, parents, blocks)]))
+        prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore.model_validate({
+            "namespace_id": self.namespace_id, "writer": self.agent.name, "hosts": self.hosts, "hints": hints,
+            "blocks": [{"hash": h.hex(), "parent": p.hex() if p else None, "nbytes": b.nbytes}  # validated at once
+                       for h, p, b in zip(hashes, parents, blocks)]}))
         admitted = [(i, d) for i, d in enumerate(prepared.blocks) if d.status == "admitted"]
         ok: dict[int, bool] = {}
         if admitted:
@@ -218,9 +218,8 @@ class KVStoreClient:
                 done, sums = self._write_hashed([(blocks[i], d.location) for i, d in admitted], clock,
                                                 pack and reindexed(pack, [i for i, _ in admitted], blocks[0].nbytes))
             ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
-            reports = [specs.BlockWritten(hash=d.hash, ok=ok[i], checksum=sums[k])
-                       for k, (i, d) in enumerate(admitted)]
-            body = specs.CompleteStore(token=prepared.token, blocks=reports)
+            body = specs.CompleteStore.model_validate({"token": prepared.token, "blocks": [
+                {"hash": d.hash, "ok": ok[i], "checksum": sums[k]} for k, (i, d) in enumerate(admitted)]})
             if not clock.timed("complete", _accepted, self.directory.complete_store, body):
                 ok = {}  # the reservation was gone: nothing of this call is stored
         self.last_timings = clock.finish()

@@ -40,6 +40,7 @@ def _copy_threads() -> int:
 
 COPY_THREADS = _copy_threads()
 CHUNK_BYTES = 256 << 10  # copied, then hashed while it is still in cache
+INLINE_BYTES = 1 << 20  # same-host copies of at most this many bytes in all run on the caller's thread
 HASH_SHARE = 4  # blocks read in place are hashed this many to a task
 Transform = Callable[[int, np.ndarray], list[Callable[[], None]]]  # (first item, its bytes and those after) -> copies
 
@@ -57,7 +58,12 @@ class BlockCopier:
         for the others) and the indices of the others, which NIXL must carry (`move`)."""
         arenas = [self.arenas.view(location) for _, location in items]
         done, digests = [False] * len(items), [""] * len(items)
-        near = sorted((k for k, a in enumerate(arenas) if a is not None), key=lambda k: -items[k][0].nbytes)
+        near = [k for k, a in enumerate(arenas) if a is not None]
+        if sum(items[k][0].nbytes for k in near) <= INLINE_BYTES:  # a hand-off to the threads costs more
+            for k in near:
+                done[k], digests[k] = _copy_hashed(op, *items[k], arenas[k])
+            return done, digests, [k for k, a in enumerate(arenas) if a is None]
+        near.sort(key=lambda k: -items[k][0].nbytes)
         shares: list[list[int]] = [[] for _ in range(COPY_THREADS)]
         loads = [0] * COPY_THREADS
         for k in near:  # the largest first, each to the least loaded thread
@@ -147,6 +153,17 @@ def _copy_hashed(op: str, block: np.ndarray, location: specs.ReplicaLocation, ar
     where a stale writer or another engine may have written since; a READ hashes what it got."""
     assert block.flags.c_contiguous, "a block is one contiguous buffer"
     flat = block.reshape(-1).view(np.uint8)
+    if len(location.runs) == 1 and flat.size <= CHUNK_BYTES:  # one chunk: one copy, one call to hash it
+        (addr, length), = location.runs
+        offset = addr - arena.base_addr
+        if offset < 0 or offset + length > arena.array.size or length != flat.size:
+            return False, ""  # not in the arena mapped (NIXL would have failed too), or not this block's size
+        there = arena.array[offset:offset + length]
+        if op == "WRITE":
+            np.copyto(there, flat)
+        else:
+            np.copyto(flat, there)
+        return True, xxhash.xxh3_64_hexdigest(flat)
     digest = xxhash.xxh3_64()
     at = 0
     for addr, length in location.runs:

@@ -5,6 +5,7 @@ Calls, in the order they happen:
     grant(token, max_pages) -> runs          # page credit: up to max_pages free pages at once
     free(token, runs) -> bool                # False: those runs are not that token's
     reserve(token, runs) -> bool             # restart recovery: take exactly these pages
+    reserve_all(runs) -> (outside, overlapping)  # the same for every replica at once (a pool without owners)
     reset()                                  # new epoch: every page is free again
     add_free(runs)                           # a pool fed by grants: these pages join it
 
@@ -35,6 +36,10 @@ def pages_for(nbytes: int, page_bytes: int) -> int:
     return -(-nbytes // page_bytes)
 
 
+_COUNT_BITS = 32  # reserve_all packs a run as first << 32 | count
+_PAST = float("inf")  # a count larger than any: [first, _PAST] sorts after every run starting at `first`
+
+
 class PageAllocator:
     def __init__(self, num_pages: int, page_bytes: int, owners: bool = True) -> None:
         assert num_pages >= 0 and page_bytes > 0, "an arena needs a page size"
@@ -52,6 +57,11 @@ class PageAllocator:
 
     def pages_for(self, nbytes: int) -> int:
         return pages_for(nbytes, self.page_bytes)
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free pages as sorted, disjoint (first, count) runs."""
+        with self._lock:
+            return [(first, count) for first, count in self._free]
 
     def allocate(self, token: str, nbytes: int, contiguous: bool = False) -> list[PageRun] | None:
         runs = self.allocate_pairs(token, nbytes, contiguous)
@@ -140,6 +150,20 @@ class PageAllocator:
             self._own(token, wanted)
         return True
 
+    def reserve_all(self, runs) -> tuple[int, int]:
+        """Take every free page that these (first, count) runs name, in one pass (a restart: the pages of
+        all of a tier's replicas, in any order, against a free list of any length), for a pool that
+        keeps no owners. Returns (pages named that were not free, runs that overlap another): both
+        0 when every replica's pages were granted and no two replicas share a page."""
+        assert not self.owners, "reserve_all keeps no record of who holds what"
+        keys = sorted(first << _COUNT_BITS | count for first, count in runs)  # one int a run: 16 MiB a million
+        overlaps = [0]
+        with self._lock:
+            new, taken, named = _without(self._free, _union(keys, overlaps))
+            self._free = new
+            self.free_pages -= taken
+        return named - taken, overlaps[0]
+
     def _own(self, token: str, runs: list[tuple[int, int]]) -> None:
         if self.owners:
             self._owned.setdefault(token, set()).update(runs)
@@ -149,16 +173,23 @@ class PageAllocator:
         return (i > 0 and self._free[i - 1][0] + self._free[i - 1][1] > first) or \
             (i < len(self._free) and self._free[i][0] < first + count)
 
+    def _holding(self, first: int, count: int) -> int | None:
+        """The index of the free run that holds these pages, else None (a search, not a walk: a free
+        list that churn has cut into many runs stays cheap to ask)."""
+        i = bisect.bisect_right(self._free, [first, _PAST]) - 1  # the last run starting at or before `first`
+        if i >= 0 and first + count <= self._free[i][0] + self._free[i][1]:
+            return i
+        return None
+
     def _is_free(self, first: int, count: int) -> bool:
-        return any(f <= first and first + count <= f + c for f, c in self._free)
+        return self._holding(first, count) is not None
 
     def _take_exact(self, first: int, count: int) -> None:
-        for i, (f, c) in enumerate(self._free):
-            if f <= first and first + count <= f + c:
-                pieces = [[f, first - f], [first + count, f + c - first - count]]
-                self._free[i : i + 1] = [p for p in pieces if p[1] > 0]
-                return
-        raise AssertionError("pages are not free")
+        i = self._holding(first, count)
+        assert i is not None, "pages are not free"
+        f, c = self._free[i]
+        pieces = [[f, first - f], [first + count, f + c - first - count]]
+        self._free[i : i + 1] = [p for p in pieces if p[1] > 0]
 
     def owns(self, token: str, runs: list[PageRun]) -> bool:
         """Whether `token` holds exactly these runs (a writer checks before it writes)."""
@@ -200,3 +231,57 @@ class PageAllocator:
             self._free[i][1] += self._free.pop(i + 1)[1]
         if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == first:
             self._free[i - 1][1] += self._free.pop(i)[1]
+
+
+def _union(keys: list[int], overlaps: list[int]):
+    """Sorted packed runs (first << _COUNT_BITS | count) as the sorted, disjoint [start, end) stretches
+    they cover; overlaps[0] counts the runs that overlap one before them."""
+    mask = (1 << _COUNT_BITS) - 1
+    start = end = -1
+    for key in keys:
+        first = key >> _COUNT_BITS
+        stop = first + (key & mask)
+        if first <= end:  # touches or overlaps the stretch so far
+            overlaps[0] += first < end
+            end = max(end, stop)
+            continue
+        if end >= 0:
+            yield start, end
+        start, end = first, stop
+    if end >= 0:
+        yield start, end
+
+
+def _without(free: list[list[int]], stretches) -> tuple[list[list[int]], int, int]:
+    """The free runs less the sorted, disjoint stretches, in one sweep over both; returns (free runs
+    left, pages taken, pages the stretches cover: those outside the free runs were not taken)."""
+    left: list[list[int]] = []
+    taken = named = 0
+    i, n = 0, len(free)
+    at = free[0][0] if free else 0  # where the part of free[i] not yet handed to `left` or taken begins
+
+    def keep_to(stop: int) -> None:
+        if at < stop:
+            left.append([at, stop - at])
+
+    for start, end in stretches:
+        named += end - start
+        while i < n and free[i][0] + free[i][1] <= start:  # free runs that end before this stretch
+            keep_to(free[i][0] + free[i][1])
+            i += 1
+            at = free[i][0] if i < n else 0
+        while i < n and free[i][0] < end:  # free runs this stretch takes from
+            stop = free[i][0] + free[i][1]
+            cut = max(start, at)
+            keep_to(cut)
+            taken += min(end, stop) - cut
+            if stop > end:
+                at = end
+                break
+            i += 1
+            at = free[i][0] if i < n else 0
+    while i < n:
+        keep_to(free[i][0] + free[i][1])
+        i += 1
+        at = free[i][0] if i < n else 0
+    return left, taken, named

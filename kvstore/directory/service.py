@@ -70,6 +70,7 @@ class DirectoryService:
         self.membership, self.movement, self.reaper, self.namespaces = membership, movement, reaper, namespaces
         self._reclaim = reclaim
         self._clock = clock
+        self._starting = False  # the index is built again, then the page credit: not ready until both are
 
     @property
     def leading(self) -> bool:
@@ -90,8 +91,12 @@ class DirectoryService:
         (a follower that becomes the leader has its index already: it followed every commit)."""
         self.recover()
         t0 = time.perf_counter()
-        self.writer.run(lambda tx: self._build(tx, rebuild_index))  # nothing commits while SQL is read
-        log.info("index of %d blocks built in %.1f s", self.index.num_blocks, time.perf_counter() - t0)
+        self._starting = rebuild_index  # a promoted follower's index serves lookups meanwhile
+        try:
+            self.writer.run(lambda tx: self._build(tx, rebuild_index))  # nothing commits while SQL is read
+        finally:
+            self._starting = False
+        log.info("index of %d blocks and page credit built in %.1f s", self.index.num_blocks, time.perf_counter() - t0)
 
     def _build(self, tx: Tx, rebuild_index: bool) -> None:
         self.namespaces.load(tx.session)
@@ -218,8 +223,9 @@ class DirectoryService:
 
     @property
     def ready(self) -> bool:
-        """Whether the lookup index is built (lookups and /readyz wait for it)."""
-        return self.index.ready
+        """Whether the lookup index is built, and at a start the page credit too (lookups and /readyz
+        wait for it: a save would wait for the writer until then)."""
+        return self.index.ready and not self._starting
 
     @property
     def indexed_blocks(self) -> int:

@@ -1,4 +1,4 @@
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -101,3 +101,41 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestUnownedAllocatorMachine = UnownedAllocatorMachine.TestCase
 TestUnownedAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def _pages(runs) -> set[int]:
+    return {page for first, count in runs for page in range(first, first + count)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(free=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 12)), max_size=12),
+       named=st.lists(st.tuples(st.integers(0, 220), st.integers(1, 6)), max_size=40))
+def test_reserve_all_takes_the_free_pages_named_and_counts_the_rest(free, named):
+    """A restart's one-pass reservation against a free list cut into pieces: afterwards the free
+    pages are exactly those free before and not named; pages named but not free are counted, as
+    are runs that overlap another."""
+    pool = PageAllocator(0, PAGE, owners=False)
+    granted: set[int] = set()
+    for first, count in free:  # disjoint grants: add_free takes no overlap
+        if not _pages([(first, count)]) & granted:
+            pool.add_free([PageRun(first=first, count=count)])
+            granted |= _pages([(first, count)])
+    outside, overlapping = pool.reserve_all(named)
+    left = pool.free_runs()
+    assert _pages(left) == granted - _pages(named)
+    assert pool.free_pages == len(granted - _pages(named))
+    assert outside == len(_pages(named) - granted)
+    assert all(count > 0 for _, count in left)
+    assert all(a[0] + a[1] < b[0] for a, b in zip(left, left[1:]))  # sorted, apart, merged
+    ordered = sorted(named)
+    assert overlapping == sum(1 for k, (first, _) in enumerate(ordered)
+                              if any(f <= first < f + c for f, c in ordered[:k]))
+
+
+def test_reserve_all_is_one_pass_on_a_free_list_of_many_runs():
+    """Every other page free (20,000 runs), all of them named, in reverse order: one sorted sweep
+    takes them all (a search of the free list per run, each cutting it, is quadratic here)."""
+    pool = PageAllocator(0, PAGE, owners=False)
+    pool.add_free([PageRun(first=2 * k, count=1) for k in range(20_000)])
+    assert pool.reserve_all([(2 * k, 1) for k in reversed(range(20_000))]) == (0, 0)
+    assert pool.free_pages == 0 and pool.free_runs() == []

@@ -2,6 +2,7 @@
 
     connection, sql = driver(session, sql)      # `?` placeholders, as the driver wants them
     rows(session, sql, params) / execute(session, sql, params) / driver_many(session, sql, rows)
+    stream(session, sql, params, size)          # a large read, `size` rows at a time
     insert_blocks                               # multi-row INSERTs, ids assigned here
     insert_replicas                             # multi-row INSERTs ... RETURNING
     set_states(session, {replica id: state})
@@ -79,6 +80,23 @@ def rows(session: Session, sql: str, params: tuple = ()) -> list[tuple]:
         return result.cursor.fetchall()
     finally:
         result.close()
+
+
+def stream(session: Session, sql: str, params: tuple = (), size: int = 20_000):
+    """A large read's rows as the driver's tuples, `size` at a time (the index's rebuild: no SQLAlchemy
+    row or type processing per row). On PostgreSQL a server-side cursor: the rows are never all in
+    this process at once."""
+    connection = session.connection()
+    if connection.dialect.paramstyle in ("format", "pyformat"):
+        sql = sql.replace("?", "%s")
+    raw = connection.connection.driver_connection
+    cursor = raw.cursor(name="kvstore_stream") if connection.dialect.name == "postgresql" else raw.cursor()
+    try:
+        cursor.execute(sql, params)
+        while batch := cursor.fetchmany(size):
+            yield batch
+    finally:
+        cursor.close()
 
 
 def marks(n: int) -> str:
@@ -167,3 +185,12 @@ def expire_loaded(session: Session, model, ids, attributes: list[str] | None = N
 def json_value(value):
     """A JSON column as read through the driver: SQLite gives its text, psycopg the value."""
     return json.loads(value) if isinstance(value, str) else value
+
+
+def runs_value(value) -> list:
+    """A replica's pages as read through the driver: json_value, with one run (`[[first, count]]`, as
+    `_json_runs` and `json.dumps` write it: most blocks) read without the JSON parser."""
+    if isinstance(value, str) and value.count("[") == 2:
+        first, count = value[2:-2].split(",")
+        return [(int(first), int(count))]
+    return json_value(value)

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from kvstore.core import heap, tiers
 from kvstore.directory.db import direct
-from kvstore.directory.db.models import Block, Replica, Tier, Worker
+from kvstore.directory.db.models import Tier, Worker
 from kvstore.directory.db.models.replica import VISIBLE
 from kvstore.directory.db.views import Entry, Hit, ReplicaView, TierView, WorkerView
 
@@ -169,14 +169,15 @@ class Index:
         self._blocks, self._by_id = {}, heap.frozen_dict()
         self.duplicates, self._rebuilding = {}, True
         try:
-            batch: list = []
-            result = session.execute(_rows_query().order_by(Block.id), execution_options={"yield_per": REBUILD_BATCH})
-            for row in result:
-                if len(batch) >= REBUILD_BATCH and row[0] != batch[-1][0]:
-                    self._apply(batch, set(), None)
-                    batch = []
-                batch.append(row)
-            self._apply(batch, set(), None)
+            held: list = []  # the last block's rows of a batch: the next batch may hold more of its replicas
+            for batch in direct.stream(session, _REBUILD, (), REBUILD_BATCH):
+                rows = held + batch
+                cut = len(rows)
+                while cut and rows[cut - 1][0] == rows[-1][0]:
+                    cut -= 1
+                self._apply(_visible(rows[:cut]), set(), None)
+                held = rows[cut:]
+            self._apply(_visible(held), set(), None)
         finally:
             self._rebuilding = False
         if self.duplicates:
@@ -218,8 +219,7 @@ class Index:
         for start in range(0, len(ids), CHUNK):
             chunk = ids[start : start + CHUNK]
             found = direct.rows(session, _RELOAD.format(direct.marks(len(chunk))), tuple(chunk))
-            self._apply([(*row[:9], direct.json_value(row[9])) for row in found if row[10] in VISIBLE], set(chunk),
-                        changes)
+            self._apply(_visible(found), set(chunk), changes)
         if changes:
             self.on_change(changes)
 
@@ -365,6 +365,11 @@ def _replicas(entry: tuple) -> tuple:
     return (replicas,) if type(replicas[0]) is int else replicas
 
 
+def _visible(rows: list[tuple]) -> list[tuple]:
+    """`_REBUILD`'s rows of replicas in a readable state, their pages read, without the state."""
+    return [(*row[:9], direct.runs_value(row[9])) for row in rows if row[10] in VISIBLE]
+
+
 def _flat(pages) -> tuple:
     """Page runs as one flat tuple, from [[first, count], ...] (SQL) or already flat (the index)."""
     if len(pages) == 1:  # one run, [[first, count]]: most blocks
@@ -374,15 +379,8 @@ def _flat(pages) -> tuple:
     return tuple(pages)
 
 
-_RELOAD = ("SELECT b.id, b.namespace_id, b.hash, b.parent, b.nbytes, b.checksum, r.id, r.tier_id, r.epoch, r.pages, "
-           "r.state FROM blocks b JOIN replicas r ON r.block_id = b.id WHERE b.checksum IS NOT NULL AND b.id IN ({})")
-# _rows_query's for some blocks, through the driver; the state is compared in Python (`direct.py`: by id)
-
-
-def _rows_query():
-    """Committed blocks with a readable-state replica, one row per replica."""
-    return (select(Block.id, Block.namespace_id, Block.hash, Block.parent, Block.nbytes, Block.checksum, Replica.id,
-                   Replica.tier_id, Replica.epoch, Replica.pages)
-            .join(Replica, Replica.block_id == Block.id)
-            .where(Replica.state.in_(VISIBLE), Block.checksum.is_not(None)))
-
+_REBUILD = ("SELECT b.id, b.namespace_id, b.hash, b.parent, b.nbytes, b.checksum, r.id, r.tier_id, r.epoch, r.pages, "
+            "r.state FROM blocks b JOIN replicas r ON r.block_id = b.id WHERE b.checksum IS NOT NULL ORDER BY b.id")
+# every committed block's replicas, one row each, the state compared in Python: a filter on it would walk
+# the state index and sort every row before the first came back (`direct.py`); `_RELOAD` is it for some blocks
+_RELOAD = _REBUILD.replace("ORDER BY b.id", "AND b.id IN ({})")

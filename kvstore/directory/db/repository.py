@@ -355,10 +355,12 @@ def drop_grants(session: Session, tier_ids: list[int]) -> None:
         session.execute(delete(Grant).where(Grant.tier_id.in_(tier_ids)))
 
 
-def pages_in_use(session: Session, tier_id: int, epoch: int) -> list[list]:
-    """Page runs of every replica of a memory tier written in this epoch (any state)."""
-    query = select(Replica.pages).where(Replica.tier_id == tier_id, Replica.epoch == epoch)
-    return [pages for pages in session.scalars(query)]
+def pages_in_use(session: Session, tier_id: int, epoch: int):
+    """Page runs of every replica of a memory tier written in this epoch (any state), streamed through
+    the driver (a restart reads every replica of a tier here)."""
+    for batch in direct.stream(session, "SELECT pages FROM replicas WHERE tier_id = ? AND epoch = ?", (tier_id, epoch)):
+        for pages, in batch:
+            yield direct.runs_value(pages)
 
 
 def handoff_rows(session: Session, keys: list[str]) -> list[HandoffRow]:

@@ -83,9 +83,11 @@ class PagePools:
             if tier is not None and workers[tier.worker_id].epoch == grant.epoch:
                 self.add(grant.tier_id, grant.epoch, tier.page_bytes, [_run(r) for r in grant.runs])
         for tier_id, (epoch, pool) in self._pools.items():
-            for pages in repo.pages_in_use(session, tier_id, epoch):
-                if not pool.reserve(OWNER, pages):
-                    log.warning("tier %d: a replica's pages %s are outside the granted pages", tier_id, pages)
+            outside, overlapping = pool.reserve_all(run for pages in repo.pages_in_use(session, tier_id, epoch)
+                                                    for run in pages)
+            if outside or overlapping:
+                log.warning("tier %d: its replicas name %d pages outside the granted pages and %d page runs that "
+                            "overlap another's", tier_id, outside, overlapping)
 
 
 def _run(run) -> specs.PageRun:
