@@ -46,9 +46,12 @@ def driver(session: Session, sql: str) -> tuple:
     session.flush()
     session.info["wrote"] = True  # for the writer: this group has something to commit (`writer.py`)
     connection = session.connection()
-    if connection.dialect.paramstyle in ("format", "pyformat"):
-        sql = sql.replace("?", "%s")
-    return connection, sql
+    return connection, _placeholders(connection, sql)
+
+
+def _placeholders(connection, sql: str) -> str:
+    """`sql`'s `?` placeholders as the connection's driver wants them."""
+    return sql.replace("?", "%s") if connection.dialect.paramstyle in ("format", "pyformat") else sql
 
 
 def shrink(session: Session) -> None:
@@ -87,12 +90,10 @@ def stream(session: Session, sql: str, params: tuple = (), size: int = 20_000):
     row or type processing per row). On PostgreSQL a server-side cursor: the rows are never all in
     this process at once."""
     connection = session.connection()
-    if connection.dialect.paramstyle in ("format", "pyformat"):
-        sql = sql.replace("?", "%s")
     raw = connection.connection.driver_connection
     cursor = raw.cursor(name="kvstore_stream") if connection.dialect.name == "postgresql" else raw.cursor()
     try:
-        cursor.execute(sql, params)
+        cursor.execute(_placeholders(connection, sql), params)
         while batch := cursor.fetchmany(size):
             yield batch
     finally:
