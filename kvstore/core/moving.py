@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvstore.core.specs import MAX_BLOCKS, BlockBytes, Checksum, PageRun, TierKind, _Spec
 
@@ -23,6 +23,14 @@ class MoveItem(_Spec):
     checksum: Checksum = Field(description="what the bytes must hash to")
     namespace_id: str
     hash: str
+    allocate: bool = Field(False, description="the worker picks the destination's NVMe pages under dst_token "
+                           "(dst_runs empty) and reports them in MoveResult.dst_runs")
+
+    @model_validator(mode="after")
+    def _allocated_here(self) -> MoveItem:
+        if self.allocate and (self.dst_kind != "nvme" or self.dst_runs):
+            raise ValueError("allocate: the worker picks NVMe pages only, and dst_runs must be empty")
+        return self
 
 
 class Peer(_Spec):
@@ -49,6 +57,9 @@ class MoveResult(_Spec):
     errors: list[str | None]
     codes: list[MoveCode] = Field([], description="per item; source_corrupt: the source failed its checksum "
                                   "before the copy (that replica is bad), failed: anything else")
+    dst_runs: list[list[PageRun] | None] = Field([], description="per item when any item had `allocate`: the pages "
+                                                 "the worker took for it (held under its token, copied or not), "
+                                                 "null where it took none")
 
 
 class FenceRequest(_Spec):

@@ -4,6 +4,7 @@ Calls, in the order they happen:
     allocate(token, nbytes) -> runs | None   # None: not enough free pages, nothing changed
     grant(token, max_pages) -> runs          # page credit: up to max_pages free pages at once
     free(token, runs) -> bool                # False: those runs are not that token's
+    release(token) -> runs                   # every page the token holds goes back
     reserve(token, runs) -> bool             # restart recovery: take exactly these pages
     reserve_all(runs) -> (outside, overlapping)  # the same for every replica at once (a pool without owners)
     reset()                                  # new epoch: every page is free again
@@ -128,6 +129,15 @@ class PageAllocator:
                 self._give_back(first, count)
                 self.free_pages += count
         return True
+
+    def release(self, token: str) -> list[tuple[int, int]]:
+        """Every run `token` holds, freed (an allocator with owners)."""
+        with self._lock:
+            runs = sorted(self._owned.pop(token, ()))
+            for first, count in runs:
+                self._give_back(first, count)
+                self.free_pages += count
+        return runs
 
     def add_free(self, runs: list[PageRun]) -> None:
         """Pages granted to this pool: they become free here (they must not overlap what it has)."""

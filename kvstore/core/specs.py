@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvstore.core.keys import MAX_BLOCK_BYTES
 
@@ -360,6 +360,14 @@ class FreeItem(_Spec):
     token: str = Field(max_length=64)
     runs: list[PageRun] = Field(max_length=1 << 16)
     object: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}/[0-9a-f]{2,128}$", description="s3: '<ns_id>/<hash>'")
+    all_pages: bool = Field(False, description="every NVMe page the token holds (runs empty): the destinations "
+                            "of a move whose answer the directory lost, and so never learnt their pages")
+
+    @model_validator(mode="after")
+    def _whole_token(self) -> FreeItem:
+        if self.all_pages and (self.runs or self.object is not None):
+            raise ValueError("all_pages frees what the token holds: no runs and no object with it")
+        return self
 
 
 class FreeRequest(_Spec):

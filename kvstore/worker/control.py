@@ -5,9 +5,10 @@ registered with (`Authorization: Bearer <secret>`); anything else is a 401. With
 and key it serves HTTPS.
 
     POST /v1/grant  GrantRequest -> GrantResult   (page credit: many free pages of a memory tier at once)
-    POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with the reservation token)
-    POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token)
-    POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers, or into another worker's DRAM)
+    POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with a token; for directories from before worker-placed moves)
+    POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token; or all of a token's NVMe pages)
+    POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers, or into another worker's DRAM;
+                                                    NVMe destinations placed here and named in the answer)
     POST /v1/verify VerifyRequest -> VerifyResult  (do replicas still hash to their checksums?)
     POST /v1/fence  FenceRequest -> FenceResult    (has every move under these tokens stopped? then none starts)
     GET  /healthz
@@ -27,6 +28,7 @@ import json
 import logging
 import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler
 
 from pydantic import ValidationError
@@ -141,6 +143,9 @@ class ControlServer:
                     delete(item.object, item.token)
                 freed += 1
                 continue
+            if item.all_pages:
+                freed += self._release(item.token)
+                continue
             for kind, allocator in self.allocators.items():
                 if allocator.free(item.token, item.runs):
                     freed += sum(r.count for r in item.runs)
@@ -149,6 +154,18 @@ class ControlServer:
                     break
             else:
                 log.warning("free of pages not held by token %s ignored", item.token)
+        return freed
+
+    def _release(self, token: str) -> int:
+        """Every page of a durable tier held by `token` (a move's destinations the directory never
+        learnt the pages of) goes back."""
+        freed = 0
+        for kind, allocator in self.allocators.items():
+            runs = allocator.release(token) if kind not in MEMORY else []
+            if runs:
+                freed += sum(count for _, count in runs)
+                if self.on_free:
+                    self.on_free(kind, token, None)
         return freed
 
     def move(self, req: moving.MoveRequest) -> moving.MoveResult:
@@ -160,9 +177,40 @@ class ControlServer:
             return moving.MoveResult(ok=[False] * n, errors=["the directory settled this move without it"] * n,
                                     codes=["expired"] * n)
         try:
-            return self.mover(req)
+            if not any(item.allocate for item in req.items):
+                return self.mover(req)
+            return self._move_placed(req)
         finally:
             self.fence.end(tokens)
+
+    def _move_placed(self, req: moving.MoveRequest) -> moving.MoveResult:
+        """A move whose NVMe destinations this worker places: their pages are taken under each item's
+        token, the items that got them go to the mover, and the answer names the pages per item (the
+        directory records them, or gives them back)."""
+        expired = req.expires_at is not None and time.time() >= req.expires_at
+        nvme = self.allocators.get("nvme")
+        items, runs, refused = list(req.items), [None] * len(req.items), {}
+        by_token: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            if item.allocate:
+                by_token.setdefault(item.dst_token, []).append(i)
+        for token, members in by_token.items():
+            for i, pairs in zip(members, nvme.allocate_many(token, [items[i].nbytes for i in members])
+                                if nvme is not None and not expired else [None] * len(members)):
+                if pairs is None:
+                    refused[i] = "this worker has no NVMe tier" if nvme is None else \
+                        "no free NVMe pages for this block" if not expired else "the move's deadline passed"
+                    continue
+                runs[i] = [specs.PageRun(first=f, count=c) for f, c in pairs]
+                items[i] = items[i].model_copy(update={"dst_runs": runs[i], "allocate": False})
+        sent = [i for i in range(len(items)) if i not in refused]
+        answer = self.mover(req.model_copy(update={"items": [items[i] for i in sent]})) if sent else None
+        ok, errors = [False] * len(items), [refused.get(i) for i in range(len(items))]
+        codes = ["expired" if expired else "failed"] * len(items)
+        for k, i in enumerate(sent):
+            ok[i], errors[i] = answer.ok[k], answer.errors[k]
+            codes[i] = answer.codes[k] if answer.codes else "ok" if answer.ok[k] else "failed"
+        return moving.MoveResult(ok=ok, errors=errors, codes=codes, dst_runs=runs)
 
     def settle(self, req: moving.FenceRequest) -> moving.FenceResult:
         return moving.FenceResult(settled=self.fence.fence(req.tokens))

@@ -159,13 +159,17 @@ class NvmeTier:
             self._live[key] = entry
             self._dirty |= slabs
 
-    def forget(self, token: str, runs: list[specs.PageRun]) -> None:
-        """These pages were given back: a "put" not yet written is dropped, a written one gets a
-        "free" line (written by the next `sync`, before any "put" that reuses the pages)."""
-        key = _key(token, [[r.first, r.count] for r in runs])
+    def forget(self, token: str, runs: list[specs.PageRun] | None) -> None:
+        """These pages were given back (None: every block under `token`): a "put" not yet written is
+        dropped, a written one gets a "free" line (written by the next `sync`, before any "put" that
+        reuses the pages)."""
         with self._lock:
-            if self._live.pop(key, None) is not None and self._pending.pop(key, None) is None:
-                self._frees.append({"op": "free", "token": token, "runs": [[r.first, r.count] for r in runs]})
+            keys = [_key(token, [[r.first, r.count] for r in runs])] if runs is not None else \
+                [key for key, entry in self._live.items() if entry["token"] == token]
+            for key in keys:
+                entry = self._live.pop(key, None)
+                if entry is not None and self._pending.pop(key, None) is None:
+                    self._frees.append({"op": "free", "token": token, "runs": entry["runs"]})
 
     def sync(self) -> None:
         """Make what was written durable: the data of the slabs written since the last sync first

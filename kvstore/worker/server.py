@@ -106,7 +106,8 @@ class StorageWorker:
                                 lambda reason: self.metrics.share_errors.labels(reason).inc()) \
             if settings.arena_dir is not None else None
 
-    def _freed(self, kind: str, token: str, runs: list[specs.PageRun]) -> None:
+    def _freed(self, kind: str, token: str, runs: list[specs.PageRun] | None) -> None:
+        """Pages given back (`runs` None: every page the token held)."""
         if kind == "nvme" and self.nvme:
             self.nvme.forget(token, runs)
             try:

@@ -14,7 +14,7 @@ from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.db.index import Index
 from kvstore.directory.db.models import Replica, Tier
-from tests.stacks import directory_stack, make_settings, two_tier_stack, worker_endpoint
+from tests.stacks import PAGE, directory_stack, make_settings, two_tier_stack, worker_endpoint
 from tests.calls import BLOCK, chain, complete, hits, prepare
 from tests.helpers import wait_until
 
@@ -278,6 +278,58 @@ def test_a_source_dropped_while_it_is_copied_up_stays_deleting(database_url):
             states = list(session.scalars(select(Replica.state).where(Replica.tier_id.in_(nvme))))
         assert states in ([], ["deleting"]), states  # gone once nothing pins it; never READY again
         index_matches_sql(s.service)
+
+
+def test_the_worker_places_a_demotions_nvme_pages_and_the_directory_records_them(database_url):
+    """A move to NVMe carries no destination pages: the worker takes them under the move's token
+    and names them in its answer, which the directory records (one job before the move, one
+    after); a dropped block gives exactly those pages back."""
+    seen: list[moving.MoveItem] = []
+
+    def mover(req: moving.MoveRequest) -> moving.MoveResult:
+        seen.extend(req.items)
+        n = len(req.items)
+        return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
+
+    with two_tier_stack(database_url, mover) as (s, worker):
+        complete(s, prepare(s, chain(3)))
+        assert s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10)).demoted == 3
+        nvme = worker.allocators["nvme"]
+        assert nvme.free_pages == 64 - 6 and all(not item.allocate and nvme.owns(item.dst_token, item.dst_runs)
+                                                 for item in seen)
+        with s.service.sessions() as session:
+            recorded = sorted(session.scalars(select(Replica.pages).join(Tier, Tier.id == Replica.tier_id)
+                                              .where(Tier.kind == "nvme", Replica.state == "ready")))
+        assert recorded == sorted([[r.first, r.count] for r in item.dst_runs] for item in seen)
+        assert hits(s, chain(3)) == 3
+        index_matches_sql(s.service)
+        s.client.evict(s.namespace_id)
+        s.service.calls.settle()
+        assert nvme.free_pages == 64
+
+
+def test_a_demotion_the_worker_has_no_nvme_pages_for_leaves_the_blocks_where_they_are(database_url):
+    """The directory counts the NVMe tier's bytes, the worker its pages: when the worker has fewer
+    free than the directory thought (here another holder took them), what it could not place stays
+    in DRAM, reserves nothing and leaks nothing."""
+    def mover(req: moving.MoveRequest) -> moving.MoveResult:
+        n = len(req.items)
+        return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
+
+    with two_tier_stack(database_url, mover) as (s, worker):
+        nvme = worker.allocators["nvme"]
+        assert nvme.allocate("someone-else", 62 * PAGE) is not None  # room for one block of 2 pages
+        complete(s, prepare(s, chain(3)))
+        assert s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10)).demoted == 1
+        assert hits(s, chain(3)) == 3 and s.client.stats().reservations == 0
+        assert nvme.free_pages == 0
+        with s.service.sessions() as session:
+            used = session.scalar(select(Tier.used_bytes).where(Tier.kind == "nvme"))
+        assert used == 2 * PAGE  # the one block placed; nothing held for the two that were not
+        index_matches_sql(s.service)
+        s.client.evict(s.namespace_id)
+        s.service.calls.settle()
+        assert nvme.free_pages == 2 and nvme.owned_tokens() == {"someone-else"}
 
 
 @pytest.mark.parametrize("stuck", [False, True], ids=["worker-stops", "nixl-request-stuck"])

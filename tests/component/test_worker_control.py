@@ -199,3 +199,47 @@ def test_a_new_epoch_frees_every_memory_tier_and_keeps_nvme():
     assert [server.allocators[k].free_pages for k in ("dram", "hbm", "nvme")] == [8, 8, 6]
     assert server.grant(specs.GrantRequest(token="g2", kind="hbm", max_pages=8)).runs == [
         specs.PageRun(first=0, count=8)]
+
+
+def _placed(token: str, nbytes: int = 4096, **fields) -> moving.MoveItem:
+    """A move item whose NVMe pages the worker is asked to place."""
+    values = dict(src_kind="dram", src_runs=[specs.PageRun(first=0, count=1)], dst_kind="nvme", dst_runs=[],
+                  dst_token=token, nbytes=nbytes, checksum="0123456789abcdef", namespace_id="0" * 16, hash="ab",
+                  allocate=True)
+    return moving.MoveItem(**{**values, **fields})
+
+
+def test_the_worker_places_pages_names_them_and_fails_only_what_does_not_fit():
+    from kvstore.client.worker import WorkerControlClient
+
+    seen: list[moving.MoveRequest] = []
+
+    def mover(req: moving.MoveRequest) -> moving.MoveResult:
+        seen.append(req)
+        n = len(req.items)
+        return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
+
+    nvme = PageAllocator(5, 4096)
+    server = ControlServer({"dram": PageAllocator(8, 4096), "nvme": nvme}, mover=mover, secret="s" * 43)
+    server.start()
+    client = WorkerControlClient(server.url, timeout_s=10, token="s" * 43)
+    try:
+        answer = client.move(moving.MoveRequest(items=[_placed("m1", 2 * 4096), _placed("m1", 4 * 4096),
+                                                       _placed("m1", 4096)]))
+        assert answer.ok == [True, False, True] and answer.codes == ["ok", "failed", "ok"]
+        assert answer.dst_runs[1] is None and "no free NVMe pages" in answer.errors[1]
+        assert [sum(p.count for p in r or []) for r in answer.dst_runs] == [2, 0, 1]
+        assert [i.dst_runs for i in seen[0].items] == [answer.dst_runs[0], answer.dst_runs[2]]  # only what fit
+        assert not any(i.allocate for i in seen[0].items)
+        assert nvme.owns("m1", answer.dst_runs[0] + answer.dst_runs[2]) and nvme.free_pages == 2
+        plain = client.move(moving.MoveRequest(items=[_placed("m2", allocate=False, dst_runs=[])]))
+        assert plain.dst_runs == []  # nothing placed, nothing named
+        client.free(specs.FreeRequest(items=[specs.FreeItem(token="m1", runs=[], all_pages=True)]))
+        assert nvme.free_pages == 5 and nvme.owned_tokens() == set()
+        bad = b'{"items": [{"token": "m1", "runs": [{"first": 0, "count": 1}], "all_pages": true}]}'
+        head = post("/v1/free", str(len(bad))) + f"authorization: Bearer {'s' * 43}\r\n"
+        status, body = raw_request(server, head, bad)
+        assert (status, body["error"]) == (400, "invalid")
+    finally:
+        client.close()
+        server.stop()

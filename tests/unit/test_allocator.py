@@ -139,3 +139,13 @@ def test_reserve_all_is_one_pass_on_a_free_list_of_many_runs():
     pool.add_free([PageRun(first=2 * k, count=1) for k in range(20_000)])
     assert pool.reserve_all([(2 * k, 1) for k in reversed(range(20_000))]) == (0, 0)
     assert pool.free_pages == 0 and pool.free_runs() == []
+
+
+def test_release_gives_back_every_run_a_token_holds_and_only_its_own():
+    allocator = PageAllocator(8, PAGE)
+    mine = [allocator.allocate("move", PAGE), allocator.allocate("move", 2 * PAGE)]
+    other = allocator.allocate("other", PAGE)
+    assert sorted(allocator.release("move")) == sorted((r.first, r.count) for runs in mine for r in runs)
+    assert allocator.free_pages == 7 and allocator.owned_tokens() == {"other"}
+    assert allocator.release("move") == []  # twice: nothing more
+    assert allocator.owns("other", other)

@@ -174,6 +174,13 @@ def set_states(session: Session, states: dict[int, str]) -> None:
     expire_loaded(session, Replica, states)
 
 
+def set_pages(session: Session, pages: dict[int, list]) -> None:
+    """replica id -> its pages ([[first, count], ...]: a move's NVMe destination, where the worker put it)."""
+    driver_many(session, "UPDATE replicas SET pages = ? WHERE id = ?",
+                [(_json_runs(runs), replica_id) for replica_id, runs in pages.items()])
+    expire_loaded(session, Replica, pages, ["pages"])
+
+
 def expire_loaded(session: Session, model, ids, attributes: list[str] | None = None) -> None:
     """Rows of `model` the driver just changed: the ones this session holds as ORM objects are
     expired (those `attributes`, or all), so what they read next is the database's."""

@@ -176,17 +176,6 @@ def tier_fill(session: Session, tier_id: int) -> tuple[int | None, int, float] |
     return tuple(found[0]) if found else None
 
 
-def replica_block_pairs(session: Session, replica_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(replica id, its block's id, the block's bytes) for these ids, in the order given; missing ids
-    are left out."""
-    found: dict[int, tuple[int, int, int]] = {}
-    for chunk in chunks(replica_ids):
-        found.update((row[0], row) for row in rows(
-            session, "SELECT r.id, b.id, b.nbytes FROM replicas r JOIN blocks b ON b.id = r.block_id "
-            f"WHERE r.id IN ({marks(len(chunk))})", tuple(chunk)))
-    return [found[i] for i in replica_ids if i in found]
-
-
 def pinned_blocks(session: Session, tier_id: int) -> set[int]:
     """Ids of the blocks whose replica on this tier a reader pins."""
     query = select(Replica.block_id, Replica.tier_id).select_from(Lease).join(Replica, Lease.replica_id == Replica.id)

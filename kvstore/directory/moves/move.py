@@ -2,26 +2,31 @@
 
     moves.copy(worker_id, source_tier_id, dest_kind, replica_ids, source_stays[, dest_worker_id])
         -> {replica id: bytes}
+    moves.route(...), with moves.waited(worker_id) as token: moves.reserve(tx, ...) in the caller's
+        job, then moves.run(...)     # the same, the reservation inside a job of the caller's
     moves.waiting() -> {token}       # moves this process waits on (any other WRITING move is an orphan)
 
 A copy to another worker (`dest_worker_id`) is a UCX WRITE by the source worker into the
 destination's arena, in pages of the directory's credit there; the destination worker then checks
 each block's checksum (`POST /v1/verify`) before it counts.
 
-Three steps, so no job spans worker I/O:
-1. reserve (a job): destination pages (the directory's page pool for a memory
-   tier; none for S3; NVMe pages are allocated by the worker just before this
-   job) and a WRITING replica there that expires after the move's deadline;
-   the source becomes MOVING (still readable).
+Three steps, so no job spans worker I/O: one job before the worker's I/O, one after.
+1. reserve (a job): the sources read, destination pages from the directory's
+   page pool for a memory tier (none for S3; for NVMe only the bytes: the worker
+   picks its disk pages inside the move) and a WRITING replica there that
+   expires after the move's deadline; the source becomes MOVING (still readable).
 2. move (worker I/O): the worker copies and checks the block's checksum. The
    request carries the deadline and the destination token; the worker refuses
-   to start after the deadline and writes only pages held under that token.
-3. finish (a job): copied -> destination READY, source READY (a copy up) or
+   to start after the deadline and writes only pages held under that token (an
+   NVMe destination's pages it takes under the token first, and names them in
+   its answer).
+3. finish (a job): the NVMe destinations' pages recorded; copied -> destination READY, source READY (a copy up) or
    DELETING (a move down). Failed -> destination dropped, source READY; a
    source that failed its checksum is invalidated. No answer (the worker may
    still be writing) -> the destination stays reserved until its deadline and
    the reaper rolls it back then, so its pages are never reused under a write,
-   unless the worker that executes the move says sooner that it has stopped (orphans.py).
+   unless the worker that executes the move says sooner that it has stopped (orphans.py). An NVMe
+   destination whose pages the directory never learnt goes back as every page its token holds.
 
 A move's token names the worker that executes it (`move-<worker id>-<random>`): the source's.
 """
@@ -33,10 +38,12 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from kvstore.core import moving, specs, tiers
+from kvstore.core.pages import pages_for
 from kvstore.directory.db import moves as sql
 from kvstore.directory.db import direct, repository as repo
 from kvstore.directory.db.index import Index
@@ -58,15 +65,16 @@ class _Move(NamedTuple):
     item: moving.MoveItem
 
 
-class _Source(NamedTuple):
+class _Route(NamedTuple):
+    """Where a copy runs and lands, from the topology."""
+    worker_id: int
     worker_url: str
-    worker_epoch: int
     source: tuple  # (tier id, kind)
-    dest: tuple | None  # (tier id, kind, page_bytes)
-    rows: list  # (replica id, block id, nbytes)
+    dest: tuple  # (tier id, kind, page_bytes)
+    dest_worker_id: int
     dest_epoch: int  # the destination worker's (the source's own unless a peer)
     dest_url: str
-    peer: moving.Peer | None  # the destination worker, when it is another
+    peer: moving.Peer | None  # the destination worker, when it is another (its metadata read in the reservation)
 
 
 class Moves:
@@ -95,88 +103,100 @@ class Moves:
              source_stays: bool, dest_worker_id: int | None = None, timeout_s: float | None = None) -> dict[int, int]:
         """The source replicas copied, with the bytes each held (freed by a move down once unpinned).
         `timeout_s`: the move's deadline from now (default: the move timeout)."""
-        if not replica_ids:
+        route = self.route(worker_id, source_tier_id, dest_kind, dest_worker_id) if replica_ids else None
+        if route is None:
             return {}
-        found = self._sources(worker_id, source_tier_id, dest_kind, replica_ids, dest_worker_id)
-        if found is None or found.dest is None or not found.rows:
-            return {}
-        if found.peer is not None and (found.source[1], dest_kind) != ("dram", "dram"):
-            raise ValueError("a copy to another worker goes DRAM to DRAM")
-        token = move_token(worker_id)
+        with self.waited(worker_id) as token:
+            deadline, timeout_s = self.deadline(timeout_s)
+            plan, route = self._write(lambda tx: self.reserve(tx, route, replica_ids, token, deadline,
+                                                              only_ready=not source_stays))
+            return self.run(route, plan, deadline, timeout_s, source_stays)
+
+    def deadline(self, timeout_s: float | None = None) -> tuple[float, float]:
+        """(the move's deadline as unix time, the seconds to it): `timeout_s`, or the move timeout."""
+        timeout_s = timeout_s or self._calls.move_timeout_s
+        return self._clock() + timeout_s, timeout_s
+
+    @contextmanager
+    def waited(self, executor_id: int) -> Iterator[str]:
+        """A move's token, counted as waited on (not an orphan) until the block ends: take it before
+        the job that reserves under it."""
+        token = move_token(executor_id)
         with self._waiting_lock:
             self._waiting.add(token)
         try:
-            return self._copy(found, token, dest_kind, source_stays, timeout_s or self._calls.move_timeout_s)
+            yield token
         finally:
             with self._waiting_lock:
                 self._waiting.discard(token)
 
-    def _copy(self, found: _Source, token: str, dest_kind: str, source_stays: bool, timeout_s: float) -> dict[int, int]:
-        runs = None
-        if found.dest[1] == "nvme":  # the worker owns its disk pages: ask it, outside every job
-            runs = self._calls.allocate(found.worker_url, "nvme", token, [n for _, _, n in found.rows])
-        deadline = self._clock() + timeout_s
-        plan = self._write(lambda tx: self._reserve(tx, found, token, runs, deadline, only_ready=not source_stays))
+    def run(self, route: _Route, plan: list[_Move], deadline: float, timeout_s: float,
+            source_stays: bool) -> dict[int, int]:
+        """The worker's I/O for what `reserve` planned, then one job for its outcome."""
         if not plan:
             return {}
         t0 = time.perf_counter()
-        result = self._calls.move(found.worker_url, [m.item for m in plan], deadline, found.peer, timeout_s)
-        route = f"{found.source[1]}_{found.dest[1]}"  # spelt as the workers' kvstore_worker_moves route
-        if found.peer is not None:
-            route += " (another worker)"
-            result = self._checked_at_peer(found, plan, result)
-        self._note_outcome(found.dest[0], route, result)
+        result = self._calls.move(route.worker_url, [m.item for m in plan], deadline, route.peer, timeout_s)
+        name = f"{route.source[1]}_{route.dest[1]}"  # spelt as the workers' kvstore_worker_moves route
+        if route.peer is not None:
+            name += " (another worker)"
+            result = self._checked_at_peer(route, plan, result)
+        self._note_outcome(route.dest[0], name, result)
         done = self._write(lambda tx: self._finish(tx, plan, result, source_stays))
-        log.debug("copied %d of %d blocks %s in %.1f ms", len(done), len(plan), route,
+        log.debug("copied %d of %d blocks %s in %.1f ms", len(done), len(plan), name,
                   (time.perf_counter() - t0) * 1e3)
         return done
 
-    def _sources(self, worker_id: int, source_tier_id: int, dest_kind: str, replica_ids: list[int],
-                 dest_worker_id: int | None) -> _Source | None:
-        """Where the copy runs and lands, from the topology; the replicas' blocks from SQL (the
-        reservation checks the sources again)."""
+    def route(self, worker_id: int, source_tier_id: int, dest_kind: str,
+              dest_worker_id: int | None = None) -> _Route | None:
+        """Where a copy runs and lands, from the topology; None if a part is not known (or the other
+        worker is not active). A copy to another worker goes DRAM to DRAM (else ValueError)."""
         workers = self.topology.workers
         worker, source = workers.get(worker_id), self.topology.tiers.get(source_tier_id)
         target = workers.get(dest_worker_id) if dest_worker_id is not None else worker
         if worker is None or source is None or target is None or (target.id != worker.id and target.state != "active"):
             return None
         dest = self.topology.tiers_of(target.id).get(dest_kind)
-        to_peer = target.id != worker.id and dest is not None
-        pairs, metadata = self._read(lambda tx: (sql.replica_block_pairs(tx.session, replica_ids), repo.worker(
-            tx.session, target.id).agent_metadata if to_peer else None))
-        peer = moving.Peer(agent_name=target.agent_name, agent_metadata=base64.b64encode(metadata).decode(),
-                           base_addr=dest.base_addr, page_bytes=dest.page_bytes) if to_peer else None
-        return _Source(worker.control_url, worker.epoch, (source.id, source.kind),
-                       (dest.id, dest.kind, dest.page_bytes) if dest is not None else None,
-                       pairs, target.epoch, target.control_url, peer)
+        if dest is None:
+            return None
+        peer = moving.Peer(agent_name=target.agent_name, agent_metadata="", base_addr=dest.base_addr,
+                           page_bytes=dest.page_bytes) if target.id != worker.id else None
+        if peer is not None and (source.kind, dest_kind) != ("dram", "dram"):
+            raise ValueError("a copy to another worker goes DRAM to DRAM")
+        return _Route(worker.id, worker.control_url, (source.id, source.kind), (dest.id, dest.kind, dest.page_bytes),
+                      target.id, target.epoch, target.control_url, peer)
 
-    def _reserve(self, tx: Tx, found: _Source, token: str, runs, deadline: float, only_ready: bool) -> list[_Move]:
-        """Destination replicas for the sources still readable; what was allocated and not used goes back."""
-        dest_id, dest_kind, page_bytes = found.dest
-        worker_epoch = found.dest_epoch  # the destination's pages and its replica's epoch
-        sources = sql.move_sources(tx.session, [r for r, _, _ in found.rows])
-        plan, taken, blocks, used = [], set(), set(), 0
-        for k, (replica_id, _, nbytes) in enumerate(found.rows):
+    def reserve(self, tx: Tx, route: _Route, replica_ids: list[int], token: str, deadline: float,
+                only_ready: bool) -> tuple[list[_Move], _Route]:
+        """In the caller's job: destination replicas for the sources still readable (`token` from
+        `waited`). A memory tier's pages come from this
+        directory's pool; NVMe pages are the worker's to pick inside the move (only their bytes are
+        reserved here); S3 takes none."""
+        dest_id, dest_kind, page_bytes = route.dest
+        worker_epoch = route.dest_epoch  # the destination's pages and its replica's epoch
+        if route.peer is not None:
+            metadata = repo.worker(tx.session, route.dest_worker_id).agent_metadata
+            route = route._replace(peer=route.peer.model_copy(
+                update={"agent_metadata": base64.b64encode(metadata).decode()}))
+        sources = sql.move_sources(tx.session, replica_ids)
+        plan, blocks, used = [], set(), 0
+        for replica_id in replica_ids:
             source = sources.get(replica_id)
             readable = source is not None and source.checksum is not None and source.block_id not in blocks and \
                 (source.state == READY or (not only_ready and source.state == MOVING))
-            pages = runs[k] if runs is not None else None
-            if not readable or (runs is not None and pages is None):
+            if not readable:
                 continue
+            pages = []
             if dest_kind in tiers.MEMORY:
-                pairs = self._pools.allocate(dest_id, worker_epoch, nbytes)
+                pairs = self._pools.allocate(dest_id, worker_epoch, source.nbytes)
                 if pairs is None:
                     break  # the memory tier is full: what did not fit stays where it is
                 tx.on_rollback.append(lambda p=pairs: self._pools.free(dest_id, worker_epoch, p))
                 pages = [specs.PageRun(first=f, count=c) for f, c in pairs]
-            taken.add(k)
             blocks.add(source.block_id)  # one copy of a block per move
-            pages = pages or []
-            reserved = nbytes if dest_kind == "s3" else sum(r.count for r in pages) * page_bytes
+            reserved = source.nbytes if dest_kind == "s3" else pages_for(source.nbytes, page_bytes) * page_bytes
             used += reserved
             plan.append((replica_id, source, pages, reserved))
-        unused = [(token, r) for k, r in enumerate(runs or []) if r is not None and k not in taken]
-        tx.after_commit.append(self._calls.free_later(found.worker_url, unused))
         expires_at = deadline + min(DEADLINE_SLACK_S, 3 * self._calls.move_timeout_s)
         dest_ids = direct.insert_replicas(tx.session, [
             (source.block_id, dest_id, worker_epoch, token, [[r.first, r.count] for r in pages], reserved,
@@ -185,14 +205,20 @@ class Moves:
                                        if source.state == READY})
         repo.add_used(tx.session, {dest_id: used})  # no block to reload: a MOVING source reads as READY did
         return [_Move(source.block_id, replica_id, dest_ids[source.block_id],
-                      _item(source, found.source[1], dest_kind, token, pages)) for replica_id, source, pages, _ in plan]
+                      _item(source, route.source[1], dest_kind, token, pages)) for replica_id, source, pages, _ in plan], \
+            route
 
     def _finish(self, tx: Tx, plan: list[_Move], result: moving.MoveResult, source_stays: bool) -> dict[int, int]:
-        done, dropped, states = {}, [], {}
+        done, dropped, unplaced, states = {}, [], [], {}
         found = sql.states_of(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
         codes = result.codes or ["ok" if ok else "failed" for ok in result.ok]
-        for move, code in zip(plan, codes):
+        picked = result.dst_runs or [None] * len(plan)  # pages the worker took for its NVMe destinations
+        direct.set_pages(tx.session, {move.dest_id: [[r.first, r.count] for r in runs]
+                                      for move, runs in zip(plan, picked) if runs is not None})
+        for move, code, runs in zip(plan, codes, picked):
             source, dest = found.get(move.source_id), found.get(move.dest_id)
+            if code == "ok" and move.item.allocate and runs is None:
+                code = "failed"  # copied, the worker says, but to pages it did not name: never recorded
             if code == "ok" and dest is not None and dest[0] == WRITING:
                 states[move.dest_id] = READY
                 if source is not None:
@@ -202,8 +228,8 @@ class Moves:
                         states[move.source_id] = READY
                     done[move.source_id] = source[1]
                 continue
-            if code != "unreachable" and dest is not None:
-                dropped.append(move.dest_id)  # the worker answered: nothing writes those pages any more
+            if code != "unreachable" and dest is not None:  # the worker answered: nothing writes there any more
+                (unplaced if move.item.allocate and runs is None else dropped).append(move.dest_id)
             if source is not None and code == "source_corrupt":
                 states[move.source_id] = DELETING  # the copy we read from is bad
                 self._metrics.checksum_failures.inc()
@@ -212,10 +238,11 @@ class Moves:
         direct.set_states(tx.session, states)
         repo.touched(tx.session, {m.block_id for m in plan})
         self._reclaim.drop(tx, repo.replica_rows(tx.session, dropped))
+        self._reclaim.drop(tx, repo.replica_rows(tx.session, unplaced), give_back=False)  # the worker took no page
         self._reclaim.collect_deleting(tx)
         return done
 
-    def _checked_at_peer(self, found: _Source, plan: list[_Move], result: moving.MoveResult) -> moving.MoveResult:
+    def _checked_at_peer(self, found: _Route, plan: list[_Move], result: moving.MoveResult) -> moving.MoveResult:
         """The destination worker hashes what it received; a block it does not confirm failed (its
         pages go back: the source answered, so nothing writes them any more)."""
         codes = list(result.codes or ["ok" if ok else "failed" for ok in result.ok])
@@ -263,4 +290,5 @@ def move_executor(token: str) -> int | None:
 def _item(source: sql.MoveSource, source_kind: str, dest_kind: str, token: str, runs) -> moving.MoveItem:
     return moving.MoveItem(src_kind=source_kind, src_runs=[specs.PageRun(first=f, count=c) for f, c in source.pages],
                           dst_kind=dest_kind, dst_runs=runs, dst_token=token, nbytes=source.nbytes,
-                          checksum=source.checksum, namespace_id=source.namespace_id, hash=source.hash)
+                          checksum=source.checksum, namespace_id=source.namespace_id, hash=source.hash,
+                          allocate=dest_kind == "nvme")

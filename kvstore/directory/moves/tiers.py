@@ -79,18 +79,21 @@ class Movement:
                                               nbytes <= self._pools.free_bytes(tier_id, worker.epoch)):
             return  # the common case: it fits, no SQL
 
-        def shortfall(tx: Tx) -> int:
-            fill = sql.tier_fill(tx.session, tier_id)
-            if fill is None or not fill[0]:
-                return 0
-            capacity, used, low_watermark = fill
-            free = self._pools.free_bytes(tier_id, worker.epoch) if tier.kind in tiers.MEMORY else capacity - used
-            if nbytes <= free:
-                return 0
-            return max(nbytes - free, used + nbytes - int(low_watermark * capacity))
-        short = self._read(shortfall)
+        short = self._read(lambda tx: self._shortfall(tx, tier.id, tier.kind, worker.epoch, nbytes))
         if short > 0:
             self._demote_tier(tier_id, worker_id, short, set(protected), limit=1 << 30)
+
+    def _shortfall(self, tx: Tx, tier_id: int, kind: str, epoch: int, nbytes: int) -> int:
+        """What must leave the tier before `nbytes` fit on it (down to its low watermark once it has
+        to make room at all); 0 when they fit."""
+        fill = sql.tier_fill(tx.session, tier_id)
+        if fill is None or not fill[0]:
+            return 0
+        capacity, used, low_watermark = fill
+        free = self._pools.free_bytes(tier_id, epoch) if kind in tiers.MEMORY else capacity - used
+        if nbytes <= free:
+            return 0
+        return max(nbytes - free, used + nbytes - int(low_watermark * capacity))
 
     def evict(self, tier_id: int, worker_id: int, max_bytes: int | None, namespace_id: str | None,
               limit: int, dry_run: bool) -> dict:
@@ -118,12 +121,19 @@ class Movement:
             if lower is not None and self.moves.backing_off(lower[0]):
                 break  # the tier below failed lately: keep the blocks where they are until it is retried
             round_limit = min(MAX_MOVES_PER_ROUND, limit - outcome["replicas"])
-            plan = self._write(lambda tx: self._plan(tx, tier_id, worker_id, to_free - total, protected,
-                                                     namespace_id, round_limit))
-            if plan.copy and lower is not None and lower[2]:  # cascade: the tier below makes room first
-                self.make_room(lower[0], worker_id, plan.copy_bytes, protected)
-            moved = self.moves.copy(worker_id, tier_id, plan.dest_kind, list(plan.copy), source_stays=False) \
-                if plan.copy else {}
+            route = self.moves.route(worker_id, tier_id, lower[1]) if lower is not None else None
+            with self.moves.waited(worker_id) as token:
+                deadline, timeout_s = self.moves.deadline()
+                plan, reserved = self._write(lambda tx: self._plan_and_reserve(
+                    tx, tier_id, worker_id, to_free - total, protected, namespace_id, round_limit, route, token,
+                    deadline))
+                if reserved is not None:  # the tier below had room: one job before the copy, one after
+                    moved = self.moves.run(*reserved, deadline, timeout_s, source_stays=False)
+                elif plan.copy:  # cascade: the tier below makes room first
+                    self.make_room(lower[0], worker_id, plan.copy_bytes, protected)
+                    moved = self.moves.copy(worker_id, tier_id, plan.dest_kind, list(plan.copy), source_stays=False)
+                else:
+                    moved = {}
             for replica_id, (block_id, its_namespace, block_hash) in plan.copy.items():
                 if replica_id not in moved:  # still READY here: the policy must name it again
                     self._policies.changed([(block_id, None, its_namespace, block_hash, [tier_id], [])])
@@ -135,6 +145,17 @@ class Movement:
             if len(moved) + plan.dropped == 0:
                 break  # nothing more can go (pinned, protected, or the tier below is full)
         return outcome
+
+    def _plan_and_reserve(self, tx: Tx, tier_id: int, worker_id: int, to_free: int, protected: set[int],
+                          namespace_id: str | None, limit: int, route, token: str, deadline: float):
+        """The round's plan, and the copies' reservation in the same job when the tier below has room
+        for them ((plan, (route, moves)) ; else (plan, None): the caller makes room, then copies)."""
+        plan = self._plan(tx, tier_id, worker_id, to_free, protected, namespace_id, limit)
+        if not plan.copy or route is None or route.dest[1] != plan.dest_kind or \
+                self._shortfall(tx, route.dest[0], route.dest[1], route.dest_epoch, plan.copy_bytes) > 0:
+            return plan, None
+        moves, route = self.moves.reserve(tx, route, list(plan.copy), token, deadline, only_ready=True)
+        return plan, (route, moves)
 
     def _plan(self, tx: Tx, tier_id: int, worker_id: int, to_free: int, protected: set[int],
               namespace_id: str | None, limit: int) -> _Plan:

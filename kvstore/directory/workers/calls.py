@@ -1,7 +1,6 @@
 """The directory's calls to storage workers, made outside every job (never inside a transaction).
 
     calls.grant(url, kind, token, max_pages) -> runs   # page credit for a memory tier
-    calls.allocate(url, kind, token, sizes) -> runs | None per size
     calls.move(url, items) -> MoveResult                # a worker that cannot be reached failed them all
     calls.verify(url, replicas) -> [bool | None]        # do replicas still hash to their checksums?
     calls.fence(url, tokens) -> [bool] | None           # has every move under these tokens stopped there?
@@ -70,9 +69,6 @@ class WorkerCalls:
     def grant(self, url: str, kind: str, token: str, max_pages: int) -> list[specs.PageRun]:
         return self.client(url).grant(specs.GrantRequest(token=token, kind=kind, max_pages=max_pages)).runs
 
-    def allocate(self, url: str, kind: str, token: str, sizes: list[int]) -> list[list[specs.PageRun] | None]:
-        return self.client(url).allocate(specs.AllocRequest(token=token, kind=kind, sizes=sizes)).runs
-
     def move(self, url: str, items: list[moving.MoveItem], deadline: float,
              peer: moving.Peer | None = None, timeout_s: float | None = None) -> moving.MoveResult:
         """The worker must not start after `deadline` (unix time) nor wait past it; we wait for its
@@ -108,13 +104,15 @@ class WorkerCalls:
             return None
 
     def free_later(self, url: str, items: list[tuple]) -> Callable[[], None]:
-        """A call giving (token, page runs[, object name]) back to the worker; runs are PageRuns or
-        [first, count]; an object name (s3) means: delete that object."""
+        """A call giving (token, page runs[, object name[, all pages]]) back to the worker; runs are
+        PageRuns or [first, count]; an object name (s3) means: delete that object; all pages: every
+        NVMe page the token holds there."""
         def free() -> None:
             for start in range(0, len(items), FREE_ITEMS_PER_CALL):
                 chunk = items[start : start + FREE_ITEMS_PER_CALL]
                 body = specs.FreeRequest(items=[specs.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]],
-                                                               object=i[2] if len(i) > 2 else None) for i in chunk])
+                                                               object=i[2] if len(i) > 2 else None,
+                                                               all_pages=len(i) > 3 and i[3]) for i in chunk])
                 try:
                     self.client(url).free(body)
                 except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages

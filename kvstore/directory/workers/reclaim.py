@@ -5,8 +5,9 @@
     reclaim.collect_deleting(tx)    # DELETING replicas no reader pins any more are dropped
 
 A memory tier's pages go back to this directory's page pool; NVMe pages go
-back to the worker (with the token they were allocated under), and an S3
-replica's object is deleted, both only after the commit and never inside it.
+back to the worker (with the token they were allocated under: all the token's
+pages for a move's destination whose pages the worker never reported), and an
+S3 replica's object is deleted, both only after the commit and never inside it.
 A dead worker, or one that restarted since, keeps nothing to give back.
 """
 
@@ -26,13 +27,18 @@ class Reclaim:
         self._pools = pools
 
     def drop(self, tx: Tx, rows: list[tuple[Replica | repo.ReplicaRef, Tier | repo.TierRef,
-                                            Worker | repo.WorkerRef]]) -> None:
+                                            Worker | repo.WorkerRef]], give_back: bool = True) -> None:
+        """`give_back=False`: the replicas hold nothing to give back (a move's NVMe destination the
+        worker took no page for)."""
         if not rows:
             return
         frees: dict[str, list[tuple]] = {}
+        unknown: set[tuple[str, str]] = set()  # (worker, token) of NVMe destinations whose pages are not known
         used: dict[int, int] = {}
         for replica, tier, worker in rows:
             used[tier.id] = used.get(tier.id, 0) - replica.reserved_bytes
+            if not give_back:
+                continue
             if tier.kind in tiers.MEMORY:
                 if replica.epoch == worker.epoch:
                     tx.after_commit.append(_pool_free(self._pools, tier.id, replica.epoch, replica.pages))
@@ -41,7 +47,11 @@ class Reclaim:
                 frees.setdefault(worker.control_url, []).append((replica.token, [],
                                                                  f"{block.namespace_id}/{block.hash}"))
             elif replica.epoch == worker.epoch and worker.state != "dead":
-                frees.setdefault(worker.control_url, []).append((replica.token, replica.pages))
+                if replica.pages:
+                    frees.setdefault(worker.control_url, []).append((replica.token, replica.pages))
+                elif (worker.control_url, replica.token) not in unknown:  # its move's answer was lost
+                    unknown.add((worker.control_url, replica.token))
+                    frees.setdefault(worker.control_url, []).append((replica.token, [], None, True))
         for url, items in frees.items():
             tx.after_commit.append(self._calls.free_later(url, items))
         repo.add_used(tx.session, used)
