@@ -161,9 +161,13 @@ class Movement:
               namespace_id: str | None, limit: int) -> _Plan:
         with self._loading_lock:
             protected = protected | set(self._loading)
-        tier, worker = repo.tier(tx.session, tier_id), repo.worker(tx.session, worker_id)  # in the job: SQL's
-        own = repo.tiers_of(tx.session, worker_id)  # view, never a lagging one that would drop what could move
-        lower_kind = tiers.below(own, tier.kind, gds="GDS_MT" in worker.backends)
+        # the tiers as SQL has them in this job (a lagging view could drop what could move); the worker's
+        # backends from the topology, which is as of the last commit (one ORM read where there were three)
+        own = repo.tiers_of(tx.session, worker_id)
+        tier = next((t for t in own.values() if t.id == tier_id), None) or repo.tier(tx.session, tier_id)
+        known = self._topology.workers.get(worker_id)
+        backends = known.backends if known is not None else repo.worker(tx.session, worker_id).backends
+        lower_kind = tiers.below(own, tier.kind, gds="GDS_MT" in backends)
         lower = own.get(lower_kind) if lower_kind else None
         victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
         kinds = sql.replica_kinds(tx.session, [b.id for _, b in victims])
