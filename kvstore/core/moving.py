@@ -23,8 +23,9 @@ class MoveItem(_Spec):
     checksum: Checksum = Field(description="what the bytes must hash to")
     namespace_id: str
     hash: str
-    allocate: bool = Field(False, description="the worker picks the destination's NVMe pages under dst_token "
-                           "(dst_runs empty) and reports them in MoveResult.dst_runs")
+    allocate: bool = Field(False, exclude_if=lambda v: not v, description="the worker picks the destination's "
+                           "NVMe pages under dst_token (dst_runs empty) and reports them in MoveResult.dst_runs; "
+                           "written only when true, so a worker from before reads the other moves")
 
     @model_validator(mode="after")
     def _allocated_here(self) -> MoveItem:
@@ -57,9 +58,17 @@ class MoveResult(_Spec):
     errors: list[str | None]
     codes: list[MoveCode] = Field([], description="per item; source_corrupt: the source failed its checksum "
                                   "before the copy (that replica is bad), failed: anything else")
-    dst_runs: list[list[PageRun] | None] = Field([], description="per item when any item had `allocate`: the pages "
-                                                 "the worker took for it (held under its token, copied or not), "
-                                                 "null where it took none")
+    dst_runs: list[list[PageRun] | None] = Field([], exclude_if=lambda v: not v, description="per item when any "
+                                                 "item had `allocate`: the pages the worker took for it (held "
+                                                 "under its token, copied or not), null where it took none; "
+                                                 "written only then, so a directory from before reads the answer")
+
+    @model_validator(mode="after")
+    def _one_per_item(self) -> MoveResult:
+        if len(self.errors) != len(self.ok) or any(values and len(values) != len(self.ok)
+                                                   for values in (self.codes, self.dst_runs)):
+            raise ValueError("errors, codes and dst_runs hold one value per item (codes and dst_runs may be empty)")
+        return self
 
 
 class FenceRequest(_Spec):

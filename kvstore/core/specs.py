@@ -360,8 +360,9 @@ class FreeItem(_Spec):
     token: str = Field(max_length=64)
     runs: list[PageRun] = Field(max_length=1 << 16)
     object: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}/[0-9a-f]{2,128}$", description="s3: '<ns_id>/<hash>'")
-    all_pages: bool = Field(False, description="every NVMe page the token holds (runs empty): the destinations "
-                            "of a move whose answer the directory lost, and so never learnt their pages")
+    all_pages: bool = Field(False, exclude_if=lambda v: not v, description="every NVMe page the token holds (runs "
+                            "empty): the destinations of a move whose answer the directory lost, and so never "
+                            "learnt their pages; written only when true")
 
     @model_validator(mode="after")
     def _whole_token(self) -> FreeItem:

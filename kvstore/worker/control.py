@@ -158,7 +158,9 @@ class ControlServer:
 
     def _release(self, token: str) -> int:
         """Every page of a durable tier held by `token` (a move's destinations the directory never
-        learnt the pages of) goes back."""
+        learnt the pages of) goes back, and a move under the token that arrives later is refused:
+        nothing could give back the pages it would take."""
+        self.fence.fence([token])
         freed = 0
         for kind, allocator in self.allocators.items():
             runs = allocator.release(token) if kind not in MEMORY else []

@@ -332,6 +332,26 @@ def test_a_demotion_the_worker_has_no_nvme_pages_for_leaves_the_blocks_where_the
         assert nvme.free_pages == 2 and nvme.owned_tokens() == {"someone-else"}
 
 
+def test_pages_the_worker_names_for_a_destination_dropped_meanwhile_go_back(database_url):
+    """While the worker copies, the destination's row is dropped (its worker joined again, or the
+    deadline passed): the pages the answer names are given back, and the block stays where it was."""
+    def drop(tx) -> None:
+        for replica in tx.session.scalars(select(Replica).where(Replica.state == "writing")):
+            tx.session.delete(replica)
+
+    def mover(req: moving.MoveRequest) -> moving.MoveResult:
+        s.service.writer.run(drop)
+        n = len(req.items)
+        return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
+
+    with two_tier_stack(database_url, mover) as (s, worker):
+        complete(s, prepare(s, chain(2)))
+        assert s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10)).demoted == 0
+        s.service.calls.settle()
+        assert worker.allocators["nvme"].free_pages == 64 and hits(s, chain(2)) == 2
+        assert s.client.lookup(s.namespace_id, chain(2), locations=True).tiers() == ["dram", "dram"]
+
+
 @pytest.mark.parametrize("stuck", [False, True], ids=["worker-stops", "nixl-request-stuck"])
 def test_a_move_without_an_answer_keeps_its_destination_while_the_worker_may_write(database_url, stuck):
     """The directory stops waiting after move_timeout_s; the worker may still be writing, so the

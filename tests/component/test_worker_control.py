@@ -236,6 +236,8 @@ def test_the_worker_places_pages_names_them_and_fails_only_what_does_not_fit():
         assert plain.dst_runs == []  # nothing placed, nothing named
         client.free(specs.FreeRequest(items=[specs.FreeItem(token="m1", runs=[], all_pages=True)]))
         assert nvme.free_pages == 5 and nvme.owned_tokens() == set()
+        late = client.move(moving.MoveRequest(items=[_placed("m1", 4096)]))  # given back: a late move is refused
+        assert late.codes == ["expired"] and nvme.free_pages == 5 and len(seen) == 2
         bad = b'{"items": [{"token": "m1", "runs": [{"first": 0, "count": 1}], "all_pages": true}]}'
         head = post("/v1/free", str(len(bad))) + f"authorization: Bearer {'s' * 43}\r\n"
         status, body = raw_request(server, head, bad)
@@ -243,3 +245,35 @@ def test_the_worker_places_pages_names_them_and_fails_only_what_does_not_fit():
     finally:
         client.close()
         server.stop()
+
+
+def test_an_answer_the_directory_cannot_read_is_no_answer():
+    """A move whose answer does not parse (a worker of another version) has an unknown outcome: its
+    destinations stay reserved until the worker says it stopped, as when no answer came."""
+    import http.server
+    import threading
+
+    from kvstore.directory.workers.calls import WorkerCalls
+
+    class Odd(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["content-length"]))
+            body = b'{"ok": [true], "errors": [null], "codes": ["ok"], "unknown": 1}'
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Odd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    calls = WorkerCalls(move_timeout_s=5)
+    try:
+        answer = calls.move(f"http://127.0.0.1:{server.server_port}", _move("t").items, time.time() + 5)
+        assert answer.codes == ["unreachable"] and answer.ok == [False]
+    finally:
+        calls.close()
+        server.shutdown()

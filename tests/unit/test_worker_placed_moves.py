@@ -47,3 +47,23 @@ def test_forgetting_a_whole_token_frees_every_block_recorded_under_it(tmp_path):
     assert [s.hash for s in again.survivors()] == ["cc"]
     assert again.allocator.free_pages == 15 and again.allocator.owns("move-2-b", placed["cc"])
     again.close()
+
+
+def test_the_new_fields_stay_off_the_wire_at_their_defaults():
+    """A worker or directory from before the worker placed its pages forbids fields it does not know:
+    what it can read is sent without them."""
+    answer = moving.MoveResult(ok=[True], errors=[None], codes=["ok"])
+    assert set(answer.model_dump()) == {"ok", "errors", "codes"}
+    assert "allocate" not in item("t", allocate=False, dst_runs=[]).model_dump()
+    assert "all_pages" not in specs.FreeItem(token="t", runs=[]).model_dump()
+    placed = moving.MoveResult(ok=[True], errors=[None], codes=["ok"], dst_runs=[[specs.PageRun(first=0, count=1)]])
+    assert item("t").model_dump()["allocate"] is True and placed.model_dump()["dst_runs"]
+
+
+def test_an_answer_holds_one_value_per_item():
+    with pytest.raises(ValidationError):
+        moving.MoveResult(ok=[True, True], errors=[None, None], codes=["ok"])
+    with pytest.raises(ValidationError):
+        moving.MoveResult(ok=[True, True], errors=[None, None], dst_runs=[None])
+    with pytest.raises(ValidationError):
+        moving.MoveResult(ok=[True], errors=[])

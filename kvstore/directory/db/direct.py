@@ -174,10 +174,11 @@ def set_states(session: Session, states: dict[int, str]) -> None:
     expire_loaded(session, Replica, states)
 
 
-def set_pages(session: Session, pages: dict[int, list]) -> None:
-    """replica id -> its pages ([[first, count], ...]: a move's NVMe destination, where the worker put it)."""
-    driver_many(session, "UPDATE replicas SET pages = ? WHERE id = ?",
-                [(_json_runs(runs), replica_id) for replica_id, runs in pages.items()])
+def set_pages(session: Session, pages: dict[int, tuple[str, list]]) -> None:
+    """replica id -> (its token, its pages [[first, count], ...]): where the worker put a move's NVMe
+    destination. Only a WRITING row of that token takes them."""
+    driver_many(session, "UPDATE replicas SET pages = ? WHERE id = ? AND token = ? AND state = 'writing'",
+                [(_json_runs(runs), replica_id, token) for replica_id, (token, runs) in pages.items()])
     expire_loaded(session, Replica, pages, ["pages"])
 
 

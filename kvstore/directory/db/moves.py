@@ -12,7 +12,7 @@ from typing import NamedTuple
 from sqlalchemy import case, distinct, func, select
 from sqlalchemy.orm import Session, aliased
 
-from kvstore.directory.db.direct import chunks, driver, json_value, marks, rows, shrink
+from kvstore.directory.db.direct import chunks, driver, json_value, marks, rows, runs_value, shrink
 from kvstore.directory.db.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import MOVING, READY, VISIBLE, WRITING
 
@@ -138,13 +138,24 @@ def move_sources(session: Session, replica_ids: list[int]) -> dict[int, MoveSour
     return found
 
 
-def states_of(session: Session, replica_ids: list[int]) -> dict[int, tuple[str, int]]:
-    """replica id -> (state, reserved bytes); missing ids are left out."""
-    found: dict[int, tuple[str, int]] = {}
+def states_of(session: Session, replica_ids: list[int]) -> dict[int, tuple[str, int, str]]:
+    """replica id -> (state, reserved bytes, token); missing ids are left out."""
+    found: dict[int, tuple[str, int, str]] = {}
     for chunk in chunks(replica_ids):
-        found.update((i, (state, n)) for i, state, n in rows(
-            session, f"SELECT id, state, reserved_bytes FROM replicas WHERE id IN ({marks(len(chunk))})",
+        found.update((i, (state, n, token)) for i, state, n, token in rows(
+            session, f"SELECT id, state, reserved_bytes, token FROM replicas WHERE id IN ({marks(len(chunk))})",
             tuple(chunk)))
+    return found
+
+
+def pages_of_tokens(session: Session, tokens: set[str]) -> set[tuple[str, tuple]]:
+    """(token, ((first, count), ...)) of every replica held under these tokens (no index serves tokens:
+    asked only when a move's destination was dropped while the move ran, which is rare)."""
+    found = set()
+    for chunk in chunks(sorted(tokens)):
+        for token, pages in rows(session, f"SELECT token, pages FROM replicas WHERE token IN ({marks(len(chunk))})",
+                                 tuple(chunk)):
+            found.add((token, tuple(tuple(run) for run in runs_value(pages))))
     return found
 
 

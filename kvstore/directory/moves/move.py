@@ -142,7 +142,7 @@ class Moves:
             name += " (another worker)"
             result = self._checked_at_peer(route, plan, result)
         self._note_outcome(route.dest[0], name, result)
-        done = self._write(lambda tx: self._finish(tx, plan, result, source_stays))
+        done = self._write(lambda tx: self._finish(tx, plan, result, source_stays, route.worker_url))
         log.debug("copied %d of %d blocks %s in %.1f ms", len(done), len(plan), name,
                   (time.perf_counter() - t0) * 1e3)
         return done
@@ -208,15 +208,19 @@ class Moves:
                       _item(source, route.source[1], dest_kind, token, pages)) for replica_id, source, pages, _ in plan], \
             route
 
-    def _finish(self, tx: Tx, plan: list[_Move], result: moving.MoveResult, source_stays: bool) -> dict[int, int]:
-        done, dropped, unplaced, states = {}, [], [], {}
+    def _finish(self, tx: Tx, plan: list[_Move], result: moving.MoveResult, source_stays: bool,
+                worker_url: str) -> dict[int, int]:
+        done, dropped, unplaced, states, vanished = {}, [], [], {}, []
         found = sql.states_of(tx.session, [m.source_id for m in plan] + [m.dest_id for m in plan])
         codes = result.codes or ["ok" if ok else "failed" for ok in result.ok]
         picked = result.dst_runs or [None] * len(plan)  # pages the worker took for its NVMe destinations
-        direct.set_pages(tx.session, {move.dest_id: [[r.first, r.count] for r in runs]
-                                      for move, runs in zip(plan, picked) if runs is not None})
+        mine = {move.dest_id for move in plan if found.get(move.dest_id, ("", 0, ""))[2] == move.item.dst_token}
+        direct.set_pages(tx.session, {move.dest_id: (move.item.dst_token, [[r.first, r.count] for r in runs])
+                                      for move, runs in zip(plan, picked) if runs is not None and move.dest_id in mine})
         for move, code, runs in zip(plan, codes, picked):
-            source, dest = found.get(move.source_id), found.get(move.dest_id)
+            source, dest = found.get(move.source_id), found.get(move.dest_id) if move.dest_id in mine else None
+            if dest is None and runs is not None:  # dropped meanwhile (its worker joined again, its deadline
+                vanished.append((move.item.dst_token, runs))  # passed): the pages the worker named go back
             if code == "ok" and move.item.allocate and runs is None:
                 code = "failed"  # copied, the worker says, but to pages it did not name: never recorded
             if code == "ok" and dest is not None and dest[0] == WRITING:
@@ -239,6 +243,11 @@ class Moves:
         repo.touched(tx.session, {m.block_id for m in plan})
         self._reclaim.drop(tx, repo.replica_rows(tx.session, dropped))
         self._reclaim.drop(tx, repo.replica_rows(tx.session, unplaced), give_back=False)  # the worker took no page
+        if vanished:  # unless a replica holds them now (a worker that joined again reported the block: adopted)
+            held = sql.pages_of_tokens(tx.session, {token for token, _ in vanished})
+            tx.after_commit.append(self._calls.free_later(worker_url, [
+                (token, runs) for token, runs in vanished
+                if (token, tuple((r.first, r.count) for r in runs)) not in held]))
         self._reclaim.collect_deleting(tx)
         return done
 

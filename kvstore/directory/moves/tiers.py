@@ -129,8 +129,9 @@ class Movement:
                     deadline))
                 if reserved is not None:  # the tier below had room: one job before the copy, one after
                     moved = self.moves.run(*reserved, deadline, timeout_s, source_stays=False)
-                elif plan.copy:  # cascade: the tier below makes room first
-                    self.make_room(lower[0], worker_id, plan.copy_bytes, protected)
+                elif plan.copy:  # cascade: the tier below makes room first (SQL's view; the topology may lag it)
+                    if lower is not None and lower[2]:
+                        self.make_room(lower[0], worker_id, plan.copy_bytes, protected)
                     moved = self.moves.copy(worker_id, tier_id, plan.dest_kind, list(plan.copy), source_stays=False)
                 else:
                     moved = {}

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pydantic import ValidationError
+
 from kvstore.client.worker import WorkerControlClient
 from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
@@ -79,7 +81,7 @@ class WorkerCalls:
         try:
             return self.client(url).move(moving.MoveRequest(items=items, expires_at=deadline, peer=peer),
                                          timeout_s=wait_s + min(5.0, wait_s / 2))
-        except KVStoreError as exc:
+        except (KVStoreError, ValidationError) as exc:  # no answer, or one that cannot be read: outcome unknown
             return moving.MoveResult(ok=[False] * len(items), errors=[str(exc)] * len(items),
                                     codes=["unreachable"] * len(items))
 
