@@ -67,7 +67,6 @@ class _Move(NamedTuple):
 
 class _Route(NamedTuple):
     """Where a copy runs and lands, from the topology."""
-    worker_id: int
     worker_url: str
     source: tuple  # (tier id, kind)
     dest: tuple  # (tier id, kind, page_bytes)
@@ -163,15 +162,14 @@ class Moves:
                            page_bytes=dest.page_bytes) if target.id != worker.id else None
         if peer is not None and (source.kind, dest_kind) != ("dram", "dram"):
             raise ValueError("a copy to another worker goes DRAM to DRAM")
-        return _Route(worker.id, worker.control_url, (source.id, source.kind), (dest.id, dest.kind, dest.page_bytes),
+        return _Route(worker.control_url, (source.id, source.kind), (dest.id, dest.kind, dest.page_bytes),
                       target.id, target.epoch, target.control_url, peer)
 
     def reserve(self, tx: Tx, route: _Route, replica_ids: list[int], token: str, deadline: float,
                 only_ready: bool) -> tuple[list[_Move], _Route]:
         """In the caller's job: destination replicas for the sources still readable (`token` from
-        `waited`). A memory tier's pages come from this
-        directory's pool; NVMe pages are the worker's to pick inside the move (only their bytes are
-        reserved here); S3 takes none."""
+        `waited`). A memory tier's pages come from this directory's pool; NVMe pages are the worker's
+        to pick inside the move (only their bytes are reserved here); S3 takes none."""
         dest_id, dest_kind, page_bytes = route.dest
         worker_epoch = route.dest_epoch  # the destination's pages and its replica's epoch
         if route.peer is not None:
