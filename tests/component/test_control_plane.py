@@ -14,7 +14,7 @@ from kvstore.core import moving, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.db.index import Index
 from kvstore.directory.db.models import Replica, Tier
-from tests.stacks import PAGE, directory_stack, make_settings, two_tier_stack, worker_endpoint
+from tests.stacks import PAGE, directory_stack, dram_tier, make_settings, registration, two_tier_stack, worker_endpoint
 from tests.calls import BLOCK, chain, complete, hits, prepare
 from tests.helpers import wait_until
 
@@ -350,6 +350,40 @@ def test_pages_the_worker_names_for_a_destination_dropped_meanwhile_go_back(data
         s.service.calls.settle()
         assert worker.allocators["nvme"].free_pages == 64 and hits(s, chain(2)) == 2
         assert s.client.lookup(s.namespace_id, chain(2), locations=True).tiers() == ["dram", "dram"]
+
+
+def test_a_block_a_rejoining_worker_reports_from_a_move_whose_answer_was_lost_is_adopted_and_kept(database_url):
+    """The directory stops waiting for a demotion; the worker, still copying, joins again (a new
+    epoch) and reports the block it placed on NVMe under the move's token. The directory adopts it
+    as READY with the pages the worker names, and nothing later gives those pages back: the
+    destination it reserved went with the old epoch, so there is no token left to free whole."""
+    go, seen = threading.Event(), []
+
+    def slow(req: moving.MoveRequest) -> moving.MoveResult:
+        seen.extend(req.items)
+        go.wait(30)
+        n = len(req.items)
+        return moving.MoveResult(ok=[True] * n, errors=[None] * n, codes=["ok"] * n)
+
+    with two_tier_stack(database_url, slow, move_timeout_s=1.0) as (s, worker):
+        hashes = chain(1)
+        complete(s, prepare(s, hashes))
+        assert s.client.evict_tier(specs.EvictRequest(tier="dram", limit=10)).demoted == 0  # no answer in time
+        (placed,) = seen
+        nvme = worker.allocators["nvme"]
+        assert nvme.owns(placed.dst_token, placed.dst_runs) and nvme.free_pages == 62
+        s.client.register_worker(registration("w0", worker.url, backends=["UCX", "POSIX"], inventory=[
+            specs.Survivor(kind="nvme", token=placed.dst_token, runs=placed.dst_runs, namespace_id=s.namespace_id,
+                           hash=placed.hash, nbytes=placed.nbytes, checksum=placed.checksum)],
+            tiers=[dram_tier(32), specs.TierSpec(kind="nvme", capacity_bytes=64 * PAGE, page_bytes=PAGE)]))
+        go.set()
+        for _ in range(3):  # the reaper's rounds: lost answers settled, expired reservations dropped
+            s.service.reap()
+        s.service.calls.settle()
+        found = s.client.lookup(s.namespace_id, hashes, locations=True)
+        assert found.tiers() == ["nvme"] and s.client.stats().reservations == 0
+        assert nvme.owns(placed.dst_token, placed.dst_runs) and nvme.free_pages == 62  # still held: the block's
+        index_matches_sql(s.service)
 
 
 @pytest.mark.parametrize("stuck", [False, True], ids=["worker-stops", "nixl-request-stuck"])
