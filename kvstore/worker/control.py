@@ -5,10 +5,13 @@ registered with (`Authorization: Bearer <secret>`); anything else is a 401. With
 and key it serves HTTPS.
 
     POST /v1/grant  GrantRequest -> GrantResult   (page credit: many free pages of a memory tier at once)
-    POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with a token; for directories from before worker-placed moves)
-    POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token; or all of a token's NVMe pages)
-    POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers, or into another worker's DRAM;
-                                                    NVMe destinations placed here and named in the answer)
+    POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with a token: for directories from
+                                                    before the worker placed its moves' NVMe pages)
+    POST /v1/free   FreeRequest  -> {"freed": n}   (only pages of the matching token; or all of a
+                                                    token's NVMe pages)
+    POST /v1/move   MoveRequest  -> MoveResult     (copy blocks between this worker's tiers, or into
+                                                    another worker's DRAM; NVMe destinations placed
+                                                    here and named in the answer)
     POST /v1/verify VerifyRequest -> VerifyResult  (do replicas still hash to their checksums?)
     POST /v1/fence  FenceRequest -> FenceResult    (has every move under these tokens stopped? then none starts)
     GET  /healthz

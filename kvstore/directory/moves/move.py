@@ -202,9 +202,10 @@ class Moves:
         direct.set_states(tx.session, {replica_id: MOVING for replica_id, source, _, _ in plan
                                        if source.state == READY})
         repo.add_used(tx.session, {dest_id: used})  # no block to reload: a MOVING source reads as READY did
-        return [_Move(source.block_id, replica_id, dest_ids[source.block_id],
-                      _item(source, route.source[1], dest_kind, token, pages)) for replica_id, source, pages, _ in plan], \
-            route
+        moves = [_Move(source.block_id, replica_id, dest_ids[source.block_id],
+                       _item(source, route.source[1], dest_kind, token, pages))
+                 for replica_id, source, pages, _ in plan]
+        return moves, route
 
     def _finish(self, tx: Tx, plan: list[_Move], result: moving.MoveResult, source_stays: bool,
                 worker_url: str) -> dict[int, int]:
