@@ -79,7 +79,7 @@ def build(settings: DirectorySettings | None = None, clock: Callable[[], float] 
     calls = WorkerCalls(move_timeout_s=settings.move_timeout_s, ca_file=settings.ca_file)
     reclaim = Reclaim(calls, pools)
     reservations = Reservations()
-    moves = Moves(write, calls, reclaim, pools, metrics, index, clock, read=writer.read)
+    moves = Moves(write, calls, reclaim, pools, metrics, index, clock)
     movement = Movement(write, moves, reclaim, pools, policies, reservations.reserved_bytes,
                         promote_timeout_s=min(settings.move_timeout_s, settings.lease_ttl_s), read=writer.read)
     membership = Membership(write, calls, reclaim, pools, settings, clock, index.ids)

@@ -78,10 +78,9 @@ class _Route(NamedTuple):
 
 class Moves:
     def __init__(self, write: Write, calls: WorkerCalls, reclaim: Reclaim, pools: PagePools, metrics: DirectoryMetrics,
-                 topology: Index, clock: Callable[[], float] = time.time, read: Write | None = None) -> None:
+                 topology: Index, clock: Callable[[], float] = time.time) -> None:
         self._write = write
         self.topology = topology  # workers and tiers as of the last commit: no SQL to find them
-        self._read = read or write  # a job that only reads, off the writer
         self._calls = calls
         self._reclaim = reclaim
         self._pools = pools
@@ -250,14 +249,14 @@ class Moves:
         self._reclaim.collect_deleting(tx)
         return done
 
-    def _checked_at_peer(self, found: _Route, plan: list[_Move], result: moving.MoveResult) -> moving.MoveResult:
+    def _checked_at_peer(self, route: _Route, plan: list[_Move], result: moving.MoveResult) -> moving.MoveResult:
         """The destination worker hashes what it received; a block it does not confirm failed (its
         pages go back: the source answered, so nothing writes them any more)."""
         codes = list(result.codes or ["ok" if ok else "failed" for ok in result.ok])
         copied = [k for k, code in enumerate(codes) if code == "ok"]
         if not copied:
             return result
-        matches = self._calls.verify(found.dest_url, [(found.dest[1], plan[k].item.dst_runs, plan[k].item.nbytes,
+        matches = self._calls.verify(route.dest_url, [(route.dest[1], plan[k].item.dst_runs, plan[k].item.nbytes,
                                                        plan[k].item.checksum) for k in copied])
         errors = list(result.errors)
         for k, match in zip(copied, matches):
@@ -266,7 +265,7 @@ class Moves:
                 errors[k] = "the destination worker did not confirm the block's checksum"
         if any(m is not True for m in matches):
             log.warning("%d of %d blocks copied to worker at %s not confirmed there",
-                        sum(m is not True for m in matches), len(copied), found.dest_url)
+                        sum(m is not True for m in matches), len(copied), route.dest_url)
         return moving.MoveResult(ok=[c == "ok" for c in codes], errors=errors, codes=codes)
 
     def _note_outcome(self, dest_tier_id: int, route: str, result: moving.MoveResult) -> None:
