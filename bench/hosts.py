@@ -6,8 +6,10 @@ tests' `tests/netns.Hosts`), the engine host's link shaped to `--rate`, UCX over
 Hosts: `dir` (the directory), `w1` (a worker), `e1` (the engine). The reference is raw TCP between
 the same two namespaces: one connection from w1 to e1 carrying `--bytes` (iperf-style). The store's
 load is `KVStoreClient.load_blocks` of `--bytes` of blocks that the engine saved to w1 (prepare,
-the bytes, checksums, complete): today the engine READs them (NIXL UCX over TCP). Both cross e1's
-shaped link in the same direction. Medians over `--repeats`; the ratio is of medians from one run.
+the bytes, checksums, complete), two ways, one after the other in each repeat: pulled (the engine
+READs them, `load_push="off"`) and pushed (w1 WRITEs them into the engine's memory, "on"); NIXL UCX
+over TCP both. All cross e1's shaped link in the same direction. Medians over `--repeats`; the
+ratios are of medians from one run.
 """
 
 from __future__ import annotations
@@ -79,17 +81,25 @@ def store_engine(url: str, block: int, nbytes: int, repeats: int) -> None:
     ns = Namespace(model_id="bench-hosts", num_layers=1, num_kv_heads=8, head_dim=128, dtype="float32",
                    block_tokens=block // (2 * 8 * 128 * 4))
     n = nbytes // ns.block_nbytes
-    with KVStoreClient(url, ns, staging_bytes=n * ns.block_nbytes, same_host="off") as client:
+    clients = {mode: KVStoreClient(url, ns, staging_bytes=n * ns.block_nbytes, same_host="off", load_push=mode)
+               for mode in ("off", "on")}
+    try:
         hashes = block_hashes(ns, list(range(n * ns.block_tokens)))
-        views = client._staging_views(n)
+        views = clients["off"]._staging_views(n)
         for k, view in enumerate(views):
             view[:] = np.random.default_rng(k).integers(0, 255, view.size, dtype=np.uint8)
-        assert client.save_blocks(hashes, views) == n, client.last_refused
+        assert clients["off"].save_blocks(hashes, views) == n, clients["off"].last_refused
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            loaded = client.load_blocks(hashes, views)
-            print(json.dumps({"s": time.perf_counter() - t0, "blocks": loaded, "bytes": loaded * ns.block_nbytes,
-                              "phases": client.last_timings}), flush=True)
+            for mode, client in clients.items():
+                views = client._staging_views(n)
+                t0 = time.perf_counter()
+                loaded = client.load_blocks(hashes, views)
+                print(json.dumps({"push": mode, "s": time.perf_counter() - t0, "blocks": loaded,
+                                  "bytes": loaded * ns.block_nbytes, "pushed": client.pusher.pushed,
+                                  "phases": client.last_timings}), flush=True)
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 def results(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> list[dict]:
@@ -125,10 +135,12 @@ def run(args) -> dict:
                                     args.bytes, "--repeats", str(args.repeats)], tmp / "engine.log", TCP)
         store = results(engine, tmp / "engine.log")
     raw_gbps = median([r["bytes"] / r["s"] / 1e9 for r in raw])
-    store_gbps = median([r["bytes"] / r["s"] / 1e9 for r in store])
+    pulled = median([r["bytes"] / r["s"] / 1e9 for r in store if r["push"] == "off"])
+    pushed = median([r["bytes"] / r["s"] / 1e9 for r in store if r["push"] == "on"])
+    assert all(r["pushed"] for r in store if r["push"] == "on"), "a pushed load read its blocks instead"
     return {"machine": machine(), "rate": args.rate, "block": args.block, "bytes": args.bytes,
-            "raw_tcp_GBps": raw_gbps, "store_load_GBps": store_gbps, "load_vs_raw": store_gbps / raw_gbps,
-            "raw": raw, "store": store}
+            "raw_tcp_GBps": raw_gbps, "pulled_load_GBps": pulled, "pushed_load_GBps": pushed,
+            "pulled_vs_raw": pulled / raw_gbps, "pushed_vs_raw": pushed / raw_gbps, "raw": raw, "store": store}
 
 
 def main() -> None:
@@ -148,9 +160,10 @@ def main() -> None:
     if args.role == "store-engine":
         return store_engine(args.url, parse_size(args.block), parse_size(args.bytes), args.repeats)
     result = run(args)
-    print_table(["link", "block", "bytes", "raw TCP GB/s", "store load GB/s", "load ÷ raw"],
-                [[args.rate, args.block, args.bytes, result["raw_tcp_GBps"], result["store_load_GBps"],
-                  result["load_vs_raw"]]])
+    print_table(["link", "block", "bytes", "raw TCP GB/s", "pulled GB/s", "pushed GB/s", "pulled ÷ raw",
+                 "pushed ÷ raw"],
+                [[args.rate, args.block, args.bytes, result["raw_tcp_GBps"], result["pulled_load_GBps"],
+                  result["pushed_load_GBps"], result["pulled_vs_raw"], result["pushed_vs_raw"]]])
     write_json(args.json, result)
 
 

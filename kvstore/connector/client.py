@@ -39,6 +39,7 @@ from kvstore.connector.handoff import HandoffResult, wait_for_handoff
 from kvstore.connector.layerwise import LayerwiseLoad
 from kvstore.connector.layout import LayerKV
 from kvstore.connector.peers import Peers, own_hosts
+from kvstore.connector.pushes import Pusher
 from kvstore.connector.renewal import Renewal
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
@@ -56,13 +57,16 @@ class KVStoreClient:
     def __init__(self, url: str | Sequence[str], namespace: Namespace, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  name: str | None = None, timeout_s: float = 60.0, renew_leases: bool = True,
                  token: str | None = None, ca_file: str | None = None, hosts: list[str] | None = None,
-                 same_host: str | None = None) -> None:
+                 same_host: str | None = None, load_push: str | None = None) -> None:
         """`url`: the directory, or its replicas (comma-separated, or a list): calls move to the next
         on a connection error or a 5xx. `token`: an engine token of the namespace's tenant (default: $KVSTORE_TOKEN); `ca_file`:
         the CA bundle of an https directory (default: $KVSTORE_CA_FILE); `hosts`: addresses of this
         host a worker may have registered, beyond its names and addresses (saves prefer such workers).
         `same_host`: "auto" copies blocks straight into and out of the DRAM arena of a worker on this
-        host that shares it, "off" always uses NIXL (default: $KVSTORE_SAME_HOST, else auto)."""
+        host that shares it, "off" always uses NIXL (default: $KVSTORE_SAME_HOST, else auto).
+        `load_push`: which loads workers on other hosts WRITE into this engine's memory instead of it
+        reading them, "auto" | "on" | "off" (default: $KVSTORE_LOAD_PUSH, else auto; see
+        `kvstore.connector.pushes`)."""
         if namespace.layout not in (LAYOUTS[0], *RAW_LAYOUTS):  # raw ones: save_blocks / load_blocks only
             raise KVStoreError("invalid", f"KVStoreClient packs blocks as {LAYOUTS[0]}; namespace layout "
                                f"{namespace.layout!r} is written by another connector (kvstore.connector.vllm)")
@@ -76,6 +80,8 @@ class KVStoreClient:
         self.agent = Agent(name or f"kvstore-client-{uuid.uuid4().hex[:12]}", backends={"UCX": {}})
         self.peers = Peers(self.agent, self.directory)
         self.copier = BlockCopier(self.agent, self.peers, LocalArenas(mode=same_host), timeout_s)
+        self.pusher = Pusher(self.agent, namespace.tenant, load_push, self.hosts, timeout_s, ca_file)
+        self._registered: dict[int, object] = {}  # address -> NIXL registration of memory registered here
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
         self.slots = max(1, staging_bytes // namespace.block_nbytes)
         self.staging = HostBuffer(self.slots * namespace.block_nbytes)
@@ -179,7 +185,17 @@ class KVStoreClient:
             addr, nbytes = array.data_ptr(), array.numel() * array.element_size()
         else:
             addr, nbytes = int(array.ctypes.data), array.nbytes
-        self.agent.register_dram(addr, nbytes)
+        self._registered[addr] = self.agent.register_dram(addr, nbytes)
+        self.pusher.memory_changed()
+
+    def release_buffer(self, array: np.ndarray | torch.Tensor) -> None:
+        """Deregister memory `register_buffer` registered, once no worker can push into it any more
+        (each that holds this engine's metadata is told first); then the engine may free or reuse it."""
+        addr = array.data_ptr() if isinstance(array, torch.Tensor) else int(array.ctypes.data)
+        if addr not in self._registered:
+            raise KVStoreError("invalid", "this memory was not registered with register_buffer", addr=addr)
+        self.pusher.forget()
+        self.agent.deregister(self._registered.pop(addr))
 
     def save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None = None,
                     hints: specs.RequestHints | dict | None = None, pack: Transform | None = None) -> int:
@@ -257,13 +273,14 @@ class KVStoreClient:
         the memory tier could not take now: 0 unless every block read was verified)."""
         clock = _PhaseClock()
         prepared = clock.timed("prepare", self.directory.prepare_load, specs.PrepareLoad(
-            namespace_id=self.namespace_id, hashes=[h.hex() for h in hashes], reader=self.agent.name))
+            namespace_id=self.namespace_id, hashes=[h.hex() for h in hashes], reader=self.agent.name,
+            push=self.pusher.asks()))
         hits = prepared.blocks
         if not hits:
             self.last_timings = clock.finish()
             return 0, 0
         with self._renewal(prepared.token, prepared.expires_at):
-            done, digests = self._read_and_hash(hits, blocks, clock, unpack)
+            done, digests = self._read_and_hash(prepared, blocks, clock, unpack)
         verified, reports = 0, []
         for i, hit in enumerate(hits):
             good = done[i] and digests[i] == hit.checksum
@@ -297,13 +314,13 @@ class KVStoreClient:
             scatter(far, written, clock.timed("checksum", hashing.result), done, sums)  # the wait beyond it
         return done, sums
 
-    def _read_and_hash(self, hits: list[specs.BlockHit], blocks: list[np.ndarray], clock: "_PhaseClock",
+    def _read_and_hash(self, prepared: specs.LoadPrepared, blocks: list[np.ndarray], clock: "_PhaseClock",
                        unpack: Transform | None = None):
         """Per block (read ok, xxh3_64 of what arrived). Same-host blocks are copied and hashed chunk
-        by chunk (or, with `unpack`, read in place); the others are read over NIXL in groups of
-        about READ_GROUP_BYTES, group k hashed on the helper thread while group k+1 is read, and
-        then unpacked."""
-        items = [(blocks[i], hit.location) for i, hit in enumerate(hits)]
+        by chunk (or, with `unpack`, read in place); the others are pushed by their workers or read
+        over NIXL in groups of about READ_GROUP_BYTES, group k hashed on the helper thread while
+        group k+1 arrives, and then unpacked."""
+        items = [(blocks[i], hit.location) for i, hit in enumerate(prepared.blocks)]
         if unpack is None:
             done, digests, far = clock.timed("transfer", self.copier.copy_local, "READ", items)
         else:
@@ -311,7 +328,7 @@ class KVStoreClient:
         hashing = []
         for group in _groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
             ks = [far[g] for g in group]
-            read = clock.timed("transfer", self._move, "READ", [items[k] for k in ks])
+            read = clock.timed("transfer", self._fetch, prepared, [items[k] for k in ks])
             hashing.append((ks, read, self._hasher.submit(lambda ks=ks: [checksum(blocks[k]) for k in ks])))
         for ks, read, future in hashing:
             scatter(ks, read, clock.timed("checksum", future.result), done, digests)
@@ -322,8 +339,19 @@ class KVStoreClient:
     def _move(self, op: str, items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> list[bool]:
         return self.copier.move(op, items)
 
+    def _fetch(self, prepared: specs.LoadPrepared, items: list[tuple[np.ndarray, specs.ReplicaLocation]]
+               ) -> list[bool]:
+        """Items pushed by the workers that granted it, the rest (and failed pushes) read over NIXL."""
+        done, rest = self.pusher.push(prepared, items) if prepared.grants else ([False] * len(items),
+                                                                                 list(range(len(items))))
+        for k, ok in zip(rest, self._move("READ", [items[k] for k in rest]) if rest else []):
+            done[k] = ok
+        return done
+
     def close(self) -> None:
         self._hasher.shutdown(wait=True)
+        self.pusher.forget()
+        self.pusher.close()
         self.peers.close()
         self.copier.close()
         self.agent.close()

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvstore.core.keys import MAX_BLOCK_BYTES
+from kvstore.core.push import PushGrant
 
 TierKind = Literal["hbm", "dram", "nvme", "s3"]
 HEX_HASH = r"^[0-9a-f]{2,128}$"
@@ -247,6 +248,8 @@ class PrepareLoad(_Spec):
     namespace_id: NamespaceId
     hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
     reader: str = Field("", max_length=200)
+    push: bool = Field(False, exclude_if=lambda v: not v, description="grant the reader pushes of its DRAM hits "
+                       "by their workers (needs a reader)")
 
 
 class LoadPrepared(_Spec):
@@ -255,6 +258,8 @@ class LoadPrepared(_Spec):
     blocks: list[BlockHit]
     more: int = Field(0, description="blocks after these that are stored in a tier below but could not be "
                       "staged into memory now (the memory tier is full): load these, complete, then ask again")
+    grants: list[PushGrant] = Field([], exclude_if=lambda v: not v, description="with push: per worker holding "
+                                    "DRAM hits, what lets it push them into the reader's memory")
 
 
 class PrepareLoads(_Spec):

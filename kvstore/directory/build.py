@@ -84,7 +84,8 @@ def build(settings: DirectorySettings | None = None, clock: Callable[[], float] 
                         promote_timeout_s=min(settings.move_timeout_s, settings.lease_ttl_s), read=writer.read)
     membership = Membership(write, calls, reclaim, pools, settings, clock, index.ids)
     store = Store(writer, index, pools, reservations, policies, metrics, settings, movement.make_room, clock)
-    loads = Loads(write, index, movement.promote, reclaim, policies, metrics, settings, clock, calls.verify)
+    loads = Loads(write, index, movement.promote, reclaim, policies, metrics, settings, clock, calls.verify,
+                  calls.secret)
     handoffs = Handoffs(write, sessions, index.count, metrics, lambda: role.leading, clock)
     reaper = Reaper(writer, reclaim, membership, handoffs, store, loads, Orphans(write, moves, calls, reclaim),
                     Spread(write, moves, reclaim, pools), movement, metrics, clock)

@@ -232,9 +232,10 @@ class DirectoryService:
         return self.index.num_blocks
 
     def prepare_loads(self, namespace_id: str, chains: list[list[str]], reader: str,
-                      tenants: frozenset[str] | None = None) -> dict:
-        self.namespaces.get(namespace_id, tenants)
-        return self.loads.prepare(namespace_id, chains, reader)
+                      tenants: frozenset[str] | None = None, push: bool = False) -> dict:
+        """`push`: the answer also grants pushes of its DRAM hits (`kvstore.core.push`)."""
+        namespace = self.namespaces.get(namespace_id, tenants)
+        return self.loads.prepare(namespace_id, chains, reader, namespace.tenant if push and reader else None)
 
     def commit_handoff(self, body: HandoffCommit, tenants: frozenset[str] | None = None) -> HandoffState:
         self.namespaces.get(body.namespace_id, tenants)

@@ -71,6 +71,7 @@ class PrepareLoad(_Body):
     namespace_id: NamespaceId
     hashes: Annotated[list[Hash], Meta(max_length=MAX_BLOCKS)]
     reader: Reader = ""
+    push: bool = False
 
 
 class PrepareLoads(_Body):

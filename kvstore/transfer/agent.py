@@ -252,6 +252,9 @@ class Agent:
         self._peers.add(name)
         return name
 
+    def has_peer(self, name: str) -> bool:
+        return name in self._peers
+
     def remove_peer(self, name: str) -> None:
         if name in self._peers:
             self._raw.remove_remote_agent(name)

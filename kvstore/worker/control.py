@@ -1,8 +1,9 @@
 """The worker's control endpoint: the directory asks it to allocate and free pages.
 
-Only the directory may call it: every request but /healthz carries the secret this worker
-registered with (`Authorization: Bearer <secret>`); anything else is a 401. With a certificate
-and key it serves HTTPS.
+Only the directory may call it: every request but /healthz and the pushes carries the secret this
+worker registered with (`Authorization: Bearer <secret>`); anything else is a 401. Engines call the
+pushes with what the directory signed for them with that secret (`kvstore.core.push`); a push that
+does not match it is a 403. With a certificate and key it serves HTTPS.
 
     POST /v1/grant  GrantRequest -> GrantResult   (page credit: many free pages of a memory tier at once)
     POST /v1/alloc  AllocRequest -> AllocResult   (pages tagged with a token: for directories from
@@ -14,6 +15,8 @@ and key it serves HTTPS.
                                                     here and named in the answer)
     POST /v1/verify VerifyRequest -> VerifyResult  (do replicas still hash to their checksums?)
     POST /v1/fence  FenceRequest -> FenceResult    (has every move under these tokens stopped? then none starts)
+    POST /v1/push   PushRequest -> PushResult      (an engine: WRITE leased DRAM blocks into its memory)
+    POST /v1/push/forget ForgetEngine -> {"quiet": b} (an engine: no push into its old memory, from now on)
     GET  /healthz
     GET  /metrics   Prometheus text; open with `open_metrics`, else it needs the metrics token (or the secret)
 
@@ -36,7 +39,7 @@ from http.server import BaseHTTPRequestHandler
 
 from pydantic import ValidationError
 
-from kvstore.core import moving, specs
+from kvstore.core import moving, push, specs
 from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.pages import PageAllocator
 from kvstore.core.servers import BoundedServer, BoundedServer6
@@ -44,12 +47,16 @@ from kvstore.core.sizes import body_length
 from kvstore.core.tiers import MEMORY
 from kvstore.worker.fencing import MoveFence
 from kvstore.worker.metrics import WorkerMetrics
+from kvstore.worker.pushes import Pushes
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 60.0
 MAX_BODY = 64 << 20
-COUNTED = ("/v1/grant", "/v1/alloc", "/v1/free", "/v1/move", "/v1/verify", "/v1/fence", "/healthz", "/metrics")
+PUSH_BODY = 16 << 20  # an engine's push: its runs and, now and then, its NIXL metadata
+COUNTED = ("/v1/grant", "/v1/alloc", "/v1/free", "/v1/move", "/v1/verify", "/v1/fence", "/v1/push", "/v1/push/forget",
+           "/healthz", "/metrics")
+ENGINE_ROUTES = ("/v1/push", "/v1/push/forget")  # signed by the directory, not called by it
 
 
 class ControlServer:
@@ -58,12 +65,13 @@ class ControlServer:
                  max_connections: int = MAX_CONNECTIONS, secret: str | None = None,
                  tls: tuple[str, str] | None = None, metrics: WorkerMetrics | None = None,
                  open_metrics: bool = False, metrics_token: str | None = None, advertise: str | None = None,
-                 fence: MoveFence | None = None) -> None:
+                 fence: MoveFence | None = None, pushes: Pushes | None = None) -> None:
         """`secret`: what every call must carry (None: no check, for tests in one process);
         `tls`: (certificate file, key file) to serve HTTPS; `metrics`: what GET /metrics serves, to
         anyone with `open_metrics`, else to callers with `metrics_token` or the secret; `advertise`:
         the host in `url` when it is not the bound address; `fence`: the moves running here (shared with
-        the mover, which marks those whose NIXL requests did not finish)."""
+        the mover, which marks those whose NIXL requests did not finish); `pushes`: engines' pushed
+        loads (None: refused)."""
         self.allocators = allocators
         self.secret = secret
         self.metrics = metrics or WorkerMetrics()
@@ -74,6 +82,7 @@ class ControlServer:
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
         self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
         self.fence = fence or MoveFence()
+        self.pushes = pushes
         handler = type("Handler", (_Handler,), {"control": self})
         server_class = BoundedServer6 if ":" in host else BoundedServer  # an IPv6 address
         self._server = server_class((host, port), handler, max_connections)
@@ -217,6 +226,16 @@ class ControlServer:
             codes[i] = answer.codes[k] if answer.codes else "ok" if answer.ok[k] else "failed"
         return moving.MoveResult(ok=ok, errors=errors, codes=codes, dst_runs=runs)
 
+    def push(self, req: push.PushRequest) -> push.PushResult:
+        if self.pushes is None:
+            raise KVStoreError("not_found", "this worker pushes no loads")
+        return self.pushes.push(req)
+
+    def forget_engine(self, req: push.ForgetEngine) -> bool:
+        if self.pushes is None:
+            raise KVStoreError("not_found", "this worker pushes no loads")
+        return self.pushes.forget(req)
+
     def settle(self, req: moving.FenceRequest) -> moving.FenceResult:
         return moving.FenceResult(settled=self.fence.fence(req.tokens))
 
@@ -261,19 +280,22 @@ class _Handler(BaseHTTPRequestHandler):
                   "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)}),
                   "/v1/move": (moving.MoveRequest, lambda b: self.control.move(b).model_dump()),
                   "/v1/verify": (moving.VerifyRequest, lambda b: self.control.verify(b).model_dump()),
-                  "/v1/fence": (moving.FenceRequest, lambda b: self.control.settle(b).model_dump())}
+                  "/v1/fence": (moving.FenceRequest, lambda b: self.control.settle(b).model_dump()),
+                  "/v1/push": (push.PushRequest, lambda b: self.control.push(b).model_dump(exclude_none=True)),
+                  "/v1/push/forget": (push.ForgetEngine, lambda b: {"quiet": self.control.forget_engine(b)})}
         if self.path not in routes:
             self.close_connection = True  # its body was not read
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
             return
         model, action = routes[self.path]
-        if not self.control.authorized(self.headers.get("authorization")):
+        if self.path not in ENGINE_ROUTES and not self.control.authorized(self.headers.get("authorization")):
             self.close_connection = True
             self._answer(401, KVStoreError("unauthorized", "only the directory this worker registered with may "
                                            "call it").to_body())
             return
         try:
-            length = body_length(self.headers.get("content-length"), MAX_BODY) or 0
+            length = body_length(self.headers.get("content-length"),
+                                 PUSH_BODY if self.path in ENGINE_ROUTES else MAX_BODY) or 0
             body = model.model_validate_json(self.rfile.read(length))
             self._answer(200, action(body))
         except ValidationError as exc:

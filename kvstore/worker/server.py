@@ -27,6 +27,7 @@ from kvstore.worker.metrics import WorkerMetrics
 from kvstore.worker.hbm import HbmArena
 from kvstore.worker.fencing import MoveFence
 from kvstore.worker.mover import Mover
+from kvstore.worker.pushes import Pushes
 from kvstore.worker.nvme import DIRECT_ALIGN, LEGACY_PAGE_BYTES, NvmeTier
 from kvstore.worker.sharing import ArenaShare
 from kvstore.worker.s3 import S3Tier
@@ -96,7 +97,9 @@ class StorageWorker:
                                      on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {},
                                      verifier=self.mover.verify, secret=self.secret, tls=tls, metrics=self.metrics,
                                      open_metrics=settings.open_metrics, metrics_token=settings.metrics_token,
-                                     advertise=settings.advertise_host, fence=fence)
+                                     advertise=settings.advertise_host, fence=fence,
+                                     pushes=Pushes(self.agent, self.arena,
+                                                   lambda: (self.settings.name, self.epoch, self.secret)))
         self.directory = DirectoryClient(settings.directory_url, timeout_s=10.0, token=settings.token,
                                          ca_file=settings.ca_file)
         self.epoch = 0
@@ -211,6 +214,7 @@ class StorageWorker:
         if self.share is not None:
             self.share.stop()
         self.control.stop()
+        self.control.pushes.close()
         self.directory.close()
         self.agent.close()
         if self.nvme:

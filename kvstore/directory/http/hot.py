@@ -91,9 +91,12 @@ class HotCalls:
     async def prepare_load(self, body: bytes, who: Principal):
         req = self._decode(body, wire.PrepareLoad)
         batch = await self._on_data_thread(self.service.prepare_loads, req.namespace_id, [req.hashes], req.reader,
-                                           who.tenants)
-        return {"token": batch["token"], "expires_at": batch["expires_at"], "blocks": batch["chains"][0],
-                "more": batch["more"][0]}
+                                           who.tenants, req.push)
+        answer = {"token": batch["token"], "expires_at": batch["expires_at"], "blocks": batch["chains"][0],
+                  "more": batch["more"][0]}
+        if batch.get("grants"):
+            answer["grants"] = batch["grants"]
+        return answer
 
     async def prepare_loads(self, body: bytes, who: Principal):
         req = self._decode(body, wire.PrepareLoads)

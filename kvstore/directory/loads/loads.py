@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from kvstore.core import specs, tiers
+from kvstore.core import push, specs, tiers
 from kvstore.core.errors import KVStoreError
 from kvstore.directory.db import loads as sql
 from kvstore.directory.db import repository as repo
@@ -44,7 +44,8 @@ POLICY_HITS_AT_ONCE = 2000  # blocks whose hits go to the policies under one hol
 class Loads:
     def __init__(self, write: Write, index: Index, promote: Callable[[list[Hit]], object], reclaim: Reclaim,
                  policies: TierPolicies, metrics: DirectoryMetrics, settings: DirectorySettings,
-                 clock: Callable[[], float], verify: Callable[[str, list[tuple]], list]) -> None:
+                 clock: Callable[[], float], verify: Callable[[str, list[tuple]], list],
+                 secret: Callable[[str], str | None] = lambda url: None) -> None:
         self._write = write
         self._index = index
         self._promote = promote  # stage NVMe/S3-only hits into a memory tier (worker I/O, outside jobs)
@@ -54,6 +55,7 @@ class Loads:
         self._settings = settings
         self._clock = clock
         self._verify = verify  # (worker url, replicas) -> per replica: bytes intact? (None: cannot say)
+        self._secret = secret  # a worker's control URL -> the secret that signs its push grants
         self._pending_stats: dict[int, tuple[float, int]] = {}  # block id -> (last access, hits), for SQL
         self._warned = -WARN_EVERY_S
 
@@ -67,9 +69,11 @@ class Loads:
         return {"num_hit_blocks": len(hits), "blocks": [hit_body(h) for h in hits], "by_tier": by_tier(hits),
                 "tier_runs": tiers.tier_runs(h.tier.kind for h in hits)}
 
-    def prepare(self, namespace_id: str, chains: list[list[str]], reader: str) -> dict:
+    def prepare(self, namespace_id: str, chains: list[list[str]], reader: str, push_tenant: str | None = None) -> dict:
         """Pin the leading hits an engine can read of every chain, under one token (a block that
-        chains share is pinned once). NVMe/S3-only hits are staged into memory first."""
+        chains share is pinned once). NVMe/S3-only hits are staged into memory first. With
+        `push_tenant` (the namespace's tenant), the answer's "grants" let `reader` have the workers
+        push the DRAM hits."""
         found = [self._index.lookup(namespace_id, c) for c in chains]
         for _ in range(PROMOTION_ROUNDS):  # a block may move down (or up) while it is being staged
             staged = [h for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE]
@@ -96,8 +100,40 @@ class Loads:
         for asked, hits in zip(chains, found):
             self._metrics.count_lookup(len(asked), len(hits))
             self._index.record([h.entry for h in hits])
-        return {"token": token if pinned else None, "expires_at": expires_at if pinned else None,
-                "chains": [[hit_body(h) for h in hits] for hits in found], "more": more}
+        answer = {"token": token if pinned else None, "expires_at": expires_at if pinned else None,
+                  "chains": [[hit_body(h) for h in hits] for hits in found], "more": more}
+        if pinned and push_tenant is not None:
+            answer["grants"] = self._grants([h for hits in found for h in hits], push_tenant, reader, token,
+                                            expires_at)
+        return answer
+
+    def _grants(self, hits: list[Hit], tenant: str, reader: str, token: str, expires_at: float) -> list[dict]:
+        """Per worker holding DRAM hits, a grant over their runs in the order of the hits (a block
+        chains share once): what `kvstore.core.push` says the worker checks. None for a reader that
+        names a worker's NIXL agent: a worker would take the engine's metadata for its peer's."""
+        if any(w.agent_name == reader for w in list(self._index.workers.values())):
+            return []
+        runs: dict[tuple[str, int], list] = {}
+        workers = {}
+        seen = set()
+        for hit in hits:
+            if hit.tier.kind != "dram" or hit.replica_id in seen:
+                continue
+            seen.add(hit.replica_id)
+            key = (hit.worker.name, hit.worker.epoch)
+            workers[key] = hit.worker
+            runs.setdefault(key, []).extend(views.location(hit.worker, hit.tier, hit.runs(), hit.nbytes)["runs"])
+        grants = []
+        for (name, epoch), worker_runs in runs.items():
+            secret = self._secret(workers[name, epoch].control_url)
+            if not secret or len(worker_runs) > push.MAX_PUSH_RUNS:  # the engine reads these itself
+                continue
+            grants.append({"worker": name, "epoch": epoch, "control_url": workers[name, epoch].control_url,
+                           "expires_at": expires_at,
+                           "grant": push.lease_grant(secret, name, epoch, tenant, reader, token, expires_at,
+                                                     worker_runs),
+                           "engine_key": push.engine_key(secret, name, epoch, tenant, reader)})
+        return grants
 
     def complete(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
         reported = list(dict.fromkeys(b.hash for b in req.blocks if not b.ok))

@@ -50,6 +50,11 @@ class WorkerCalls:
         if old is not None:
             old.close()
 
+    def secret(self, url: str) -> str | None:
+        """The secret the worker at `url` registered with (it signs the worker's push grants)."""
+        with self._lock:
+            return self._secrets.get(url)
+
     def client(self, url: str) -> WorkerControlClient:
         with self._lock:
             if url not in self._clients:

@@ -1,0 +1,99 @@
+"""Worker-pushed loads: a storage worker WRITEs leased blocks into an engine's registered memory.
+
+Over a transport whose one-sided READ is slower than its WRITE (UCX over TCP), an engine on
+another host asks the worker to push instead of reading. The directory signs what it leased:
+
+    key = engine_key(secret, worker, epoch, tenant, reader)             # the engine's registration there
+    grant = lease_grant(secret, worker, epoch, tenant, reader, token, expires_at, runs)
+
+`secret` is the control secret the worker registered with, so only the directory can sign and
+only that worker can check. `runs` are the lease's (address, length) runs on that worker, in the
+order of the prepared hits; a grant covers them and nothing else, until the lease's first expiry.
+The engine sends `PushRequest`s with its NIXL metadata whenever its registered memory changed
+(a higher `generation`); a worker never writes under a generation older than the newest it has
+seen for that engine, and `ForgetEngine` (sent before the engine deregisters memory) answers only
+once no push into the old memory runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvstore.core.keys import MAX_NAME_CHARS
+
+MAX_PUSH_RUNS = 1 << 16  # runs one lease may grant on one worker (64 Ki pages)
+MAX_METADATA_CHARS = 4 << 20  # base64 of an engine's NIXL metadata (~44 bytes a registered region)
+HEX_MAC = r"^[0-9a-f]{64}$"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PushGrant(_Spec):
+    """What prepare_load hands an engine that asked for pushes, per worker holding its DRAM hits."""
+
+    worker: str
+    epoch: int
+    control_url: str
+    expires_at: float
+    grant: str = Field(pattern=HEX_MAC)
+    engine_key: str = Field(pattern=HEX_MAC)
+
+
+class EngineMemory(_Spec):
+    generation: int = Field(ge=0, description="grows whenever the engine registers or releases memory")
+    metadata: str | None = Field(None, max_length=MAX_METADATA_CHARS,
+                                 description="base64 NIXL agent metadata: sent when the worker asks for it")
+
+
+class PushRequest(_Spec):
+    tenant: str = Field(max_length=MAX_NAME_CHARS)
+    reader: str = Field(min_length=1, max_length=200)
+    epoch: int
+    token: str = Field(max_length=64)
+    expires_at: float
+    runs: list[tuple[int, int]] = Field(max_length=MAX_PUSH_RUNS, description="every run the grant covers")
+    grant: str = Field(pattern=HEX_MAC)
+    engine_key: str = Field(pattern=HEX_MAC)
+    engine: EngineMemory
+    items: list[tuple[int, int]] = Field(min_length=1, max_length=MAX_PUSH_RUNS,
+                                         description="(index into runs, engine address it goes to)")
+    wait_s: float = Field(30.0, gt=0, le=300, description="the longest the push may take; then it fails")
+
+
+class PushResult(_Spec):
+    code: Literal["ok", "metadata", "stale", "failed"]
+    error: str | None = None
+
+
+class ForgetEngine(_Spec):
+    tenant: str = Field(max_length=MAX_NAME_CHARS)
+    reader: str = Field(min_length=1, max_length=200)
+    epoch: int
+    engine_key: str = Field(pattern=HEX_MAC)
+    generation: int = Field(ge=0, description="pushes under an older generation are refused from now on")
+
+
+def engine_key(secret: str, worker: str, epoch: int, tenant: str, reader: str) -> str:
+    return _mac(secret, b"engine", worker, str(epoch), tenant, reader)
+
+
+def lease_grant(secret: str, worker: str, epoch: int, tenant: str, reader: str, token: str, expires_at: float,
+                runs: list[tuple[int, int]]) -> str:
+    digest = hashlib.sha256(b"".join(struct.pack("<QQ", int(a), int(n)) for a, n in runs)).hexdigest()
+    return _mac(secret, b"lease", worker, str(epoch), tenant, reader, token, repr(float(expires_at)), digest)
+
+
+def same(mac: str, expected: str) -> bool:
+    return hmac.compare_digest(mac.encode(), expected.encode())
+
+
+def _mac(secret: str, kind: bytes, *fields: str) -> str:
+    message = kind + b"".join(struct.pack("<I", len(f.encode())) + f.encode() for f in fields)  # unambiguous
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
