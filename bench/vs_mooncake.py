@@ -8,8 +8,10 @@ and `mooncake-transfer-engine-non-cuda` from PyPI in .venv-mooncake).
 Each side runs in its own process, one after the other, on the same machine:
 - Mooncake: `mooncake_master` (loopback, metadata P2PHANDSHAKE), one store process that
   mounts the memory segment, and a client process that mounts none, protocol `tcp`;
-- kvstore: a directory and one worker (DRAM tier) as processes, and a KVStoreClient, once over
-  UCX's default transports (shared memory here) and once with UCX_TLS=tcp.
+- kvstore: a directory and one worker (DRAM tier) as processes, and a KVStoreClient: once as on
+  one host (blocks copied through the worker's mapped arena), and twice as across hosts, over
+  UCX_TLS=tcp without the arena (`same_host="off"`), its gets pushed by the worker
+  (`load_push="on"`) and pulled (READ by the engine, "off").
 
 Both clients move bytes from buffers they registered once. Per side:
 1. ingest: `--keys` 4 KiB objects in batches of 128 (batch_put_from / save_blocks), keys/s;
@@ -333,8 +335,10 @@ def main() -> None:
         sides = {"mooncake": run_side(mooncake_python, __file__, "mooncake", side_argv(args), tmp)}
         print("kvstore (UCX default transports) ...", flush=True)
         sides["kvstore"] = run_side(sys.executable, __file__, "kvstore", side_argv(args), tmp)
-        print("kvstore (UCX_TLS=tcp) ...", flush=True)
-        sides["kvstore_tcp"] = run_side(sys.executable, __file__, "kvstore", side_argv(args), tmp, {"UCX_TLS": "tcp"})
+        for name, push in (("kvstore_tcp_push", "on"), ("kvstore_tcp_pull", "off")):
+            print(f"kvstore (UCX_TLS=tcp, no arena, gets {name[-4:]}ed) ...", flush=True)
+            sides[name] = run_side(sys.executable, __file__, "kvstore", side_argv(args), tmp,
+                                   {"UCX_TLS": "tcp", "KVSTORE_SAME_HOST": "off", "KVSTORE_LOAD_PUSH": push})
     mc = sides["mooncake"]
     print()
     rows = []
@@ -351,7 +355,7 @@ def main() -> None:
     print()
     rows = []
     for i, row in enumerate(mc["bulk"]):
-        for name in ("kvstore", "kvstore_tcp"):
+        for name in ("kvstore", "kvstore_tcp_push", "kvstore_tcp_pull"):
             kv = sides[name]["bulk"][i]
             rows.append([f'{row["block_bytes"] >> 10} KiB', name, kv["put_gbps"], row["put_gbps"],
                          kv["put_gbps"] / row["put_gbps"], kv["get_gbps"], row["get_gbps"],

@@ -293,11 +293,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(401, KVStoreError("unauthorized", "only the directory this worker registered with may "
                                            "call it").to_body())
             return
+        engine = self.path in ENGINE_ROUTES
+        if engine:  # engines are many: none keeps one of the connections the directory needs
+            self.close_connection = True
         try:
-            length = body_length(self.headers.get("content-length"),
-                                 PUSH_BODY if self.path in ENGINE_ROUTES else MAX_BODY) or 0
+            length = body_length(self.headers.get("content-length"), PUSH_BODY if engine else MAX_BODY) or 0
             body = model.model_validate_json(self.rfile.read(length))
-            self._answer(200, action(body))
+            self._answer(200, action(body), closing=engine)
         except ValidationError as exc:
             errors = error_list(exc.errors()[:5])
             self._answer(400, KVStoreError("invalid", "bad request body", errors=errors).to_body())

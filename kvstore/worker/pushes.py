@@ -31,6 +31,7 @@ from kvstore.transfer import Agent
 
 log = logging.getLogger(__name__)
 MAX_ENGINES = 256  # engines whose metadata is kept; the least recently used beyond it is dropped
+MAX_PUSHES = 8  # pushes at once (each holds a connection of the control endpoint); more are refused
 MAX_FLOORS = 4096  # generations remembered of engines dropped or forgotten
 REGISTER_WAIT_S = 30.0  # a new registration waits this long for the engine's running pushes
 _MAGIC = b"nixlSerDes|Agent"
@@ -52,8 +53,18 @@ class Pushes:
         self._engines: OrderedDict[str, _Engine] = OrderedDict()
         self._floors: OrderedDict[str, int] = OrderedDict()  # reader -> lowest generation still accepted
         self._cond = threading.Condition()
+        self._slots = threading.BoundedSemaphore(MAX_PUSHES)
 
     def push(self, req: push.PushRequest) -> push.PushResult:
+        if not self._slots.acquire(blocking=False):
+            raise KVStoreError("unavailable", f"this worker runs {MAX_PUSHES} pushes already: read the blocks",
+                               retry_after_s=1)
+        try:
+            return self._push(req)
+        finally:
+            self._slots.release()
+
+    def _push(self, req: push.PushRequest) -> push.PushResult:
         name, epoch, secret = self._authorize(req.tenant, req.reader, req.epoch, req.engine_key)
         if not push.same(req.grant, push.lease_grant(secret, name, epoch, req.tenant, req.reader, req.token,
                                                      req.expires_at, req.runs)):

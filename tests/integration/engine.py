@@ -74,6 +74,7 @@ def load(url: str, prompt_seed: int = 1) -> dict:
         # the same computation over slightly wrong KV, to show the comparison can fail
         wrong = to_dynamic_cache([(k, v + 1e-2 * torch.randn_like(v)) for k, v in kv], model.config)
         perturbed = model(torch.tensor([full[n:]]), past_key_values=wrong, use_cache=True).logits[0, -1]
+        pushed, read = client.pusher.pushed, client.pusher.read
     reference = model(torch.tensor([full])).logits[0, -1]
     with KVStoreClient(url, namespace_of(model, model_id="another-model")) as other:
         other_hit = other.lookup(full)
@@ -83,7 +84,7 @@ def load(url: str, prompt_seed: int = 1) -> dict:
     return {"hit_tokens": hit, "loaded_tokens": n, "computed_tokens": len(full) - n, "load_s": load_s,
             "max_abs_diff": float((cached - reference).abs().max()),
             "perturbed_kv_diff": float((perturbed - reference).abs().max()), "other_model_hit": other_hit,
-            "other_layout_hit": other_layout_hit, "pid": os.getpid()}
+            "other_layout_hit": other_layout_hit, "pid": os.getpid(), "pushed_blocks": pushed, "read_blocks": read}
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """Across hosts: a directory, two workers and two engines, each in a network namespace of its own
-(its own address, its own arena folder), UCX over TCP between them. Saves, loads, a prefill/decode
-hand-off and a worker host lost, with the reference model computing over what was loaded.
+(its own address, its own arena folder), UCX over TCP between them. Saves, loads (pushed by the
+workers), a prefill/decode hand-off and a worker host lost, with the reference model computing over
+what was loaded.
 
     198.18.0.1 dir    directory (SQLite)
     198.18.0.2 w1     worker          198.18.0.3 w2     worker
@@ -80,6 +81,8 @@ def test_a_prefix_saved_on_one_host_loads_exact_on_another_over_tcp(hosts, tmp_p
     assert hosts.bytes_to("e2") - before >= 65 * namespace_of(build_model()).block_nbytes  # the KV crossed the link
     assert loaded["loaded_tokens"] == loaded["hit_tokens"] == 1040
     assert loaded["max_abs_diff"] <= 1e-4 and loaded["perturbed_kv_diff"] > 1e-3, loaded
+    # no RDMA device, workers on other hosts: every block was pushed by its worker, none read
+    assert (loaded["pushed_blocks"], loaded["read_blocks"]) == (65, 0), loaded
     assert all(held and held <= {"w1", "w2"} for held in holders(hosts))
     for host in ("e1", "e2"):  # no engine mapped a worker's arena: every byte crossed the network
         assert not list((hosts.folder(host) / "arenas").glob("*.sock"))
