@@ -272,9 +272,7 @@ class KVStoreClient:
         """One prepare + read + complete; (leading blocks verified, blocks stored after those that
         the memory tier could not take now: 0 unless every block read was verified)."""
         clock = _PhaseClock()
-        prepared = clock.timed("prepare", self.directory.prepare_load, specs.PrepareLoad(
-            namespace_id=self.namespace_id, hashes=[h.hex() for h in hashes], reader=self.agent.name,
-            push=self.pusher.asks()))
+        prepared = clock.timed("prepare", self._prepare_load, [h.hex() for h in hashes])
         hits = prepared.blocks
         if not hits:
             self.last_timings = clock.finish()
@@ -294,6 +292,19 @@ class KVStoreClient:
             verified = 0  # the lease expired under us: the pages may have been reused, so a miss
         self.last_timings = clock.finish()
         return verified, prepared.more if verified == len(hits) else 0
+
+    def _prepare_load(self, hashes: list[str]) -> specs.LoadPrepared:
+        """prepare_load, asking for push grants where this engine wants pushes; a directory from
+        before pushed loads refuses the field: it is then asked without it, from now on."""
+        push = self.pusher.asks()
+        body = specs.PrepareLoad(namespace_id=self.namespace_id, hashes=hashes, reader=self.agent.name, push=push)
+        try:
+            return self.directory.prepare_load(body)
+        except KVStoreError as exc:
+            if not push or exc.kind != "invalid" or "push" not in str(exc.context):
+                raise
+        self.pusher.directory_refused()
+        return self.directory.prepare_load(body.model_copy(update={"push": False}))
 
     def _renewal(self, token: str | None, expires_at: float | None) -> Renewal:
         ttl_s = (expires_at - time.time()) if expires_at is not None else 0.0

@@ -48,10 +48,18 @@ class Pusher:
         self._keys: dict[str, tuple[str, int, str]] = {}  # worker -> (control url, epoch, engine key) last granted
         self._clients: dict[str, JsonHttp] = {}
         self._lock = threading.Lock()
-        self.pushed = self.read = 0  # blocks, since the start
+        self._old_directory = False
+        self._no_push: set[tuple[str, int]] = set()  # (worker, epoch) that answered it has no push route
+        self.pushed = self.read = self.failed = 0  # blocks since the start: pushed, read, whose push failed
 
     def asks(self) -> bool:
-        return self.mode == "on" or (self.mode == "auto" and not self.rdma)
+        return not self._old_directory and (self.mode == "on" or (self.mode == "auto" and not self.rdma))
+
+    def directory_refused(self) -> None:
+        """The directory does not know pushed loads (a version from before): read from now on."""
+        if not self._old_directory:
+            log.warning("the directory grants no pushed loads (a version from before them): loads are read")
+        self._old_directory = True
 
     def push(self, prepared: specs.LoadPrepared, items: list[tuple[np.ndarray, specs.ReplicaLocation]]
              ) -> tuple[list[bool], list[int]]:
@@ -68,6 +76,7 @@ class Pusher:
             ok = self._push(grants[worker], prepared, [items[k] for k in ks])
             for k in ks:
                 done[k] = ok
+            self.failed += 0 if ok else len(ks)
         rest = [k for k in range(len(items)) if not done[k]]
         self.pushed += len(items) - len(rest)
         self.read += len(rest)
@@ -101,6 +110,8 @@ class Pusher:
         self._clients.clear()
 
     def _wanted(self, grant: push.PushGrant) -> bool:
+        if (grant.worker, grant.epoch) in self._no_push:
+            return False
         if self.mode != "auto":
             return self.mode == "on"
         return not self.rdma and urlsplit(grant.control_url).hostname not in self.hosts
@@ -130,6 +141,8 @@ class Pusher:
                 answer = self._client(grant.control_url).call("POST", "/v1/push", body, push.PushResult,
                                                               self.timeout_s + HTTP_MARGIN_S)
             except KVStoreError as exc:
+                if exc.kind == "not_found":  # a worker from before pushed loads: not asked again this epoch
+                    self._no_push.add((grant.worker, grant.epoch))
                 log.warning("push of %d blocks by worker %s failed (%s): read instead", len(items), grant.worker, exc)
                 return False
             if answer.code == "ok":

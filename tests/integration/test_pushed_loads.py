@@ -15,6 +15,7 @@ import pytest
 
 from kvstore.connector import KVStoreClient
 from kvstore.core import push, specs
+from kvstore.core.errors import KVStoreError
 from kvstore.core.memory import HostBuffer
 from tests.fault.prompts import NS, prompt, save
 from tests.stacks import ProcessStack
@@ -140,5 +141,37 @@ def test_a_failed_push_is_read_instead(stack):
         views = client._staging_views(len(hashes))
         assert client.load_blocks(hashes, views) == len(hashes)
         assert all(np.array_equal(v, b) for v, b in zip(views, blocks))
-        assert (client.pusher.pushed, client.pusher.read) == (0, len(hashes))
+        assert (client.pusher.pushed, client.pusher.read, client.pusher.failed) == (0, len(hashes), len(hashes))
 
+
+
+def test_versions_from_before_pushed_loads_are_read_from(stack):
+    """A directory that refuses the `push` field (as one from before does, a 400), and a worker with no
+    push route (a 404): the engine reads, and asks neither again."""
+    with KVStoreClient(stack.url, NS, same_host="off", load_push="on") as client:
+        hashes, blocks = saved(client)
+        prepare, asked = client.directory.prepare_load, []
+
+        def old_directory(body):
+            asked.append(body.push)
+            if body.push:
+                raise KVStoreError("invalid", "request body does not match the schema",
+                                   errors=["Object contains unknown field `push`"])
+            return prepare(body)
+        client.directory.prepare_load = old_directory
+        views = client._staging_views(len(hashes))
+        assert client.load_blocks(hashes, views) == len(hashes) == client.load_blocks(hashes, views)
+        assert asked == [True, False, False] and (client.pusher.pushed, client.pusher.read) == (0, 0)
+    with KVStoreClient(stack.url, NS, same_host="off", load_push="on") as client:
+        prepare = client.directory.prepare_load
+
+        def old_worker(body):  # its grants name a server without the push route
+            prepared = prepare(body)
+            return prepared.model_copy(update={"grants": [g.model_copy(update={"control_url": stack.url})
+                                                          for g in prepared.grants]})
+        client.directory.prepare_load = old_worker
+        views = client._staging_views(len(hashes))
+        assert client.load_blocks(hashes, views) == len(hashes) == client.load_blocks(hashes, views)
+        assert all(np.array_equal(v, b) for v, b in zip(views, blocks))
+        # both loads read; only the first tried a push
+        assert (client.pusher.pushed, client.pusher.read, client.pusher.failed) == (0, 2 * len(hashes), len(hashes))
