@@ -45,7 +45,7 @@ class Pusher:
         self.rdma = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
         self.generation = 0
         self._sent: dict[str, int] = {}  # worker -> generation whose metadata it has
-        self._keys: dict[str, tuple[str, int, str]] = {}  # worker -> (control url, epoch, engine key) last granted
+        self._keys: dict[str, tuple[str, int, str, str]] = {}  # worker -> (url, epoch, owner, engine key) asked
         self._clients: dict[str, JsonHttp] = {}
         self._lock = threading.Lock()
         self._old_directory = False
@@ -87,22 +87,26 @@ class Pusher:
             self.generation += 1
 
     def forget(self) -> None:
-        """Every worker that holds this engine's metadata refuses pushes into the memory it named from
-        now on, and has none of them running, before this returns; one that cannot be told has its
-        pushes end by their own deadline (at most the client's timeout), which this waits out."""
+        """Every worker this engine asked for a push refuses pushes into the memory it named from now
+        on, and has none of them running, before this returns. A worker that cannot be told still
+        ends each push at its deadline (the client's timeout, which has passed for every push this
+        engine stopped waiting for) and then drops the engine's metadata."""
         self.memory_changed()
         with self._lock:
-            told = list(self._sent)
+            told = dict(self._keys)
             self._sent.clear()
-        for worker in told:
-            url, epoch, key = self._keys[worker]
+            self._keys.clear()
+        for worker, (url, epoch, owner, key) in told.items():
             try:
-                self._client(url).call_raw("POST", "/v1/push/forget", push.ForgetEngine(
-                    tenant=self.tenant, reader=self.agent.name, epoch=epoch, engine_key=key,
+                answer = self._client(url).call_raw("POST", "/v1/push/forget", push.ForgetEngine(
+                    tenant=self.tenant, owner=owner, reader=self.agent.name, epoch=epoch, engine_key=key,
                     generation=self.generation))
             except KVStoreError as exc:
-                log.warning("worker %s was not told that this engine's memory changed (%s): its pushes end "
-                            "within %.0f s", worker, exc, self.timeout_s)
+                log.warning("worker %s was not told that this engine's memory changed: %s", worker, exc)
+                continue
+            if not answer.get("quiet"):
+                log.warning("worker %s still ran a push into this engine's memory when it was told; it "
+                            "dropped the engine's metadata", worker)
 
     def close(self) -> None:
         for client in self._clients.values():
@@ -118,8 +122,9 @@ class Pusher:
 
     def _push(self, grant: push.PushGrant, prepared: specs.LoadPrepared,
               items: list[tuple[np.ndarray, specs.ReplicaLocation]]) -> bool:
-        runs = [run for hit in prepared.blocks if hit.location.worker == grant.worker and hit.location.tier == "dram"
-                for run in hit.location.runs]
+        hits = {hit.hash: hit for hit in prepared.blocks  # the directory signs a block that repeats once
+                if hit.location.worker == grant.worker and hit.location.tier == "dram"}
+        runs = [tuple(run) for hit in hits.values() for run in hit.location.runs]
         index = {run: i for i, run in enumerate(runs)}
         pairs = []
         for buffer, location in items:
@@ -128,18 +133,19 @@ class Pusher:
                 pairs.append((index[tuple(run)], addr))
                 addr += run[1]
         with self._lock:
-            self._keys[grant.worker] = (grant.control_url, grant.epoch, grant.engine_key)
+            self._keys[grant.worker] = (grant.control_url, grant.epoch, grant.owner, grant.engine_key)
             generation = self.generation
             fresh = self._sent.get(grant.worker) == generation
         for attempt in range(2):
-            body = push.PushRequest(tenant=self.tenant, reader=self.agent.name, epoch=grant.epoch,
+            body = push.PushRequest(tenant=self.tenant, owner=grant.owner, reader=self.agent.name, epoch=grant.epoch,
                                     token=prepared.token, expires_at=grant.expires_at, runs=runs, grant=grant.grant,
-                                    engine_key=grant.engine_key, items=pairs, wait_s=self.timeout_s,
+                                    engine_key=grant.engine_key, items=pairs,
+                                    wait_s=min(self.timeout_s, push.MAX_WAIT_S),
                                     engine=push.EngineMemory(generation=generation, metadata=None if fresh else
                                                              base64.b64encode(self.agent.metadata()).decode()))
             try:
                 answer = self._client(grant.control_url).call("POST", "/v1/push", body, push.PushResult,
-                                                              self.timeout_s + HTTP_MARGIN_S)
+                                                              body.wait_s + HTTP_MARGIN_S)
             except KVStoreError as exc:
                 if exc.kind == "not_found":  # a worker from before pushed loads: not asked again this epoch
                     self._no_push.add((grant.worker, grant.epoch))

@@ -232,10 +232,12 @@ class DirectoryService:
         return self.index.num_blocks
 
     def prepare_loads(self, namespace_id: str, chains: list[list[str]], reader: str,
-                      tenants: frozenset[str] | None = None, push: bool = False) -> dict:
-        """`push`: the answer also grants pushes of its DRAM hits (`kvstore.core.push`)."""
+                      tenants: frozenset[str] | None = None, push_owner: str | None = None) -> dict:
+        """`push_owner`: the answer also grants pushes of its DRAM hits (`kvstore.core.push`) to the
+        reader, an engine calling with the credential of this id."""
         namespace = self.namespaces.get(namespace_id, tenants)
-        return self.loads.prepare(namespace_id, chains, reader, namespace.tenant if push and reader else None)
+        pushes = (namespace.tenant, push_owner) if push_owner is not None and reader else None
+        return self.loads.prepare(namespace_id, chains, reader, pushes)
 
     def commit_handoff(self, body: HandoffCommit, tenants: frozenset[str] | None = None) -> HandoffState:
         self.namespaces.get(body.namespace_id, tenants)

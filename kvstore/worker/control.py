@@ -53,7 +53,9 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 60.0
 MAX_BODY = 64 << 20
-PUSH_BODY = 16 << 20  # an engine's push: its runs and, now and then, its NIXL metadata
+PUSH_BODY = 1 << 20  # an engine's push: its runs and, now and then, its NIXL metadata
+MAX_ENGINE_CALLS = 8  # engines' pushes and forgets served at once (each waits on NIXL); more are a 503 at once
+ENGINE_READ_TIMEOUT_S = 10.0  # an engine's body that stalls this long ends its call
 COUNTED = ("/v1/grant", "/v1/alloc", "/v1/free", "/v1/move", "/v1/verify", "/v1/fence", "/v1/push", "/v1/push/forget",
            "/healthz", "/metrics")
 ENGINE_ROUTES = ("/v1/push", "/v1/push/forget")  # signed by the directory, not called by it
@@ -83,6 +85,7 @@ class ControlServer:
         self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
         self.fence = fence or MoveFence()
         self.pushes = pushes
+        self.engine_calls = threading.BoundedSemaphore(MAX_ENGINE_CALLS)
         handler = type("Handler", (_Handler,), {"control": self})
         server_class = BoundedServer6 if ":" in host else BoundedServer  # an IPv6 address
         self._server = server_class((host, port), handler, max_connections)
@@ -288,18 +291,32 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
             return
         model, action = routes[self.path]
-        if self.path not in ENGINE_ROUTES and not self.control.authorized(self.headers.get("authorization")):
+        if self.path in ENGINE_ROUTES:  # engines are many: they hold none of the connections the directory needs
+            self.close_connection = True
+            if not self.control.engine_calls.acquire(blocking=False):
+                self._answer(503, KVStoreError("unavailable", f"this worker serves {MAX_ENGINE_CALLS} engine "
+                                               "calls at once; read the blocks", retry_after_s=1).to_body(),
+                             closing=True)
+                return
+            try:
+                self.connection.settimeout(ENGINE_READ_TIMEOUT_S)
+                self._serve(model, action, PUSH_BODY)
+            finally:
+                self.control.engine_calls.release()
+            return
+        if not self.control.authorized(self.headers.get("authorization")):
             self.close_connection = True
             self._answer(401, KVStoreError("unauthorized", "only the directory this worker registered with may "
                                            "call it").to_body())
             return
-        engine = self.path in ENGINE_ROUTES
-        if engine:  # engines are many: none keeps one of the connections the directory needs
-            self.close_connection = True
+        self._serve(model, action, MAX_BODY)
+
+    def _serve(self, model, action, max_body: int) -> None:
+        """Read, check and answer one request body."""
         try:
-            length = body_length(self.headers.get("content-length"), PUSH_BODY if engine else MAX_BODY) or 0
+            length = body_length(self.headers.get("content-length"), max_body) or 0
             body = model.model_validate_json(self.rfile.read(length))
-            self._answer(200, action(body), closing=engine)
+            self._answer(200, action(body))
         except ValidationError as exc:
             errors = error_list(exc.errors()[:5])
             self._answer(400, KVStoreError("invalid", "bad request body", errors=errors).to_body())
@@ -307,13 +324,12 @@ class _Handler(BaseHTTPRequestHandler):
             if exc.kind in ("invalid", "too_large"):
                 self.close_connection = True  # what is left of the body cannot be trusted to frame a request
             self._answer(exc.http_status, exc.to_body())
-        except (BrokenPipeError, ConnectionResetError):  # the caller left before its answer
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the caller left, or stalled, before its answer
             self.close_connection = True
         except Exception as exc:  # a bug: answered, logged, and the connection closed
             log.exception("control %s failed", self.path)
             self.close_connection = True
             self._answer(500, KVStoreError("internal", type(exc).__name__).to_body())
-
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (a bad request line, headers, an unknown method) in kvstore's body."""
@@ -332,7 +348,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status, reason)
         self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(data)))
-        if closing:
+        if closing or self.close_connection:  # the caller learns it cannot send on this connection again
             self.send_header("connection", "close")
         self.end_headers()
         if self.command != "HEAD":  # a HEAD answer has headers only

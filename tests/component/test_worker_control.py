@@ -277,3 +277,46 @@ def test_an_answer_the_directory_cannot_read_is_no_answer():
     finally:
         calls.close()
         server.shutdown()
+
+
+def test_engines_hold_a_few_slots_at_most_and_cannot_push_without_a_grant():
+    """Engine calls (no bearer secret) past MAX_ENGINE_CALLS are a 503 at once, before their bodies are
+    read, so stalled or slow ones never hold the connections the directory's calls need; a body over
+    PUSH_BODY is a 413; a push without a signature of this worker's secret is a 403."""
+    from kvstore.core import push
+    from kvstore.core.memory import HostBuffer
+    from kvstore.worker import control as control_module
+    from kvstore.worker.pushes import Pushes
+
+    arena = HostBuffer(1 << 16)
+    pushes = Pushes(None, arena, lambda: ("w0", 1, "s" * 43))  # no NIXL agent: nothing may get that far
+    server = ControlServer({"dram": PageAllocator(8, 128)}, max_connections=control_module.MAX_ENGINE_CALLS + 4,
+                           secret="s" * 43, pushes=pushes)
+    server.start()
+    try:
+        stalled = [socket.create_connection((server.host, server.port)) for _ in range(control_module.MAX_ENGINE_CALLS)]
+        for sock in stalled:  # headers that promise a body that never comes
+            sock.sendall(post("/v1/push", "100").encode() + b"\r\n")
+        time.sleep(0.3)
+        status, answer = raw_request(server, post("/v1/push/forget", "2"), b"{}")
+        assert (status, answer["error"]) == (503, "unavailable")
+        body = moving.FenceRequest(tokens=["t"]).model_dump_json().encode()
+        head = post("/v1/fence", str(len(body))) + f"authorization: Bearer {'s' * 43}\r\n"
+        assert raw_request(server, head, body)[0] == 200  # the directory's call is served meanwhile
+        for sock in stalled:
+            sock.close()
+        time.sleep(0.3)
+        status, answer = raw_request(server, post("/v1/push", str(control_module.PUSH_BODY + 1)))
+        assert (status, answer["error"]) == (413, "too_large")
+        status, answer = raw_request(server, post("/v1/push", "2"), b"{}")
+        assert (status, answer["error"]) == (400, "invalid")
+        runs = [(arena.addr, 4096)]
+        forged = push.PushRequest(tenant="", owner="", reader="kvstore-client-x", epoch=1, token="t", expires_at=4e9,
+                                  runs=runs, grant="0" * 64, engine_key=push.engine_key("guess", "w0", 1, "", "",
+                                                                                        "kvstore-client-x"),
+                                  engine=push.EngineMemory(generation=1), items=[(0, 1 << 30)])
+        body = forged.model_dump_json().encode()
+        status, answer = raw_request(server, post("/v1/push", str(len(body))), body)
+        assert (status, answer["error"]) == (403, "forbidden")
+    finally:
+        server.stop()

@@ -17,6 +17,7 @@ from kvstore.connector import KVStoreClient
 from kvstore.core import push, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.memory import HostBuffer
+from kvstore.worker.pushes import agent_name
 from tests.fault.prompts import NS, prompt, save
 from tests.stacks import ProcessStack
 
@@ -57,7 +58,7 @@ def request(client: KVStoreClient, hashes: list[bytes], dest: int, **changes) ->
         items.append((i, at))
         at += nbytes
     body = push.PushRequest(
-        tenant=NS.tenant, reader=client.agent.name, epoch=grant.epoch, token=prepared.token,
+        tenant=NS.tenant, owner=grant.owner, reader=client.agent.name, epoch=grant.epoch, token=prepared.token,
         expires_at=grant.expires_at, runs=runs, grant=grant.grant, engine_key=grant.engine_key, items=items,
         engine=push.EngineMemory(generation=client.pusher.generation,
                                  metadata=base64.b64encode(client.agent.metadata()).decode()))
@@ -66,6 +67,7 @@ def request(client: KVStoreClient, hashes: list[bytes], dest: int, **changes) ->
 
 def test_a_load_is_pushed_by_the_worker_and_verified(stack):
     with KVStoreClient(stack.url, NS, same_host="off", load_push="on", staging_bytes=64 * NS.block_nbytes) as client:
+        assert agent_name(client.agent.metadata()) == client.agent.name  # what the worker checks metadata by
         hashes, blocks = saved(client)
         views = client._staging_views(len(hashes))
         for view in views:
@@ -89,8 +91,9 @@ def test_a_push_needs_a_grant_for_exactly_those_runs_and_that_engine(stack):
         other = [list(r) for r in body["runs"]]
         other[0][0] += 16 << 10  # the next page: another block
         for changed, status in [({"runs": other}, 403), ({"reader": "kvstore-client-someone-else"}, 403),
-                                ({"tenant": "another"}, 403), ({"grant": "0" * 64}, 403),
-                                ({"epoch": body["epoch"] + 1}, 403), ({"items": [[len(body["runs"]), target.addr]]}, 400),
+                                ({"tenant": "another"}, 403), ({"grant": "0" * 64}, 403), ({"owner": "x"}, 403),
+                                ({"epoch": body["epoch"] + 1}, 403),
+                                ({"items": [[len(body["runs"]), target.addr]]}, 400),
                                 ({"items": []}, 400), ({"wait_s": 1e9}, 400)]:
             code, answer = post(url, "/v1/push", {**body, **changed})
             assert code == status, (changed, answer)
@@ -100,7 +103,7 @@ def test_a_push_needs_a_grant_for_exactly_those_runs_and_that_engine(stack):
         code, answer = post(url, "/v1/push", body)
         assert (code, answer) == (200, {"code": "ok"})
         assert np.array_equal(target.array, np.concatenate([b.reshape(-1).view(np.uint8) for b in blocks]))
-        code, _ = post(url, "/v1/push/forget", {"tenant": NS.tenant, "reader": client.agent.name,
+        code, _ = post(url, "/v1/push/forget", {"tenant": NS.tenant, "owner": "", "reader": client.agent.name,
                                                 "epoch": body["epoch"], "engine_key": "0" * 64, "generation": 99})
         assert code == 403
 
@@ -122,8 +125,8 @@ def test_no_push_lands_in_memory_the_engine_released_or_registered_anew(stack):
         client.register_buffer(second.array)  # memory registered anew: the worker gets the new metadata
         views = [second.array[i * NS.block_nbytes:(i + 1) * NS.block_nbytes] for i in range(len(hashes))]
         assert client.load_blocks(hashes, views) == len(hashes)
-        assert client.pusher.read == 0 and np.array_equal(np.concatenate(views),
-                                                          np.concatenate([b.reshape(-1).view(np.uint8) for b in blocks]))
+        expected = np.concatenate([b.reshape(-1).view(np.uint8) for b in blocks])
+        assert client.pusher.read == 0 and np.array_equal(np.concatenate(views), expected)
         assert post(old_url, "/v1/push", old)[1]["code"] == "stale" and not first.array.any()
 
 

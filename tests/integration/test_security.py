@@ -98,6 +98,13 @@ def test_tls_tokens_and_tenants_end_to_end(tmp_path):
             loaded, n = client.load(list(range(64)))
             assert n == 64 and all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(kv, loaded) for a, b in
                                    ((ka, kb), (va, vb)))
+        # pushed by the worker over its HTTPS control port, under a grant bound to this engine's token
+        with KVStoreClient(url, NS, staging_bytes=1 << 20, token=engine, ca_file=ca, same_host="off",
+                           load_push="on") as pushed:
+            loaded, n = pushed.load(list(range(64)))
+            assert n == 64 and all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(kv, loaded) for a, b in
+                                   ((ka, kb), (va, vb)))
+            assert (pushed.pusher.pushed, pushed.pusher.failed) == (4, 0)
 
         with pytest.raises(KVStoreError) as untrusted:  # no CA: the certificate cannot be checked
             DirectoryClient(url, token=admin).stats()

@@ -15,7 +15,7 @@ from kvstore.core.memory import HostBuffer
 from kvstore.worker import pushes
 from kvstore.worker.pushes import Pushes, agent_name
 
-SECRET, WORKER, EPOCH, TENANT, READER = "s" * 43, "w0", 3, "t", "kvstore-client-e1"
+SECRET, WORKER, EPOCH, TENANT, OWNER, READER = "s" * 43, "w0", 3, "t", "tok-1", "kvstore-client-e1"
 
 
 def blob(name: str) -> bytes:
@@ -25,6 +25,10 @@ def blob(name: str) -> bytes:
 class FakeTransfer:
     def __init__(self, state: str, gate: threading.Event | None) -> None:
         self.state, self.gate, self.error = state, gate, None if state == "done" else "timed out"
+        self.abandoned = state == "abandoned"
+
+    def settled(self) -> bool:
+        return True
 
     def wait(self, _timeout_s: float) -> str:
         if self.gate is not None:
@@ -53,6 +57,10 @@ class FakeAgent:
         self.writes.append((op, local.tolist(), remote.tolist(), peer))
         return FakeTransfer(self.state, self.gate)
 
+    def forget_key(self, reader: str = READER, owner: str = OWNER, generation: int = 2) -> push.ForgetEngine:
+        return push.ForgetEngine(tenant=TENANT, owner=owner, reader=reader, epoch=EPOCH, generation=generation,
+                                 engine_key=push.engine_key(SECRET, WORKER, EPOCH, TENANT, owner, reader))
+
 
 @pytest.fixture
 def worker():
@@ -62,11 +70,11 @@ def worker():
 
 
 def request(arena: HostBuffer, reader: str = READER, generation: int = 1, metadata: str | None = None,
-            **changes) -> push.PushRequest:
+            owner: str = OWNER, **changes) -> push.PushRequest:
     runs = [(arena.addr, 4096), (arena.addr + 8192, 4096)]
-    fields = dict(tenant=TENANT, reader=reader, epoch=EPOCH, token="tok", expires_at=4e9, runs=runs,
-                  grant=push.lease_grant(SECRET, WORKER, EPOCH, TENANT, reader, "tok", 4e9, runs),
-                  engine_key=push.engine_key(SECRET, WORKER, EPOCH, TENANT, reader), items=[(1, 1 << 40)],
+    fields = dict(tenant=TENANT, owner=owner, reader=reader, epoch=EPOCH, token="tok", expires_at=4e9, runs=runs,
+                  grant=push.lease_grant(SECRET, WORKER, EPOCH, TENANT, owner, reader, "tok", 4e9, runs),
+                  engine_key=push.engine_key(SECRET, WORKER, EPOCH, TENANT, owner, reader), items=[(1, 1 << 40)],
                   engine=push.EngineMemory(generation=generation, metadata=metadata))
     return push.PushRequest(**{**fields, **changes})
 
@@ -101,11 +109,11 @@ def test_metadata_must_name_the_reader_and_no_agent_the_worker_talks_to_already(
 
 
 @pytest.mark.parametrize("change", [{"token": "another"}, {"expires_at": 5e9}, {"epoch": EPOCH + 1},
-                                    {"tenant": "other"}, {"runs": [(1, 4096), (2, 4096)]}])
+                                    {"tenant": "other"}, {"owner": "tok-2"}, {"runs": [(1, 4096), (2, 4096)]}])
 def test_a_push_the_directory_did_not_sign_is_forbidden(worker, change):
     pushes_, agent, arena = worker
     with pytest.raises(KVStoreError) as refused:
-        pushes_.push(request(arena, metadata=metadata(READER), **change))
+        pushes_.push(request(arena, metadata=metadata(READER)).model_copy(update=change))
     assert refused.value.kind == "forbidden" and not agent.writes
 
 
@@ -113,7 +121,7 @@ def test_runs_outside_the_arena_are_refused_even_when_signed(worker):
     pushes_, agent, arena = worker
     runs = [(arena.addr + arena.nbytes, 4096)]
     body = request(arena, metadata=metadata(READER), runs=runs, items=[(0, 1 << 40)],
-                   grant=push.lease_grant(SECRET, WORKER, EPOCH, TENANT, READER, "tok", 4e9, runs))
+                   grant=push.lease_grant(SECRET, WORKER, EPOCH, TENANT, OWNER, READER, "tok", 4e9, runs))
     with pytest.raises(KVStoreError) as refused:
         pushes_.push(body)
     assert refused.value.kind == "invalid" and not agent.writes
@@ -121,8 +129,11 @@ def test_runs_outside_the_arena_are_refused_even_when_signed(worker):
 
 def test_a_push_that_does_not_finish_cuts_the_engine_off_until_it_registers_again(worker):
     pushes_, agent, arena = worker
-    agent.state = "failed"
+    agent.state = "failed"  # refused at once: nothing may still write, the engine stays registered
     assert pushes_.push(request(arena, metadata=metadata(READER))).code == "failed"
+    assert READER in agent.peers
+    agent.state = "abandoned"  # timed out while posted
+    assert pushes_.push(request(arena)).code == "failed"
     assert READER not in agent.peers  # its connection is closed: the request cannot land later
     agent.state = "done"
     assert pushes_.push(request(arena)).code == "metadata"
@@ -135,9 +146,7 @@ def test_forget_refuses_older_generations_and_waits_for_running_pushes(worker):
     running = threading.Thread(target=lambda: pushes_.push(request(arena)))
     running.start()
     forgot = []
-    forgetting = threading.Thread(target=lambda: forgot.append(pushes_.forget(push.ForgetEngine(
-        tenant=TENANT, reader=READER, epoch=EPOCH, engine_key=push.engine_key(SECRET, WORKER, EPOCH, TENANT, READER),
-        generation=2))))
+    forgetting = threading.Thread(target=lambda: forgot.append(pushes_.forget(agent.forget_key())))
     forgetting.start()
     forgetting.join(0.3)
     assert forgetting.is_alive()  # it waits for the push into the old memory
@@ -150,23 +159,60 @@ def test_forget_refuses_older_generations_and_waits_for_running_pushes(worker):
     assert pushes_.push(request(arena, generation=2, metadata=metadata(READER))).code == "ok"
 
 
-def test_pushes_beyond_the_limit_are_refused_at_once(worker, monkeypatch):
+def test_another_engine_cannot_push_into_or_forget_an_engine_s_memory(worker):
+    """Engine B, with a credential of its own, names engine A's reader: the directory signs B's key
+    over B's credential, so the worker keeps B apart from A's registration."""
+    pushes_, agent, arena = worker
+    assert pushes_.push(request(arena, metadata=metadata(READER))).code == "ok"
+    assert pushes_.forget(agent.forget_key(owner="tok-b", generation=1 << 62))  # B's floor, not A's
+    assert pushes_.push(request(arena)).code == "ok"  # A is still pushed to
+    assert pushes_.push(request(arena, owner="tok-b", metadata=metadata(READER))).code == "stale"  # B's own floor
+    agent.gate = threading.Event()
+    running = threading.Thread(target=lambda: pushes_.push(request(arena)))
+    running.start()
+    try:
+        for _ in range(200):
+            if len(agent.writes) == 3:
+                break
+            threading.Event().wait(0.01)
+        with pytest.raises(KVStoreError) as refused:  # engine C names A's reader while A's push runs
+            pushes_.push(request(arena, owner="tok-c", metadata=metadata(READER)))
+        assert refused.value.kind == "conflict"
+    finally:
+        agent.gate.set()
+        running.join(5)
+    agent.gate = None
+    assert [w[2] for w in agent.writes] == [[[1 << 40, 4096]]] * 3  # only A's own pushes were written
+
+
+def test_numbers_past_what_the_wire_takes_are_a_validation_error_not_a_crash(worker):
+    _, _, arena = worker
+    for change in ({"runs": [(-1, 4096)]}, {"runs": [(1 << 64, 4096)]}, {"items": [(0, 1 << 64)]},
+                   {"items": [(0, 0)]}, {"engine": {"generation": 1 << 70}}, {"wait_s": 1e9}):
+        with pytest.raises(ValueError):
+            push.PushRequest.model_validate({**request(arena).model_dump(), **change})
+
+
+def test_a_registration_waiting_on_running_pushes_never_outlives_a_forget_sent_meanwhile(worker):
     pushes_, agent, arena = worker
     assert pushes_.push(request(arena, metadata=metadata(READER))).code == "ok"
     agent.gate = threading.Event()
-    threads = [threading.Thread(target=lambda: pushes_.push(request(arena))) for _ in range(pushes.MAX_PUSHES)]
-    for t in threads:
-        t.start()
-    try:
-        for _ in range(200):
-            if len(agent.writes) == 1 + pushes.MAX_PUSHES:
-                break
-            threading.Event().wait(0.01)
-        with pytest.raises(KVStoreError) as refused:
-            pushes_.push(request(arena))
-        assert refused.value.kind == "unavailable"
-    finally:
-        agent.gate.set()
-        for t in threads:
-            t.join(5)
-    assert pushes_.push(request(arena)).code == "ok"
+    answers: dict[str, object] = {}
+    running = threading.Thread(target=lambda: answers.setdefault("running", pushes_.push(request(arena))))
+    running.start()
+    for _ in range(200):
+        if len(agent.writes) == 2:
+            break
+        threading.Event().wait(0.01)
+    newer = threading.Thread(target=lambda: answers.setdefault(
+        "newer", pushes_.push(request(arena, generation=2, metadata=metadata(READER)))))
+    newer.start()  # waits: the push into generation 1's memory runs
+    forgetting = threading.Thread(target=lambda: answers.setdefault("forgot", pushes_.forget(
+        agent.forget_key(generation=3))))
+    forgetting.start()
+    threading.Event().wait(0.2)
+    agent.gate.set()
+    for t in (running, newer, forgetting):
+        t.join(5)
+    assert answers["running"].code == "ok" and answers["forgot"] is True
+    assert answers["newer"].code == "stale" and READER not in agent.peers and len(agent.writes) == 2

@@ -91,7 +91,7 @@ class HotCalls:
     async def prepare_load(self, body: bytes, who: Principal):
         req = self._decode(body, wire.PrepareLoad)
         batch = await self._on_data_thread(self.service.prepare_loads, req.namespace_id, [req.hashes], req.reader,
-                                           who.tenants, req.push)
+                                           who.tenants, who.id if req.push else None)
         answer = {"token": batch["token"], "expires_at": batch["expires_at"], "blocks": batch["chains"][0],
                   "more": batch["more"][0]}
         if batch.get("grants"):

@@ -69,11 +69,12 @@ class Loads:
         return {"num_hit_blocks": len(hits), "blocks": [hit_body(h) for h in hits], "by_tier": by_tier(hits),
                 "tier_runs": tiers.tier_runs(h.tier.kind for h in hits)}
 
-    def prepare(self, namespace_id: str, chains: list[list[str]], reader: str, push_tenant: str | None = None) -> dict:
+    def prepare(self, namespace_id: str, chains: list[list[str]], reader: str,
+                pushes: tuple[str, str] | None = None) -> dict:
         """Pin the leading hits an engine can read of every chain, under one token (a block that
-        chains share is pinned once). NVMe/S3-only hits are staged into memory first. With
-        `push_tenant` (the namespace's tenant), the answer's "grants" let `reader` have the workers
-        push the DRAM hits."""
+        chains share is pinned once). NVMe/S3-only hits are staged into memory first. With `pushes`
+        (the namespace's tenant, the caller's credential id), the answer's "grants" let `reader`
+        have the workers push the DRAM hits."""
         found = [self._index.lookup(namespace_id, c) for c in chains]
         for _ in range(PROMOTION_ROUNDS):  # a block may move down (or up) while it is being staged
             staged = [h for hits in found for h in hits if h.tier.kind not in tiers.ENGINE_READABLE]
@@ -102,12 +103,12 @@ class Loads:
             self._index.record([h.entry for h in hits])
         answer = {"token": token if pinned else None, "expires_at": expires_at if pinned else None,
                   "chains": [[hit_body(h) for h in hits] for hits in found], "more": more}
-        if pinned and push_tenant is not None:
-            answer["grants"] = self._grants([h for hits in found for h in hits], push_tenant, reader, token,
-                                            expires_at)
+        if pinned and pushes is not None:
+            answer["grants"] = self._grants([h for hits in found for h in hits], *pushes, reader, token, expires_at)
         return answer
 
-    def _grants(self, hits: list[Hit], tenant: str, reader: str, token: str, expires_at: float) -> list[dict]:
+    def _grants(self, hits: list[Hit], tenant: str, owner: str, reader: str, token: str,
+                expires_at: float) -> list[dict]:
         """Per worker holding DRAM hits, a grant over their runs in the order of the hits (a block
         chains share once): what `kvstore.core.push` says the worker checks. None for a reader that
         names a worker's NIXL agent: a worker would take the engine's metadata for its peer's."""
@@ -129,10 +130,10 @@ class Loads:
             if not secret or len(worker_runs) > push.MAX_PUSH_RUNS:  # the engine reads these itself
                 continue
             grants.append({"worker": name, "epoch": epoch, "control_url": workers[name, epoch].control_url,
-                           "expires_at": expires_at,
-                           "grant": push.lease_grant(secret, name, epoch, tenant, reader, token, expires_at,
+                           "owner": owner, "expires_at": expires_at,
+                           "grant": push.lease_grant(secret, name, epoch, tenant, owner, reader, token, expires_at,
                                                      worker_runs),
-                           "engine_key": push.engine_key(secret, name, epoch, tenant, reader)})
+                           "engine_key": push.engine_key(secret, name, epoch, tenant, owner, reader)})
         return grants
 
     def complete(self, req: specs.CompleteLoad) -> specs.LoadCompleted:
