@@ -78,11 +78,12 @@ def _connector_metrics():
     """The connector's histograms, as one object whose attributes are them."""
     from types import SimpleNamespace
 
-    from kvstore.connector import client, layerwise
+    from kvstore.connector import calls, layerwise, pushes
     from kvstore.connector.vllm import worker
 
     return SimpleNamespace(post=layerwise.T_POST, xfer=layerwise.T_XFER, visible=layerwise.T_VISIBLE,
-                           save=worker.T_SAVE, skipped=client.SKIPPED)
+                           save=worker.T_SAVE, skipped=calls.SKIPPED,
+                           pushed=pushes.PUSHES)
 
 
 def _vllm_rows() -> list[str]:

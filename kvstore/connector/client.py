@@ -23,16 +23,15 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from prometheus_client import Counter as PromCounter
 
 from kvstore.client import DirectoryClient
-from kvstore.connector import layout
+from kvstore.connector import calls, layout
+from kvstore.connector.calls import PhaseClock, accepted, groups, request_hints
 from kvstore.connector.arenas import LocalArenas
 from kvstore.connector.copies import BlockCopier, Transform, reindexed, scatter
 from kvstore.connector.handoff import HandoffResult, wait_for_handoff
@@ -109,7 +108,7 @@ class KVStoreClient:
         (session_id, retain: "turn" | "session" | "none", priority) tell the store's policies what
         the request is; advisory."""
         finished_at = time.time()
-        held = self._save(token_ids, kv, _request_hints(hints))
+        held = self._save(token_ids, kv, request_hints(hints))
         if handoff is not None:
             with self.miss_if_refused("hand-off commit"):
                 self.directory.commit_handoff(HandoffCommit(namespace_id=self.namespace_id, handoff_id=handoff,
@@ -166,11 +165,11 @@ class KVStoreClient:
     def miss_if_refused(self, what: str):
         """A context in which the directory's "unreachable" or "throttled" makes the call a miss
         (or a skipped save), counted in `skipped`, instead of an exception into the engine."""
-        return _miss_if_refused(what, self.skipped)
+        return calls.miss_if_refused(what, self.skipped)
 
     def complete_load(self, body: specs.CompleteLoad) -> bool:
         """Release a lease; False when the directory refused it as stale (the reads are then a miss)."""
-        return _accepted(self.directory.complete_load, body)
+        return accepted(self.directory.complete_load, body)
 
     def _staging_views(self, n: int) -> list[np.ndarray]:
         size = self.namespace.block_nbytes
@@ -210,7 +209,7 @@ class KVStoreClient:
             while held < len(hashes):  # each round stores at least one block more, or ends the save
                 shifted = pack and (lambda k, raw, at=held: pack(at + k, raw))
                 stored, refused = self._save_blocks(hashes[held:], blocks[held:], hashes[held - 1] if held else parent,
-                                                    _request_hints(hints), shifted)
+                                                    request_hints(hints), shifted)
                 held += stored
                 if not stored or refused != "no_space":
                     break
@@ -221,7 +220,7 @@ class KVStoreClient:
     def _save_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], parent: bytes | None,
                      hints: specs.RequestHints | None, pack: Transform | None) -> tuple[int, str | None]:
         """One prepare + write + complete; (leading blocks now held, why the next one is not)."""
-        clock = _PhaseClock()
+        clock = PhaseClock()
         parents = [parent] + hashes[:-1]
         prepared = clock.timed("prepare", self.directory.prepare_store, specs.PrepareStore.model_validate({
             "namespace_id": self.namespace_id, "writer": self.agent.name, "hosts": self.hosts, "hints": hints,
@@ -236,7 +235,7 @@ class KVStoreClient:
             ok = {i: done[k] for k, (i, _) in enumerate(admitted)}
             body = specs.CompleteStore.model_validate({"token": prepared.token, "blocks": [
                 {"hash": d.hash, "ok": ok[i], "checksum": sums[k]} for k, (i, d) in enumerate(admitted)]})
-            if not clock.timed("complete", _accepted, self.directory.complete_store, body):
+            if not clock.timed("complete", accepted, self.directory.complete_store, body):
                 ok = {}  # the reservation was gone: nothing of this call is stored
         self.last_timings = clock.finish()
         held = 0
@@ -271,7 +270,7 @@ class KVStoreClient:
     def _load_blocks(self, hashes: list[bytes], blocks: list[np.ndarray], unpack: Transform | None) -> tuple[int, int]:
         """One prepare + read + complete; (leading blocks verified, blocks stored after those that
         the memory tier could not take now: 0 unless every block read was verified)."""
-        clock = _PhaseClock()
+        clock = PhaseClock()
         prepared = clock.timed("prepare", self._prepare_load, [h.hex() for h in hashes])
         hits = prepared.blocks
         if not hits:
@@ -310,7 +309,7 @@ class KVStoreClient:
         ttl_s = (expires_at - time.time()) if expires_at is not None else 0.0
         return Renewal(self.directory, token if self.renew_leases and ttl_s > 0 else None, ttl_s)
 
-    def _write_hashed(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], clock: "_PhaseClock",
+    def _write_hashed(self, items: list[tuple[np.ndarray, specs.ReplicaLocation]], clock: "PhaseClock",
                       pack: Transform | None = None):
         """Per item (written, xxh3_64 of its bytes): packed into their buffers first (with `pack`),
         then same-host items copied and hashed chunk by chunk, from the buffer (what this engine
@@ -325,7 +324,7 @@ class KVStoreClient:
             scatter(far, written, clock.timed("checksum", hashing.result), done, sums)  # the wait beyond it
         return done, sums
 
-    def _read_and_hash(self, prepared: specs.LoadPrepared, blocks: list[np.ndarray], clock: "_PhaseClock",
+    def _read_and_hash(self, prepared: specs.LoadPrepared, blocks: list[np.ndarray], clock: "PhaseClock",
                        unpack: Transform | None = None):
         """Per block (read ok, xxh3_64 of what arrived). Same-host blocks are copied and hashed chunk
         by chunk (or, with `unpack`, read in place); the others are pushed by their workers or read
@@ -337,7 +336,7 @@ class KVStoreClient:
         else:
             done, digests, far = clock.timed("transfer", self.copier.in_place, items, unpack)
         hashing = []
-        for group in _groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
+        for group in groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
             ks = [far[g] for g in group]
             read = clock.timed("transfer", self._fetch, prepared, [items[k] for k in ks])
             hashing.append((ks, read, self._hasher.submit(lambda ks=ks: [checksum(blocks[k]) for k in ks])))
@@ -373,83 +372,3 @@ class KVStoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-SKIPPED = PromCounter("kvstore_connector_skipped_total", "calls an engine's client made a miss (lookup, load) or "
-                      "skipped (save, hand-off commit) because the directory could not answer or throttled them",
-                      ["call", "reason"])
-SKIP_REASONS = {"unavailable": "unreachable", "throttled": "throttled"}  # error kind -> reason label
-
-
-@contextmanager
-def _miss_if_refused(what: str, skipped: Counter):
-    """The cache is optional: with the directory unreachable or over the token's rate, an engine
-    computes instead (a miss, a save skipped), counted in `skipped` and the metric."""
-    try:
-        yield
-    except KVStoreError as exc:
-        reason = SKIP_REASONS.get(exc.kind)
-        if reason is None:
-            raise
-        skipped[(what, reason)] += 1
-        SKIPPED.labels(what, reason).inc()
-        log.warning("%s skipped (%s): %s", what, reason, exc)
-
-
-def _request_hints(hints: specs.RequestHints | dict | None) -> specs.RequestHints | None:
-    """Hints as the wire takes them; a bad one is the caller's error (KVStoreError "invalid")."""
-    if hints is None or isinstance(hints, specs.RequestHints):
-        return hints
-    try:
-        return specs.RequestHints.model_validate(hints)
-    except ValueError as exc:
-        raise KVStoreError("invalid", f"hints: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}",
-                           hints=str(hints)[:200]) from None
-
-
-def _accepted(complete, body) -> bool:
-    """Run a complete_* call; False when the directory refused it as stale (409), e.g. an expired token.
-    A completion the directory says it already committed (a retry, on another directory URL, of a call
-    whose answer was lost) is accepted."""
-    try:
-        complete(body)
-        return True
-    except KVStoreError as exc:
-        if exc.kind != "conflict":
-            raise
-        if exc.context.get("completed"):
-            return True
-        log.warning("%s refused: %s", type(body).__name__, exc)
-        return False
-
-
-def _groups(sizes: list[int], group_bytes: int) -> list[range]:
-    """Consecutive index ranges of about `group_bytes` each (at least one item per range)."""
-    groups, start, total = [], 0, 0
-    for i, size in enumerate(sizes):
-        total += size
-        if total >= group_bytes:
-            groups.append(range(start, i + 1))
-            start, total = i + 1, 0
-    if start < len(sizes):
-        groups.append(range(start, len(sizes)))
-    return groups
-
-
-class _PhaseClock:
-    """Seconds spent per phase of one call, plus its wall time."""
-
-    def __init__(self) -> None:
-        self.laps: dict[str, float] = {}
-        self._start = time.perf_counter()
-
-    def timed(self, phase: str, fn, *args):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.laps[phase] = self.laps.get(phase, 0.0) + time.perf_counter() - t0
-
-    def finish(self) -> dict[str, float]:
-        return {**self.laps, "wall": time.perf_counter() - self._start}
-

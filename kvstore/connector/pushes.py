@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
+from prometheus_client import Counter as PromCounter
 
 from kvstore.client.http import JsonHttp
 from kvstore.core import push, specs
@@ -30,6 +31,8 @@ from kvstore.core.errors import KVStoreError
 from kvstore.transfer import Agent
 
 log = logging.getLogger(__name__)
+PUSHES = PromCounter("kvstore_connector_pushed_blocks_total", "blocks of loads this engine asked workers to push: "
+                     "pushed, or failed (and then read)", ["outcome"])
 MODES = ("auto", "on", "off")
 HTTP_MARGIN_S = 5.0  # a push's answer may take this much longer than the push itself
 
@@ -77,6 +80,7 @@ class Pusher:
             for k in ks:
                 done[k] = ok
             self.failed += 0 if ok else len(ks)
+            PUSHES.labels("pushed" if ok else "failed").inc(len(ks))
         rest = [k for k in range(len(items)) if not done[k]]
         self.pushed += len(items) - len(rest)
         self.read += len(rest)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.connector.client import _accepted
+from kvstore.connector.calls import accepted as _accepted
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.inspection import InspectRequest

@@ -160,7 +160,7 @@ def test_a_requests_hints_are_checked_once_and_reach_its_saves():
 
 
 def test_the_clients_hints_are_checked_before_anything_is_sent():
-    from kvstore.connector.client import _request_hints
+    from kvstore.connector.calls import request_hints as _request_hints
     from kvstore.core import specs
 
     assert _request_hints({"session_id": "s", "retain": "none"}) == specs.RequestHints(session_id="s", retain="none")

@@ -62,7 +62,7 @@ def test_wrong_kv_is_refused_clearly(mangle, message):
 
 
 def test_read_groups_cover_every_block_once_in_order():
-    from kvstore.connector.client import _groups
+    from kvstore.connector.calls import groups as _groups
 
     assert _groups([10] * 7, 25) == [range(0, 3), range(3, 6), range(6, 7)]
     assert _groups([100, 1, 1], 25) == [range(0, 1), range(1, 3)]
