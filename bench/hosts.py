@@ -10,6 +10,11 @@ the bytes, checksums, complete), two ways, one after the other in each repeat: p
 READs them, `load_push="off"`) and pushed (w1 WRITEs them into the engine's memory, "on"); NIXL UCX
 over TCP both. All cross e1's shaped link in the same direction. Medians over `--repeats`; the
 ratios are of medians from one run.
+
+Mooncake Store beside it, when .venv-mooncake exists (`make setup-mooncake`; `--mooncake off`
+skips it): its master in `dir`, a store process mounting the only segment in `w1`, a client in
+`e1` that puts `--bytes` of `--block` objects and gets them `--repeats` times (protocol `tcp`;
+`bench/mooncake_hosts.py`), over the same shaped link.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from tests.helpers import kvstore_cmd, wait_http, wait_until  # noqa: E402
 from tests.netns import Hosts  # noqa: E402
 
 TCP = {"UCX_TLS": "tcp"}
-PORT, RAW_PORT = 8700, 9100
+PORT, RAW_PORT, MOONCAKE_PORT = 8700, 9100, 50051
+MOONCAKE = Path(__file__).resolve().parents[1] / ".venv-mooncake"
 
 
 def raw_receiver(host: str, nbytes: int, repeats: int) -> None:
@@ -134,13 +140,39 @@ def run(args) -> dict:
         engine = hosts.spawn("e1", [*me, "--role", "store-engine", "--url", url, "--block", args.block, "--bytes",
                                     args.bytes, "--repeats", str(args.repeats)], tmp / "engine.log", TCP)
         store = results(engine, tmp / "engine.log")
+        mooncake = mooncake_gets(hosts, tmp, args) if args.mooncake == "auto" and MOONCAKE.exists() else []
     raw_gbps = median([r["bytes"] / r["s"] / 1e9 for r in raw])
     pulled = median([r["bytes"] / r["s"] / 1e9 for r in store if r["push"] == "off"])
     pushed = median([r["bytes"] / r["s"] / 1e9 for r in store if r["push"] == "on"])
     assert all(r["pushed"] for r in store if r["push"] == "on"), "a pushed load read its blocks instead"
-    return {"machine": machine(), "rate": args.rate, "block": args.block, "bytes": args.bytes,
-            "raw_tcp_GBps": raw_gbps, "pulled_load_GBps": pulled, "pushed_load_GBps": pushed,
-            "pulled_vs_raw": pulled / raw_gbps, "pushed_vs_raw": pushed / raw_gbps, "raw": raw, "store": store}
+    out = {"machine": machine(), "rate": args.rate, "block": args.block, "bytes": args.bytes,
+           "raw_tcp_GBps": raw_gbps, "pulled_load_GBps": pulled, "pushed_load_GBps": pushed,
+           "pulled_vs_raw": pulled / raw_gbps, "pushed_vs_raw": pushed / raw_gbps, "raw": raw, "store": store,
+           "mooncake": mooncake}
+    if mooncake:
+        out["mooncake_get_GBps"] = median([r["bytes"] / r["s"] / 1e9 for r in mooncake])
+        out["pushed_vs_mooncake"] = pushed / out["mooncake_get_GBps"]
+        out["pulled_vs_mooncake"] = pulled / out["mooncake_get_GBps"]
+    return out
+
+
+def mooncake_gets(hosts: Hosts, tmp: Path, args) -> list[dict]:
+    """Mooncake's master in dir, its segment in w1, a client in e1: the client's gets."""
+    python, script = str(MOONCAKE / "bin" / "python"), str(Path(__file__).resolve().parent / "mooncake_hosts.py")
+    master = f"{hosts.addr('dir')}:{MOONCAKE_PORT}"
+    hosts.spawn("dir", [str(MOONCAKE / "bin" / "mooncake_master"), "--rpc_port", str(MOONCAKE_PORT), "--rpc_address",
+                        hosts.addr("dir"), "--metrics_port", str(MOONCAKE_PORT + 1),
+                        "--enable_metric_reporting=false"], tmp / "mooncake-master.log")
+    ready = tmp / "mooncake-segment-ready"
+    segment = hosts.spawn("w1", [python, script, "segment", "--host", hosts.addr("w1"), "--master", master,
+                                 "--bytes", str(parse_size(args.bytes) + (256 << 20)), "--ready", str(ready)],
+                          tmp / "mooncake-segment.log")
+    wait_until(lambda: ready.exists() or segment.poll() is not None, 60, "Mooncake's segment")
+    assert ready.exists(), (tmp / "mooncake-segment.log").read_text()[-3000:]
+    client = hosts.spawn("e1", [python, script, "client", "--host", hosts.addr("e1"), "--master", master,
+                                "--bytes", str(parse_size(args.bytes)), "--block", str(parse_size(args.block)),
+                                "--repeats", str(args.repeats)], tmp / "mooncake-client.log")
+    return results(client, tmp / "mooncake-client.log")
 
 
 def main() -> None:
@@ -149,6 +181,8 @@ def main() -> None:
     parser.add_argument("--block", default="4MiB")
     parser.add_argument("--bytes", default="256MiB")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mooncake", choices=["auto", "off"], default="auto",
+                        help="Mooncake Store beside the store, when .venv-mooncake exists")
     parser.add_argument("--json")
     parser.add_argument("--role", choices=["raw-receiver", "raw-sender", "store-engine"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)  # the directory's (store-engine), e1's address (raw-sender)
@@ -164,6 +198,11 @@ def main() -> None:
                  "pushed ÷ raw"],
                 [[args.rate, args.block, args.bytes, result["raw_tcp_GBps"], result["pulled_load_GBps"],
                   result["pushed_load_GBps"], result["pulled_vs_raw"], result["pushed_vs_raw"]]])
+    if result["mooncake"]:
+        print_table(["Mooncake get GB/s", "pushed ÷ Mooncake", "pulled ÷ Mooncake"],
+                    [[result["mooncake_get_GBps"], result["pushed_vs_mooncake"], result["pulled_vs_mooncake"]]])
+    else:
+        print("Mooncake: not run (--mooncake off, or no .venv-mooncake: make setup-mooncake)")
     write_json(args.json, result)
 
 

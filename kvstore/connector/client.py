@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,6 +50,7 @@ from kvstore.transfer import Agent
 log = logging.getLogger(__name__)
 DEFAULT_STAGING_BYTES = 128 << 20
 READ_GROUP_BYTES = 32 << 20  # loads are read and verified in groups of this size, overlapped
+FETCHES_IN_FLIGHT = 2  # groups of a pushed load requested at once (reads go one at a time: faster here)
 
 
 class KVStoreClient:
@@ -82,6 +83,7 @@ class KVStoreClient:
         self.pusher = Pusher(self.agent, namespace.tenant, load_push, self.hosts, timeout_s, ca_file)
         self._registered: dict[int, object] = {}  # address -> NIXL registration of memory registered here
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
+        self._fetcher = ThreadPoolExecutor(FETCHES_IN_FLIGHT, thread_name_prefix="kvstore-fetch")
         self.slots = max(1, staging_bytes // namespace.block_nbytes)
         self.staging = HostBuffer(self.slots * namespace.block_nbytes)
         self.register_buffer(self.staging.array)
@@ -329,17 +331,26 @@ class KVStoreClient:
         """Per block (read ok, xxh3_64 of what arrived). Same-host blocks are copied and hashed chunk
         by chunk (or, with `unpack`, read in place); the others are pushed by their workers or read
         over NIXL in groups of about READ_GROUP_BYTES, group k hashed on the helper thread while
-        group k+1 arrives, and then unpacked."""
+        group k+1 arrives (FETCHES_IN_FLIGHT groups of a pushed load travel at once, so that the
+        link does not idle between two pushes), and then unpacked."""
         items = [(blocks[i], hit.location) for i, hit in enumerate(prepared.blocks)]
         if unpack is None:
             done, digests, far = clock.timed("transfer", self.copier.copy_local, "READ", items)
         else:
             done, digests, far = clock.timed("transfer", self.copier.in_place, items, unpack)
-        hashing = []
+        hashing, in_flight, window = [], deque(), FETCHES_IN_FLIGHT if prepared.grants else 1
+
+        def arrived() -> None:  # the oldest group in flight is here: hashed on the helper thread
+            ks, fetching = in_flight.popleft()
+            read = clock.timed("transfer", fetching.result)
+            hashing.append((ks, read, self._hasher.submit(lambda: [checksum(blocks[k]) for k in ks])))
         for group in groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
+            if len(in_flight) == window:
+                arrived()
             ks = [far[g] for g in group]
-            read = clock.timed("transfer", self._fetch, prepared, [items[k] for k in ks])
-            hashing.append((ks, read, self._hasher.submit(lambda ks=ks: [checksum(blocks[k]) for k in ks])))
+            in_flight.append((ks, self._fetcher.submit(self._fetch, prepared, [items[k] for k in ks])))
+        while in_flight:
+            arrived()
         for ks, read, future in hashing:
             scatter(ks, read, clock.timed("checksum", future.result), done, digests)
         if unpack is not None:
@@ -360,6 +371,7 @@ class KVStoreClient:
 
     def close(self) -> None:
         self._hasher.shutdown(wait=True)
+        self._fetcher.shutdown(wait=True)
         self.pusher.forget()
         self.pusher.close()
         self.peers.close()
