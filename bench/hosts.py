@@ -6,10 +6,10 @@ tests' `tests/netns.Hosts`), the engine host's link shaped to `--rate`, UCX over
 Hosts: `dir` (the directory), `w1` (a worker), `e1` (the engine). The reference is raw TCP between
 the same two namespaces: one connection from w1 to e1 carrying `--bytes` (iperf-style). The store's
 load is `KVStoreClient.load_blocks` of `--bytes` of blocks that the engine saved to w1 (prepare,
-the bytes, checksums, complete), two ways, one after the other in each repeat: pulled (the engine
-READs them, `load_push="off"`) and pushed (w1 WRITEs them into the engine's memory, "on"); NIXL UCX
-over TCP both. All cross e1's shaped link in the same direction. Medians over `--repeats`; the
-ratios are of medians from one run.
+the bytes, checksums, complete), two ways, one after the other in each repeat (which goes first
+alternates): pulled (the engine READs them, `load_push="off"`) and pushed (w1 WRITEs them into the
+engine's memory, "on"); NIXL UCX over TCP both. All cross e1's shaped link in the same
+direction. Medians over `--repeats`; the ratios are of medians from one run.
 
 Mooncake Store beside it, when .venv-mooncake exists (`make setup-mooncake`; `--mooncake off`
 skips it): its master in `dir`, a store process mounting the only segment in `w1`, a client in
@@ -95,13 +95,14 @@ def store_engine(url: str, block: int, nbytes: int, repeats: int) -> None:
         for k, view in enumerate(views):
             view[:] = np.random.default_rng(k).integers(0, 255, view.size, dtype=np.uint8)
         assert clients["off"].save_blocks(hashes, views) == n, clients["off"].last_refused
-        for _ in range(repeats):
-            for mode, client in clients.items():
-                views = client._staging_views(n)
+        for repeat in range(repeats):
+            for mode in ("off", "on") if repeat % 2 == 0 else ("on", "off"):  # neither always goes first
+                client = clients[mode]
+                views, before = client._staging_views(n), client.pusher.pushed
                 t0 = time.perf_counter()
                 loaded = client.load_blocks(hashes, views)
                 print(json.dumps({"push": mode, "s": time.perf_counter() - t0, "blocks": loaded,
-                                  "bytes": loaded * ns.block_nbytes, "pushed": client.pusher.pushed,
+                                  "bytes": loaded * ns.block_nbytes, "pushed": client.pusher.pushed - before,
                                   "phases": client.last_timings}), flush=True)
     finally:
         for client in clients.values():
@@ -144,7 +145,7 @@ def run(args) -> dict:
     raw_gbps = median([r["bytes"] / r["s"] / 1e9 for r in raw])
     pulled = median([r["bytes"] / r["s"] / 1e9 for r in store if r["push"] == "off"])
     pushed = median([r["bytes"] / r["s"] / 1e9 for r in store if r["push"] == "on"])
-    assert all(r["pushed"] for r in store if r["push"] == "on"), "a pushed load read its blocks instead"
+    assert all(r["pushed"] == r["blocks"] for r in store if r["push"] == "on"), "a pushed load read blocks instead"
     out = {"machine": machine(), "rate": args.rate, "block": args.block, "bytes": args.bytes,
            "raw_tcp_GBps": raw_gbps, "pulled_load_GBps": pulled, "pushed_load_GBps": pushed,
            "pulled_vs_raw": pulled / raw_gbps, "pushed_vs_raw": pushed / raw_gbps, "raw": raw, "store": store,

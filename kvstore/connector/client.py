@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections import Counter, deque
 from collections.abc import Sequence
 
@@ -338,19 +338,23 @@ class KVStoreClient:
             done, digests, far = clock.timed("transfer", self.copier.copy_local, "READ", items)
         else:
             done, digests, far = clock.timed("transfer", self.copier.in_place, items, unpack)
-        hashing, in_flight, window = [], deque(), FETCHES_IN_FLIGHT if prepared.grants else 1
+        hashing, in_flight = [], deque()
+        window = FETCHES_IN_FLIGHT if prepared.grants and self.pusher.wanted(prepared) else 1
 
         def arrived() -> None:  # the oldest group in flight is here: hashed on the helper thread
             ks, fetching = in_flight.popleft()
             read = clock.timed("transfer", fetching.result)
             hashing.append((ks, read, self._hasher.submit(lambda: [checksum(blocks[k]) for k in ks])))
-        for group in groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
-            if len(in_flight) == window:
+        try:
+            for group in groups([blocks[k].nbytes for k in far], READ_GROUP_BYTES):
+                if len(in_flight) == window:
+                    arrived()
+                ks = [far[g] for g in group]
+                in_flight.append((ks, self._fetcher.submit(self._fetch, prepared, [items[k] for k in ks])))
+            while in_flight:
                 arrived()
-            ks = [far[g] for g in group]
-            in_flight.append((ks, self._fetcher.submit(self._fetch, prepared, [items[k] for k in ks])))
-        while in_flight:
-            arrived()
+        finally:  # nothing still writes into the blocks once this returns, an exception or not
+            wait([fetching for _, fetching in in_flight])
         for ks, read, future in hashing:
             scatter(ks, read, clock.timed("checksum", future.result), done, digests)
         if unpack is not None:

@@ -35,6 +35,7 @@ PUSHES = PromCounter("kvstore_connector_pushed_blocks_total", "blocks of loads t
                      "pushed, or failed (and then read)", ["outcome"])
 MODES = ("auto", "on", "off")
 HTTP_MARGIN_S = 5.0  # a push's answer may take this much longer than the push itself
+FORGET_TIMEOUT_S = push.MAX_WAIT_S + 2 * HTTP_MARGIN_S  # a worker waits for running pushes before it answers
 
 
 class Pusher:
@@ -75,16 +76,23 @@ class Pusher:
             grant = grants.get(location.worker)
             if grant is not None and location.tier == "dram" and location.epoch == grant.epoch:
                 by_worker.setdefault(location.worker, []).append(k)
+        failed = 0
         for worker, ks in by_worker.items():
             ok = self._push(grants[worker], prepared, [items[k] for k in ks])
             for k in ks:
                 done[k] = ok
-            self.failed += 0 if ok else len(ks)
+            failed += 0 if ok else len(ks)
             PUSHES.labels("pushed" if ok else "failed").inc(len(ks))
         rest = [k for k in range(len(items)) if not done[k]]
-        self.pushed += len(items) - len(rest)
-        self.read += len(rest)
+        with self._lock:  # two groups of a load may be pushed at once
+            self.pushed += len(items) - len(rest)
+            self.read += len(rest)
+            self.failed += failed
         return done, rest
+
+    def wanted(self, prepared: specs.LoadPrepared) -> bool:
+        """Whether any of the load's grants is one this engine pushes with."""
+        return any(self._wanted(g) for g in prepared.grants)
 
     def memory_changed(self) -> None:
         with self._lock:
@@ -102,13 +110,13 @@ class Pusher:
             self._keys.clear()
         for worker, (url, epoch, owner, key) in told.items():
             try:
-                answer = self._client(url).call_raw("POST", "/v1/push/forget", push.ForgetEngine(
+                answer = self._client(url).call("POST", "/v1/push/forget", push.ForgetEngine(
                     tenant=self.tenant, owner=owner, reader=self.agent.name, epoch=epoch, engine_key=key,
-                    generation=self.generation))
+                    generation=self.generation), push.ForgotEngine, FORGET_TIMEOUT_S)
             except KVStoreError as exc:
                 log.warning("worker %s was not told that this engine's memory changed: %s", worker, exc)
                 continue
-            if not answer.get("quiet"):
+            if not answer.quiet:
                 log.warning("worker %s still ran a push into this engine's memory when it was told; it "
                             "dropped the engine's metadata", worker)
 
@@ -134,26 +142,25 @@ class Pusher:
         for buffer, location in items:
             addr = int(buffer.ctypes.data)
             for run in location.runs:
+                if tuple(run) not in index:  # not what the directory granted: read it
+                    return False
                 pairs.append((index[tuple(run)], addr))
                 addr += run[1]
         with self._lock:
             self._keys[grant.worker] = (grant.control_url, grant.epoch, grant.owner, grant.engine_key)
             generation = self.generation
             fresh = self._sent.get(grant.worker) == generation
-        for attempt in range(2):
-            body = push.PushRequest(tenant=self.tenant, owner=grant.owner, reader=self.agent.name, epoch=grant.epoch,
-                                    token=prepared.token, expires_at=grant.expires_at, runs=runs, grant=grant.grant,
-                                    engine_key=grant.engine_key, items=pairs,
-                                    wait_s=min(self.timeout_s, push.MAX_WAIT_S),
-                                    engine=push.EngineMemory(generation=generation, metadata=None if fresh else
-                                                             base64.b64encode(self.agent.metadata()).decode()))
+        for _ in range(2):
             try:
-                answer = self._client(grant.control_url).call("POST", "/v1/push", body, push.PushResult,
-                                                              body.wait_s + HTTP_MARGIN_S)
+                answer = self._call(grant, prepared, runs, pairs, generation, fresh)
             except KVStoreError as exc:
                 if exc.kind == "not_found":  # a worker from before pushed loads: not asked again this epoch
                     self._no_push.add((grant.worker, grant.epoch))
                 log.warning("push of %d blocks by worker %s failed (%s): read instead", len(items), grant.worker, exc)
+                return False
+            except Exception as exc:  # noqa: BLE001 (metadata too large, NIXL refused it...): read all the same
+                log.warning("push of %d blocks by worker %s not sent (%s: %s): read instead", len(items),
+                            grant.worker, type(exc).__name__, exc)
                 return False
             if answer.code == "ok":
                 with self._lock:
@@ -165,6 +172,16 @@ class Pusher:
                 return False
             fresh = False  # the worker lost it (a restart): send it again
         return False
+
+    def _call(self, grant: push.PushGrant, prepared: specs.LoadPrepared, runs: list, pairs: list, generation: int,
+              fresh: bool) -> push.PushResult:
+        metadata = None if fresh else base64.b64encode(self.agent.metadata()).decode()
+        body = push.PushRequest(tenant=self.tenant, owner=grant.owner, reader=self.agent.name, epoch=grant.epoch,
+                                token=prepared.token, expires_at=grant.expires_at, runs=runs, grant=grant.grant,
+                                engine_key=grant.engine_key, items=pairs, wait_s=min(self.timeout_s, push.MAX_WAIT_S),
+                                engine=push.EngineMemory(generation=generation, metadata=metadata))
+        return self._client(grant.control_url).call("POST", "/v1/push", body, push.PushResult,
+                                                     body.wait_s + HTTP_MARGIN_S)
 
     def _client(self, url: str) -> JsonHttp:
         with self._lock:

@@ -40,6 +40,7 @@ Run = tuple[Address, Annotated[int, Field(gt=0, le=1 << 40)]]
 Item = tuple[Annotated[int, Field(ge=0, lt=MAX_PUSH_RUNS)], Annotated[int, Field(gt=0, lt=1 << 64)]]
 Owner = Annotated[str, Field(max_length=64)]
 Reader = Annotated[str, Field(min_length=1, max_length=200)]
+Epoch = Annotated[int, Field(ge=0, lt=1 << 63)]
 
 
 class _Spec(BaseModel):
@@ -50,7 +51,7 @@ class PushGrant(_Spec):
     """What prepare_load hands an engine that asked for pushes, per worker holding its DRAM hits."""
 
     worker: str
-    epoch: int
+    epoch: Epoch
     control_url: str
     owner: Owner = Field(description="the id of the credential the engine called with")
     expires_at: float
@@ -69,7 +70,7 @@ class PushRequest(_Spec):
     tenant: str = Field(max_length=MAX_NAME_CHARS)
     owner: Owner
     reader: Reader
-    epoch: int
+    epoch: Epoch
     token: str = Field(max_length=64)
     expires_at: float
     runs: list[Run] = Field(max_length=MAX_PUSH_RUNS, description="every run the grant names")
@@ -86,11 +87,15 @@ class PushResult(_Spec):
     error: str | None = None
 
 
+class ForgotEngine(_Spec):
+    quiet: bool = Field(description="no push into the engine's older memory ran when the answer left")
+
+
 class ForgetEngine(_Spec):
     tenant: str = Field(max_length=MAX_NAME_CHARS)
     owner: Owner
     reader: Reader
-    epoch: int
+    epoch: Epoch
     engine_key: str = Field(pattern=HEX_MAC)
     generation: int = Field(ge=0, le=MAX_GENERATION, description="pushes under an older generation are "
                             "refused from now on")

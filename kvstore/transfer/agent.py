@@ -257,8 +257,8 @@ class Agent:
 
     def remove_peer(self, name: str) -> None:
         if name in self._peers:
-            self._peers.discard(name)  # gone for this process even if NIXL refuses to let it go
-            self._raw.remove_remote_agent(name)
+            self._raw.remove_remote_agent(name)  # refused: still loaded, and still said to be
+            self._peers.discard(name)
 
     def submit(self, op: str, local_rows: np.ndarray, remote_rows: np.ndarray, peer: str,
                mem_type: str = "DRAM", remote_mem_type: str = "DRAM") -> Transfer:

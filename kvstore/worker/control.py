@@ -55,7 +55,7 @@ IDLE_TIMEOUT_S = 60.0
 MAX_BODY = 64 << 20
 PUSH_BODY = 1 << 20  # an engine's push: its runs and, now and then, its NIXL metadata
 MAX_ENGINE_CALLS = 8  # engines' pushes and forgets served at once (each waits on NIXL); more are a 503 at once
-ENGINE_READ_TIMEOUT_S = 10.0  # an engine's body that stalls this long ends its call
+ENGINE_READ_TIMEOUT_S = 10.0  # an engine's whole body must arrive within this, or its call ends
 COUNTED = ("/v1/grant", "/v1/alloc", "/v1/free", "/v1/move", "/v1/verify", "/v1/fence", "/v1/push", "/v1/push/forget",
            "/healthz", "/metrics")
 ENGINE_ROUTES = ("/v1/push", "/v1/push/forget")  # signed by the directory, not called by it
@@ -291,7 +291,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
             return
         model, action = routes[self.path]
-        if self.path in ENGINE_ROUTES:  # engines are many: they hold none of the connections the directory needs
+        if self.path in ENGINE_ROUTES:  # engines are many: at most MAX_ENGINE_CALLS of them are served at once
             self.close_connection = True
             if not self.control.engine_calls.acquire(blocking=False):
                 self._answer(503, KVStoreError("unavailable", f"this worker serves {MAX_ENGINE_CALLS} engine "
@@ -299,8 +299,7 @@ class _Handler(BaseHTTPRequestHandler):
                              closing=True)
                 return
             try:
-                self.connection.settimeout(ENGINE_READ_TIMEOUT_S)
-                self._serve(model, action, PUSH_BODY)
+                self._serve(model, action, PUSH_BODY, time.monotonic() + ENGINE_READ_TIMEOUT_S)
             finally:
                 self.control.engine_calls.release()
             return
@@ -311,11 +310,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._serve(model, action, MAX_BODY)
 
-    def _serve(self, model, action, max_body: int) -> None:
-        """Read, check and answer one request body."""
+    def _serve(self, model, action, max_body: int, deadline: float | None = None) -> None:
+        """Read, check and answer one request body (all of it before `deadline`, when one is given)."""
         try:
             length = body_length(self.headers.get("content-length"), max_body) or 0
-            body = model.model_validate_json(self.rfile.read(length))
+            body = model.model_validate_json(self._body(length, deadline))
             self._answer(200, action(body))
         except ValidationError as exc:
             errors = error_list(exc.errors()[:5])
@@ -330,6 +329,22 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("control %s failed", self.path)
             self.close_connection = True
             self._answer(500, KVStoreError("internal", type(exc).__name__).to_body())
+
+    def _body(self, length: int, deadline: float | None) -> bytes:
+        if deadline is None:
+            return self.rfile.read(length)
+        chunks, got = [], 0
+        while got < length:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the body did not arrive in time")
+            self.connection.settimeout(left)
+            chunk = self.rfile.read1(length - got)
+            if not chunk:
+                raise ConnectionResetError("the caller closed the connection")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (a bad request line, headers, an unknown method) in kvstore's body."""

@@ -6,11 +6,12 @@
 
 An engine is known by its reader name, which is its NIXL agent name: the metadata it sends must
 name that agent, and it may not name one this worker already talks to for another reason (a peer
-worker) or that another tenant registered. A push that does not finish in its time is given up
-and the engine's metadata dropped, which closes the worker's connection to it: NIXL cancels no
-posted request more firmly than that. An engine is also bound to the credential it called the
-directory with (`owner` in the grant): another engine may not register, push or forget under
-its name.
+worker). It is also bound to the credential it called the directory with (`owner` in the grant):
+an engine with another credential never has its blocks written into this one's memory and cannot
+forget for it; it may replace this one's registration while idle, never while it pushes. A push
+has its own time from its arrival: one that waited that long for a registration never starts,
+and one still running then is given up and the engine's metadata dropped, which closes the
+worker's connection to it (NIXL cancels no posted request more firmly than that).
 """
 
 from __future__ import annotations
@@ -62,23 +63,24 @@ class Pushes:
         if not push.same(req.grant, push.lease_grant(secret, name, epoch, req.tenant, req.owner, req.reader,
                                                      req.token, req.expires_at, req.runs)):
             raise KVStoreError("forbidden", "the grant does not name these runs (ask the directory again)")
-        if time.time() >= req.expires_at:
-            return push.PushResult(code="failed", error="the grant expired with the lease it was given for")
+        deadline = time.monotonic() + min(req.wait_s, push.MAX_WAIT_S)  # the engine reads instead after it
         local, remote = self._rows(req)
-        engine, refusal = self._engine(req)
+        engine, peer, refusal = self._engine(req, deadline)
         if refusal is not None:
             return refusal
-        transfer = None
+        transfer, state = None, "failed"
         try:
-            transfer = self._agent.submit("WRITE", local, remote, engine.peer)
-            state = transfer.wait(max(0.001, min(req.wait_s, push.MAX_WAIT_S, req.expires_at - time.time())))
+            left = min(deadline - time.monotonic(), req.expires_at - time.time())
+            if left <= 0:  # waited too long for the engine's registration: the engine has moved on
+                return push.PushResult(code="failed", error="the push's time or its lease ran out before it began")
+            transfer = self._agent.submit("WRITE", local, remote, peer)
+            state = transfer.wait(left)
         finally:
             with self._cond:
                 engine.active -= 1
-                if transfer is None or transfer.abandoned:  # it may still be writing: cut the engine off
+                if transfer is not None and transfer.abandoned:  # it may still be writing: cut the engine off
                     self._drop_peer(engine)
-                    if transfer is not None:
-                        self._abandoned.append(transfer)
+                    self._abandoned.append(transfer)
                 self._abandoned = [t for t in self._abandoned if not t.settled()]
                 self._cond.notify_all()
         return push.PushResult(code="ok") if state == "done" else push.PushResult(code="failed", error=transfer.error)
@@ -131,14 +133,16 @@ class Pushes:
             remote.append((dest, nbytes))
         return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
 
-    def _engine(self, req: push.PushRequest) -> tuple[_Engine | None, push.PushResult | None]:
-        """The engine's registration, counted active, (re)loaded from the request's metadata when it
-        is newer; or the answer that refuses the push. Everything is read again after each wait."""
+    def _engine(self, req: push.PushRequest, deadline: float) -> tuple[_Engine | None, str | None,
+                                                                       push.PushResult | None]:
+        """The engine's registration, counted active, and its NIXL peer, (re)loaded from the request's
+        metadata when it is newer; or the answer that refuses the push. Everything is read again
+        after each wait, and no wait outlasts `deadline`."""
         identity, generation = (req.tenant, req.owner), req.engine.generation
         with self._cond:
             while True:
                 if generation < self._floors.get((*identity, req.reader), 0):
-                    return None, push.PushResult(code="stale", error="the engine has released that memory")
+                    return None, None, push.PushResult(code="stale", error="the engine has released that memory")
                 engine = self._engines.get(req.reader)
                 if engine is not None and engine.identity != identity:
                     if engine.active:
@@ -146,20 +150,22 @@ class Pushes:
                     self._forget_engine(req.reader, engine)  # its next push registers it again
                     engine = None
                 if engine is not None and generation < engine.generation:
-                    return None, push.PushResult(code="stale", error="the engine has registered newer memory since")
+                    return None, None, push.PushResult(code="stale",
+                                                       error="the engine has registered newer memory since")
                 if engine is not None and engine.peer is not None and engine.generation == generation:
                     engine.active += 1
                     self._engines.move_to_end(req.reader)
-                    return engine, None
+                    return engine, engine.peer, None
                 if req.engine.metadata is None:
-                    return None, push.PushResult(code="metadata", error="send the engine's NIXL metadata")
+                    return None, None, push.PushResult(code="metadata", error="send the engine's NIXL metadata")
                 if engine is not None and engine.active:  # pushes into the older memory end first
                     if not self._cond.wait_for(lambda e=engine: self._engines.get(req.reader) is not e or
-                                               e.active == 0, FORGET_WAIT_S):
+                                               e.active == 0, max(0.0, deadline - time.monotonic())):
                         raise KVStoreError("unavailable", "the engine's earlier pushes are still running",
                                            retry_after_s=1)
                     continue
-                return self._register(req, identity, engine), None
+                fresh = self._register(req, identity, engine)
+                return fresh, fresh.peer, None
 
     def _register(self, req: push.PushRequest, identity: tuple[str, str], engine: _Engine | None) -> _Engine:
         """Load the engine's metadata in place of `engine`'s (idle), under the lock; counted active."""

@@ -279,7 +279,7 @@ def test_an_answer_the_directory_cannot_read_is_no_answer():
         server.shutdown()
 
 
-def test_engines_hold_a_few_slots_at_most_and_cannot_push_without_a_grant():
+def test_engines_hold_a_few_slots_at_most_and_cannot_push_without_a_grant(monkeypatch):
     """Engine calls (no bearer secret) past MAX_ENGINE_CALLS are a 503 at once, before their bodies are
     read, so stalled or slow ones never hold the connections the directory's calls need; a body over
     PUSH_BODY is a 413; a push without a signature of this worker's secret is a 403."""
@@ -288,6 +288,7 @@ def test_engines_hold_a_few_slots_at_most_and_cannot_push_without_a_grant():
     from kvstore.worker import control as control_module
     from kvstore.worker.pushes import Pushes
 
+    monkeypatch.setattr(control_module, "ENGINE_READ_TIMEOUT_S", 1.0)
     arena = HostBuffer(1 << 16)
     pushes = Pushes(None, arena, lambda: ("w0", 1, "s" * 43))  # no NIXL agent: nothing may get that far
     server = ControlServer({"dram": PageAllocator(8, 128)}, max_connections=control_module.MAX_ENGINE_CALLS + 4,
@@ -295,11 +296,14 @@ def test_engines_hold_a_few_slots_at_most_and_cannot_push_without_a_grant():
     server.start()
     try:
         stalled = [socket.create_connection((server.host, server.port)) for _ in range(control_module.MAX_ENGINE_CALLS)]
-        for sock in stalled:  # headers that promise a body that never comes
-            sock.sendall(post("/v1/push", "100").encode() + b"\r\n")
+        for sock in stalled:  # headers that promise a body that comes a byte at a time, then never
+            sock.sendall(post("/v1/push", "100").encode() + b"\r\n{")
         time.sleep(0.3)
         status, answer = raw_request(server, post("/v1/push/forget", "2"), b"{}")
         assert (status, answer["error"]) == (503, "unavailable")
+        time.sleep(control_module.ENGINE_READ_TIMEOUT_S + 0.5)  # a body must arrive whole within it
+        status, answer = raw_request(server, post("/v1/push/forget", "2"), b"{}")
+        assert (status, answer["error"]) == (400, "invalid")  # a slot again: only the body is wrong
         body = moving.FenceRequest(tokens=["t"]).model_dump_json().encode()
         head = post("/v1/fence", str(len(body))) + f"authorization: Bearer {'s' * 43}\r\n"
         assert raw_request(server, head, body)[0] == 200  # the directory's call is served meanwhile
@@ -310,6 +314,10 @@ def test_engines_hold_a_few_slots_at_most_and_cannot_push_without_a_grant():
         assert (status, answer["error"]) == (413, "too_large")
         status, answer = raw_request(server, post("/v1/push", "2"), b"{}")
         assert (status, answer["error"]) == (400, "invalid")
+        huge = (b'{"tenant": "", "owner": "", "reader": "r", "epoch": ' + b"9" * 5000 + b', "engine_key": "'
+                + b"0" * 64 + b'", "generation": 1}')
+        status, answer = raw_request(server, post("/v1/push/forget", str(len(huge))), huge)
+        assert (status, answer["error"]) == (400, "invalid")  # not a 500 from a number past what is checked
         runs = [(arena.addr, 4096)]
         forged = push.PushRequest(tenant="", owner="", reader="kvstore-client-x", epoch=1, token="t", expires_at=4e9,
                                   runs=runs, grant="0" * 64, engine_key=push.engine_key("guess", "w0", 1, "", "",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import struct
 import threading
+import time
 
 import pytest
 
@@ -216,3 +217,26 @@ def test_a_registration_waiting_on_running_pushes_never_outlives_a_forget_sent_m
         t.join(5)
     assert answers["running"].code == "ok" and answers["forgot"] is True
     assert answers["newer"].code == "stale" and READER not in agent.peers and len(agent.writes) == 2
+
+
+def test_a_push_waits_for_a_registration_no_longer_than_its_own_time(worker):
+    """The engine reads instead once a push's time is up: a push that waited for the engine's
+    earlier pushes that long never starts (it would write into buffers the engine reuses)."""
+    pushes_, agent, arena = worker
+    assert pushes_.push(request(arena, metadata=metadata(READER))).code == "ok"
+    agent.gate = threading.Event()
+    running = threading.Thread(target=lambda: pushes_.push(request(arena)))
+    running.start()
+    try:
+        for _ in range(200):
+            if len(agent.writes) == 2:
+                break
+            threading.Event().wait(0.01)
+        started = time.monotonic()
+        with pytest.raises(KVStoreError) as refused:
+            pushes_.push(request(arena, generation=2, metadata=metadata(READER), wait_s=0.3))
+        assert refused.value.kind == "unavailable" and time.monotonic() - started < 2
+    finally:
+        agent.gate.set()
+        running.join(5)
+    assert len(agent.writes) == 2  # the waiting push wrote nothing
