@@ -35,7 +35,8 @@ from kvstore.transfer import Agent
 
 log = logging.getLogger(__name__)
 MAX_ENGINES = 256  # engines whose metadata is kept; the least recently used idle one beyond it is dropped
-MAX_FLOORS = 4096  # generations remembered of engines dropped or forgotten
+MAX_FLOORS = 256  # generations remembered per credential, of its engines dropped or forgotten
+MAX_CREDENTIALS = 64  # credentials whose floors are remembered: the least recently used beyond it go
 FORGET_WAIT_S = push.MAX_WAIT_S + 5.0  # a forget waits this long for the engine's running pushes
 _MAGIC = b"nixlSerDes|Agent"
 
@@ -46,6 +47,7 @@ class _Engine:
     generation: int
     peer: str | None
     active: int = 0
+    loading: bool = False  # its metadata is being loaded, outside the lock
 
 
 class Pushes:
@@ -54,7 +56,9 @@ class Pushes:
         """`identity()`: this worker's (name, epoch, control secret) now."""
         self._agent, self._arena, self._identity, self._max = agent, arena, identity, max_engines
         self._engines: OrderedDict[str, _Engine] = OrderedDict()  # by reader, its NIXL agent name
-        self._floors: OrderedDict[tuple[str, str, str], int] = OrderedDict()  # lowest generation still taken
+        # (tenant, owner) -> reader -> the lowest generation still taken: one credential's forgets
+        # never push another's out
+        self._floors: OrderedDict[tuple[str, str], OrderedDict[str, int]] = OrderedDict()
         self._abandoned: list = []  # transfers given up while posted, released once NIXL lets go of them
         self._cond = threading.Condition()
 
@@ -141,7 +145,8 @@ class Pushes:
         identity, generation = (req.tenant, req.owner), req.engine.generation
         with self._cond:
             while True:
-                if generation < self._floors.get((*identity, req.reader), 0):
+                left = max(0.0, deadline - time.monotonic())
+                if generation < self._floors.get(identity, {}).get(req.reader, 0):
                     return None, None, push.PushResult(code="stale", error="the engine has released that memory")
                 engine = self._engines.get(req.reader)
                 if engine is not None and engine.identity != identity:
@@ -156,40 +161,53 @@ class Pushes:
                     engine.active += 1
                     self._engines.move_to_end(req.reader)
                     return engine, engine.peer, None
+                if engine is not None and engine.loading and engine.generation == generation:  # another push
+                    # is loading it: its answer tells whether it can be pushed to
+                    if not self._cond.wait_for(lambda e=engine: not e.loading, left):
+                        raise KVStoreError("unavailable", "the engine's metadata is still being loaded", retry_after_s=1)
+                    continue
                 if req.engine.metadata is None:
                     return None, None, push.PushResult(code="metadata", error="send the engine's NIXL metadata")
                 if engine is not None and engine.active:  # pushes into the older memory end first
                     if not self._cond.wait_for(lambda e=engine: self._engines.get(req.reader) is not e or
-                                               e.active == 0, max(0.0, deadline - time.monotonic())):
+                                               e.active == 0, left):
                         raise KVStoreError("unavailable", "the engine's earlier pushes are still running",
                                            retry_after_s=1)
                     continue
-                fresh = self._register(req, identity, engine)
-                return fresh, fresh.peer, None
+                blob = _metadata(req)
+                if engine is not None:
+                    self._drop_peer(engine)
+                elif self._agent.has_peer(req.reader):
+                    raise KVStoreError("forbidden", "that reader name is an agent this worker talks to already")
+                fresh = _Engine(identity, generation, None, active=1, loading=True)  # holds the name meanwhile
+                self._engines[req.reader] = fresh
+                self._engines.move_to_end(req.reader)
+                break
+        return fresh, self._load(req.reader, fresh, blob), None
 
-    def _register(self, req: push.PushRequest, identity: tuple[str, str], engine: _Engine | None) -> _Engine:
-        """Load the engine's metadata in place of `engine`'s (idle), under the lock; counted active."""
+    def _load(self, reader: str, engine: _Engine, blob: bytes) -> str:
+        """Load the engine's metadata into NIXL outside the lock (other engines push meanwhile); its
+        registration, counted active, waits in the table with no peer until then."""
         try:
-            blob = base64.b64decode(req.engine.metadata, validate=True)
-        except (binascii.Error, ValueError):
-            raise KVStoreError("invalid", "the engine's metadata is not base64") from None
-        if agent_name(blob) != req.reader:
-            raise KVStoreError("invalid", "the engine's metadata names another agent than its reader name")
-        if engine is not None:
-            self._drop_peer(engine)
-        elif self._agent.has_peer(req.reader):
-            raise KVStoreError("forbidden", "that reader name is an agent this worker talks to already")
-        peer = self._agent.add_peer(blob)  # KVStoreError "unavailable": UCX cannot reach it
-        if peer != req.reader:  # the blob said one name and NIXL loaded another: never used
-            self._agent.remove_peer(peer)
-            raise KVStoreError("invalid", "the engine's metadata names another agent than its reader name")
-        fresh = _Engine(identity, req.engine.generation, peer, active=1)
-        self._engines[req.reader] = fresh
-        self._engines.move_to_end(req.reader)
-        for reader in list(self._engines)[: max(0, len(self._engines) - self._max)]:
-            if self._engines[reader].active == 0:
-                self._forget_engine(reader, self._engines[reader])
-        return fresh
+            peer = self._agent.add_peer(blob)  # KVStoreError "unavailable": NIXL cannot load it
+            if peer != reader:  # the blob said one name and NIXL loaded another: never used
+                self._agent.remove_peer(peer)
+                raise KVStoreError("invalid", "the engine's metadata names another agent than its reader name")
+        except BaseException:
+            with self._cond:
+                engine.active -= 1
+                engine.loading = False
+                if self._engines.get(reader) is engine:
+                    del self._engines[reader]
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            engine.peer, engine.loading = peer, False
+            for name in list(self._engines)[: max(0, len(self._engines) - self._max)]:
+                if self._engines[name].active == 0:
+                    self._forget_engine(name, self._engines[name])
+            self._cond.notify_all()
+        return peer
 
     def _forget_engine(self, reader: str, engine: _Engine) -> None:
         """Drop an idle engine's registration; it registers again (same generation or newer) to be pushed to."""
@@ -198,9 +216,14 @@ class Pushes:
         self._raise_floor((*engine.identity, reader), engine.generation)
 
     def _raise_floor(self, key: tuple[str, str, str], generation: int) -> None:
-        self._floors[key] = max(generation, self._floors.get(key, 0))
-        self._floors.move_to_end(key)
-        while len(self._floors) > MAX_FLOORS:
+        identity, reader = key[:2], key[2]
+        floors = self._floors.setdefault(identity, OrderedDict())
+        self._floors.move_to_end(identity)
+        floors[reader] = max(generation, floors.get(reader, 0))
+        floors.move_to_end(reader)
+        while len(floors) > MAX_FLOORS:
+            floors.popitem(last=False)
+        while len(self._floors) > MAX_CREDENTIALS:
             self._floors.popitem(last=False)
 
     def _drop_peer(self, engine: _Engine) -> None:
@@ -210,6 +233,17 @@ class Pushes:
                 self._agent.remove_peer(peer)
             except Exception as exc:  # noqa: BLE001 (NIXL refused: the metadata is unusable all the same)
                 log.warning("dropping engine %s's metadata: %s", peer, exc)
+
+
+def _metadata(req: push.PushRequest) -> bytes:
+    """The request's NIXL metadata, if it is base64 and names the reader's agent."""
+    try:
+        blob = base64.b64decode(req.engine.metadata, validate=True)
+    except (binascii.Error, ValueError):
+        raise KVStoreError("invalid", "the engine's metadata is not base64") from None
+    if agent_name(blob) != req.reader:
+        raise KVStoreError("invalid", "the engine's metadata names another agent than its reader name")
+    return blob
 
 
 def agent_name(blob: bytes) -> str | None:

@@ -232,3 +232,39 @@ def test_a_push_waits_for_a_registration_no_longer_than_its_own_time(worker):
         agent.gate.set()
         running.join(5)
     assert len(agent.writes) == 2  # the waiting push wrote nothing
+
+
+def test_one_engine_s_slow_metadata_load_holds_up_no_other_engine(worker):
+    pushes_, agent, arena = worker
+    assert pushes_.push(request(arena, metadata=metadata(READER))).code == "ok"
+    loading, loaded = threading.Event(), agent.add_peer
+
+    def slow_add_peer(blob):
+        loading.wait(10)
+        return loaded(blob)
+    agent.add_peer = slow_add_peer
+    other = "kvstore-client-e2"
+    registering = threading.Thread(target=lambda: pushes_.push(request(arena, reader=other, metadata=metadata(other))))
+    registering.start()
+    try:
+        threading.Event().wait(0.1)
+        started = time.monotonic()
+        assert pushes_.push(request(arena)).code == "ok"  # engine 1 is pushed to while engine 2's load runs
+        assert time.monotonic() - started < 2
+        with pytest.raises(KVStoreError) as waited:  # engine 2's next push waits for that load, up to its time
+            pushes_.push(request(arena, reader=other, wait_s=0.2))
+        assert waited.value.kind == "unavailable"
+    finally:
+        loading.set()
+        registering.join(5)
+    assert pushes_.push(request(arena, reader=other)).code == "ok"
+    assert [w[3] for w in agent.writes] == [READER, READER, other, other]
+
+
+def test_one_credential_s_forgets_never_push_out_another_s_floor(worker):
+    pushes_, agent, arena = worker
+    assert pushes_.push(request(arena, metadata=metadata(READER))).code == "ok"
+    assert pushes_.forget(agent.forget_key(generation=2))
+    for i in range(pushes.MAX_FLOORS * pushes.MAX_CREDENTIALS + 10):  # another credential forgets many engines
+        assert pushes_.forget(agent.forget_key(reader=f"kvstore-client-x{i}", owner="tok-b", generation=5))
+    assert pushes_.push(request(arena, metadata=metadata(READER))).code == "stale"  # generation 1 < 2, still
