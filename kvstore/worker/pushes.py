@@ -161,10 +161,11 @@ class Pushes:
                     engine.active += 1
                     self._engines.move_to_end(req.reader)
                     return engine, engine.peer, None
-                if engine is not None and engine.loading and engine.generation == generation:  # another push
-                    # is loading it: its answer tells whether it can be pushed to
+                if engine is not None and engine.loading and engine.generation == generation:
+                    # another push is loading it: how that ends says whether this one can go
                     if not self._cond.wait_for(lambda e=engine: not e.loading, left):
-                        raise KVStoreError("unavailable", "the engine's metadata is still being loaded", retry_after_s=1)
+                        raise KVStoreError("unavailable", "the engine's metadata is still being loaded",
+                                           retry_after_s=1)
                     continue
                 if req.engine.metadata is None:
                     return None, None, push.PushResult(code="metadata", error="send the engine's NIXL metadata")
