@@ -27,8 +27,10 @@ from kvstore.directory.settings import DirectorySettings
 log = logging.getLogger(__name__)
 # A thread holding the GIL gives it up after this long when another waits for it: the writer and
 # saves in the thread pool get it while the event loop answers lookups (Python's default, 5 ms,
-# starves them under a lookup load), and tier-sized work (a policy built from SQL, a dry run, a
-# prepare of 100,000 blocks) holds up a lookup for at most this long at a time.
+# starves them under a lookup load). Tier-sized work (a policy built from SQL, a dry run, a prepare
+# of 100,000 blocks) takes the GIL back every time the event loop makes a system call, and the loop
+# then waits up to this long for it again: such work rests while calls come (`pace.py`); 0.1 ms
+# left lookups' p99 beside it where 0.5 ms did.
 GIL_SWITCH_S = 0.0005
 TOKENS_RELOAD_S = 5.0
 

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.core import heap
+from kvstore.directory.pace import paced
 from kvstore.policies import Backpressure, make_admission, make_eviction
 from kvstore.policies.admission import AdmissionChain, Decision
 from kvstore.policies.hints import NONE as NO_HINTS
@@ -130,7 +131,7 @@ class TierPolicies:
         for condition in policy.pressure:
             condition.pressure = tier.used_bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
         admit = policy.admission.admit
-        return [admit(key, nbytes, hints) for key, nbytes, hints in requests]
+        return [admit(key, nbytes, hints) for key, nbytes, hints in paced(requests)]
 
     @_locked
     def expect(self, tier, blocks: list[tuple[str, str, Hints | None]]) -> None:
@@ -229,7 +230,7 @@ class TierPolicies:
 
                 def fill(rows: list[tuple]) -> None:
                     keys = []
-                    for block_id, parent, hits, namespace_id, block_hash in rows:
+                    for block_id, parent, hits, namespace_id, block_hash in paced(rows):
                         fresh.insert(block_id, parent, hints.get(block_id))
                         if hits:
                             keys.append((block_key(namespace_id, block_hash), hits))
@@ -301,11 +302,12 @@ class TierPolicies:
 
     def _sync(self, tier_id: int, policy: _TierPolicy, rows: list[VictimRow], expected: dict | None = None) -> None:
         expected = self._expected if expected is None else expected  # a copy's sync takes no hints
-        present = {r.key for r in rows}
-        for key in [k for k in policy.eviction if k not in present]:
+        present = {r.key for r in paced(rows)}
+        for key in [k for k in paced(policy.eviction) if k not in present]:
             policy.eviction.remove(key)
         # oldest first; on ties the deeper block first, so a prefix is more recent than its suffix
-        for r in sorted((r for r in rows if r.key not in policy.eviction), key=lambda r: (r.last_access, -r.depth)):
+        new = sorted((r for r in paced(rows) if r.key not in policy.eviction), key=lambda r: (r.last_access, -r.depth))
+        for r in paced(new):
             policy.eviction.insert(r.key, r.parent, expected.pop((tier_id, r.key), None))
             if not policy.built:
                 _record_hits(policy.admission, r.name, r.hit_count)

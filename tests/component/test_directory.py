@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import socket
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
+from kvstore.directory import pace
 from tests.calls import BLOCK, chain, complete, hits, prepare
 from tests.stacks import DEFAULT_MARKS, NS, PAGE, dram_tier, registration
 
@@ -183,6 +186,19 @@ def test_lookup_under_another_namespace_finds_nothing(stack):
         assert stack.client.lookup(other_id, [h.hex() for h in block_hashes(other, tokens)]).num_hit_blocks == 0
         assert stack.client.lookup_tokens(other_id, tokens).hit_tokens == 0
     assert stack.client.lookup_tokens(stack.namespace_id, list(range(11))).hit_tokens == 8
+
+
+def test_lookups_answered_make_tier_sized_work_on_other_threads_rest(stack, monkeypatch):
+    rests = []
+    monkeypatch.setattr(pace, "_last_served", float("-inf"))
+    monkeypatch.setattr(pace, "WORK_S", 0.0)
+    monkeypatch.setattr(pace, "time", SimpleNamespace(perf_counter=time.perf_counter, sleep=rests.append))
+    list(pace.paced(range(32), every=16))
+    assert rests == []  # nobody calls yet
+    stack.client.lookup(stack.namespace_id, ["ab" * 16])
+    assert pace.calls_coming()
+    list(pace.paced(range(32), every=16))  # this thread is not the server's event loop
+    assert rests == [pace.REST_S] * 2
 
 
 def test_a_namespace_body_says_what_it_lacks_and_the_document_says_what_it_needs(stack):

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, aliased
 from kvstore.directory.db.direct import chunks, driver, json_value, marks, rows, runs_value, shrink
 from kvstore.directory.db.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import MOVING, READY, VISIBLE, WRITING
+from kvstore.directory.pace import paced
 
 
 class VictimReplica(NamedTuple):
@@ -89,7 +90,7 @@ def policy_rows(session: Session, tier_id: int, fill: Callable[[list[tuple]], No
     try:
         while chunk := result.cursor.fetchmany(at_once):
             fill([(block_id, parent_id(namespace_id, parent), hits, namespace_id if hits else None, block_hash)
-                  for block_id, namespace_id, parent, hits, block_hash in chunk])
+                  for block_id, namespace_id, parent, hits, block_hash in paced(chunk)])
     finally:
         result.close()
     shrink(session)
@@ -199,8 +200,8 @@ def ready_replicas_of_blocks(session: Session, tier_id: int,
     """READY replicas on this tier of these blocks, in the order of `block_ids`."""
     found: dict[int, tuple[VictimReplica, VictimBlock]] = {}
     for chunk in chunks(block_ids):
-        found.update((row[2], _victim(row)) for row in rows(session, _BY_ID.format(marks(len(chunk))), tuple(chunk))
-                     if row[10] == tier_id and row[11] == READY)
+        read = rows(session, _BY_ID.format(marks(len(chunk))), tuple(chunk))
+        found.update((row[2], _victim(row)) for row in paced(read) if row[10] == tier_id and row[11] == READY)
     return [found[i] for i in block_ids if i in found]
 
 

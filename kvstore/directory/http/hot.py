@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import body_length, too_large
-from kvstore.directory import wire
+from kvstore.directory import pace, wire
 from kvstore.directory.db.engine import outage
 from kvstore.directory.http.auth import PRINCIPAL, ROUTES, Guard, Principal
 from kvstore.directory.metrics import UNMATCHED, DirectoryMetrics
@@ -189,6 +189,8 @@ class HotPath:
         try:
             await self._serve(scope, receive, sending, route)
         finally:
+            if path in self.calls.by_path:
+                pace.served()
             self.metrics.observe(route[0] if route else UNMATCHED, method if route else "", answered[0],
                                  time.perf_counter() - started)
 

@@ -31,6 +31,7 @@ from kvstore.directory.moves.move import Moves
 from kvstore.directory.tier_policies import TierPolicies, VictimRow, block_key
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.workers.reclaim import Reclaim
+from kvstore.directory.pace import paced
 from kvstore.directory.db.writer import Tx, Write
 from kvstore.policies import Admit
 
@@ -311,7 +312,7 @@ def _above_low(tier: Tier, reserved: int) -> int:
 def _enough(candidates: list[tuple[sql.VictimReplica, sql.VictimBlock]],
             to_free: int) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
     chosen, freed = [], 0
-    for replica, block in candidates:
+    for replica, block in paced(candidates):
         if freed >= to_free:
             break
         chosen.append((replica, block))

@@ -33,6 +33,7 @@ from kvstore.directory.db.index import Index
 from kvstore.directory.db import views
 from kvstore.directory.db.views import WorkerView
 from kvstore.directory.metrics import DirectoryMetrics
+from kvstore.directory.pace import paced
 from kvstore.directory.tier_policies import TierPolicies, block_key
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.saves.reservations import Reservation, Reservations, Reserved
@@ -112,11 +113,11 @@ class Store:
     def _decide(self, req, room_first: bool):
         now = self._clock()
         hashes = [b.hash for b in req.blocks]
-        writing = {h for h in hashes if self._being_written(req.namespace_id, h, now)}
+        writing = {h for h in paced(hashes) if self._being_written(req.namespace_id, h, now)}
         ready = self._index.readable(req.namespace_id, hashes)
         decisions: dict[str, dict] = {}  # hash -> a StoreDecision as plain values
         wanted = []
-        for block in req.blocks:
+        for block in paced(req.blocks):
             if block.hash in ready:
                 decisions[block.hash] = {"hash": block.hash, "status": "exists"}
             elif block.hash in writing:
@@ -159,7 +160,7 @@ class Store:
                 decisions[block.hash] = _rejected(block.hash, "no_worker")
             return 0
         tier, worker = choice
-        need = sum(pages_for(b.nbytes, tier.page_bytes) for b in wanted) * tier.page_bytes
+        need = sum(pages_for(b.nbytes, tier.page_bytes) for b in paced(wanted)) * tier.page_bytes
         if room_first and need > self._pools.free_bytes(tier.id, worker.epoch):
             return _NeedRoom(tier.id, worker.id, need)
         said = hints or NO_HINTS
@@ -168,11 +169,11 @@ class Store:
         def hints_of(block_hash: str) -> Hints:  # what the save said; its tail is marked as one
             return as_tail if block_hash == tail else said
 
-        keys = {b.hash: block_key(namespace_id, b.hash) for b in wanted}
+        keys = {b.hash: block_key(namespace_id, b.hash) for b in paced(wanted)}
         wanted = self._admitted(tier, wanted, decisions, keys, hints_of)
         placed, rejected = [], set()
         allocated = self._pools.allocate_many(tier.id, worker.epoch, [b.nbytes for b in wanted])
-        for block, runs in zip(wanted, allocated):
+        for block, runs in paced(zip(wanted, allocated)):
             if runs is not None and block.parent in rejected:  # a suffix without its prefix is useless
                 self._pools.free(tier.id, worker.epoch, runs)
                 runs = None
@@ -194,8 +195,8 @@ class Store:
     def _admitted(self, tier: PlacementTier, wanted: list, decisions: dict, keys: dict, hints_of) -> list:
         """The blocks the tier's admission lets in; the others (and their suffixes) are rejected."""
         admitted, rejected = [], set()
-        asked = self._policies.admit_many(tier, [(keys[b.hash], b.nbytes, hints_of(b.hash)) for b in wanted])
-        for block, decision in zip(wanted, asked):
+        asked = self._policies.admit_many(tier, [(keys[b.hash], b.nbytes, hints_of(b.hash)) for b in paced(wanted)])
+        for block, decision in paced(zip(wanted, asked)):
             if block.parent in rejected or not isinstance(decision, Admit):
                 reason = ("parent_rejected" if block.parent in rejected else
                           "throttled" if isinstance(decision, Throttled) else "not_admitted")
@@ -209,7 +210,7 @@ class Store:
     def _release(self, reservation: Reservation | None, blocks: list[Reserved]) -> None:
         """Give `blocks`' pages back to the pool (a void epoch's pool takes nothing back)."""
         if reservation is not None:
-            for block in blocks:
+            for block in paced(blocks):
                 self._pools.free(reservation.tier_id, reservation.epoch, block.runs)
 
     @contextmanager
