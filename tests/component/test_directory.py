@@ -193,12 +193,13 @@ def test_lookups_answered_make_tier_sized_work_on_other_threads_rest(stack, monk
     monkeypatch.setattr(pace, "_last_served", float("-inf"))
     monkeypatch.setattr(pace, "WORK_S", 0.0)
     monkeypatch.setattr(pace, "time", SimpleNamespace(perf_counter=time.perf_counter, sleep=rests.append))
-    list(pace.paced(range(32), every=16))
-    assert rests == []  # nobody calls yet
-    stack.client.lookup(stack.namespace_id, ["ab" * 16])
-    assert pace.calls_coming()
-    list(pace.paced(range(32), every=16))  # this thread is not the server's event loop
-    assert rests == [pace.REST_S] * 2
+    with pace.tier_sized():
+        list(pace.paced(range(32), every=16))
+        assert rests == []  # nobody calls yet
+        stack.client.lookup(stack.namespace_id, ["ab" * 16])
+        assert pace.calls_coming()
+        list(pace.paced(range(32), every=16))  # this thread is not the server's event loop
+        assert rests == [pace.REST_S] * 2
 
 
 def test_a_namespace_body_says_what_it_lacks_and_the_document_says_what_it_needs(stack):

@@ -28,25 +28,38 @@ def _served_on_another_thread() -> None:
     answering.join()
 
 
-def test_a_loop_rests_at_every_check_while_calls_come(rests):
+def _tier_sized_loop(n: int = 64) -> list[int]:
+    with pace.tier_sized():
+        return list(pace.paced(range(n), every=16))
+
+
+def test_a_tier_sized_loop_rests_at_every_check_while_calls_come(rests):
     _served_on_another_thread()
-    assert list(pace.paced(range(64), every=16)) == list(range(64))
+    assert _tier_sized_loop() == list(range(64))
     assert rests == [pace.REST_S] * 4
 
 
+def test_a_loop_outside_tier_sized_work_never_rests(rests):
+    _served_on_another_thread()
+    assert list(pace.paced(range(64), every=16)) == list(range(64))  # a small save's step on a thread
+    with pace.tier_sized(False):
+        assert list(pace.paced(range(64), every=16)) == list(range(64))
+    assert rests == []
+
+
 def test_a_loop_never_rests_when_nobody_calls(rests):
-    assert list(pace.paced(range(64), every=16)) == list(range(64))
+    assert _tier_sized_loop() == list(range(64))
     assert rests == []
 
 
 def test_calls_answered_long_ago_are_not_coming(rests, monkeypatch):
     _served_on_another_thread()
     monkeypatch.setattr(pace, "_last_served", time.perf_counter() - 2 * pace.RECENT_S)
-    list(pace.paced(range(64), every=16))
+    _tier_sized_loop()
     assert rests == []
 
 
 def test_the_event_loop_itself_never_rests(rests):
     pace.served()  # this thread answered the call: it is the loop
-    assert list(pace.paced(range(64), every=16)) == list(range(64))
+    assert _tier_sized_loop() == list(range(64))
     assert rests == []

@@ -31,7 +31,7 @@ from kvstore.directory.moves.move import Moves
 from kvstore.directory.tier_policies import TierPolicies, VictimRow, block_key
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.workers.reclaim import Reclaim
-from kvstore.directory.pace import paced
+from kvstore.directory.pace import paced, tier_sized
 from kvstore.directory.db.writer import Tx, Write
 from kvstore.policies import Admit
 
@@ -100,6 +100,11 @@ class Movement:
               limit: int, dry_run: bool) -> dict:
         """Operator eviction: up to `limit` blocks (and `max_bytes`) that the tier's eviction policy
         names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
+        with tier_sized():
+            return self._evict(tier_id, worker_id, max_bytes, namespace_id, limit, dry_run)
+
+    def _evict(self, tier_id: int, worker_id: int, max_bytes: int | None, namespace_id: str | None,
+               limit: int, dry_run: bool) -> dict:
         to_free = max_bytes if max_bytes is not None else 1 << 62
         if dry_run:  # at the bottom every victim would be dropped, above it moved down; read off the writer
             if namespace_id is None:
@@ -204,8 +209,9 @@ class Movement:
         writer (a job that read them held every save's commit for as long: 19 s at 1M blocks)."""
         tier = self._topology.tiers.get(tier_id)
         if tier is not None and not self._policies.built(tier):
-            self._policies.build(tier, lambda fill: self._read(lambda tx: sql.policy_rows(
-                tx.session, tier_id, fill, self._topology.id_of)))
+            with tier_sized():
+                self._policies.build(tier, lambda fill: self._read(lambda tx: sql.policy_rows(
+                    tx.session, tier_id, fill, self._topology.id_of)))
 
     def _victims_from_policy(self, tx: Tx, tier: Tier, to_free: int, protected: set[int],
                              limit: int) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:

@@ -33,7 +33,7 @@ from kvstore.directory.db.index import Index
 from kvstore.directory.db import views
 from kvstore.directory.db.views import WorkerView
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.pace import paced
+from kvstore.directory.pace import paced, tier_sized
 from kvstore.directory.tier_policies import TierPolicies, block_key
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.saves.reservations import Reservation, Reservations, Reserved
@@ -69,8 +69,9 @@ class Store:
     def prepare(self, req) -> dict:
         """Namespace and sizes are checked by the caller. When the page credit cannot hold the new
         blocks, room is made first (by demotion, through workers), then the blocks are placed."""
-        prepared = self._prepare(req, room_first=True)
-        return self._after_room(req, prepared) if isinstance(prepared, _NeedRoom) else self._prepared(prepared)
+        with tier_sized(len(req.blocks) > LOOP_PREPARE_BLOCKS):
+            prepared = self._prepare(req, room_first=True)
+            return self._after_room(req, prepared) if isinstance(prepared, _NeedRoom) else self._prepared(prepared)
 
     async def prepare_async(self, req) -> dict:
         """`prepare` for the event loop: in memory, so answered there; a long request, making room
@@ -210,8 +211,9 @@ class Store:
     def _release(self, reservation: Reservation | None, blocks: list[Reserved]) -> None:
         """Give `blocks`' pages back to the pool (a void epoch's pool takes nothing back)."""
         if reservation is not None:
-            for block in paced(blocks):
-                self._pools.free(reservation.tier_id, reservation.epoch, block.runs)
+            with tier_sized(len(blocks) > LOOP_PREPARE_BLOCKS):
+                for block in paced(blocks):
+                    self._pools.free(reservation.tier_id, reservation.epoch, block.runs)
 
     @contextmanager
     def paused(self):
