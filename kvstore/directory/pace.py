@@ -64,18 +64,21 @@ def tier_sized(really: bool = True):
         _job.on = was
 
 
-def paced(items: Iterable[T], every: int = CHECK_EVERY) -> Iterator[T]:
+def paced(items: Iterable[T], every: int = CHECK_EVERY) -> Iterable[T]:
     """`items`, with a rest of REST_S after each WORK_S spent between them while calls come, inside
-    `tier_sized()`."""
+    `tier_sized()`; outside it `items` themselves (a small save's steps pay nothing)."""
     if not getattr(_job, "on", False) or threading.get_ident() in _loop_threads:
-        yield from items
-        return
+        return items
+    return _resting(items, every)
+
+
+def _resting(items: Iterable[T], every: int) -> Iterator[T]:
     clock, began = time.perf_counter, time.perf_counter()
     for i, item in enumerate(items):
         if i % every == 0:
             now = clock()
             if now - began >= WORK_S:
-                if now - _last_served < RECENT_S:
+                if calls_coming(now):
                     time.sleep(REST_S)
                     now = clock()
                 began = now

@@ -96,15 +96,11 @@ class Movement:
             return 0
         return max(nbytes - free, used + nbytes - int(low_watermark * capacity))
 
+    @tier_sized()
     def evict(self, tier_id: int, worker_id: int, max_bytes: int | None, namespace_id: str | None,
               limit: int, dry_run: bool) -> dict:
         """Operator eviction: up to `limit` blocks (and `max_bytes`) that the tier's eviction policy
         names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
-        with tier_sized():
-            return self._evict(tier_id, worker_id, max_bytes, namespace_id, limit, dry_run)
-
-    def _evict(self, tier_id: int, worker_id: int, max_bytes: int | None, namespace_id: str | None,
-               limit: int, dry_run: bool) -> dict:
         to_free = max_bytes if max_bytes is not None else 1 << 62
         if dry_run:  # at the bottom every victim would be dropped, above it moved down; read off the writer
             if namespace_id is None:
