@@ -6,9 +6,9 @@ A server in this process answers 100-byte requests on an event loop (uvloop and 
 interval the directory runs with), each after about 0.1 ms of Python work, calling `pace.served()`
 after each as the directory's hot path does; a client process sends them one at a time over
 loopback. Beside it: nothing (quiet); a thread computing in Python without pause; the same work in
-another process; the same thread with its loop run through `pace.paced` (as the directory's
-tier-sized work). Each row is the median over `--rounds` of the client's p50/p99, and its p99
-over the quiet one.
+another process; the same thread in a `pace.tier_sized()` job, its loop run through `pace.paced`
+(as the directory's tier-sized work). Each row is the median over `--rounds` of the client's
+p50/p99, and its p99 over the quiet one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 import uvloop
 from common import machine, median, print_table, write_json
 
-from kvstore.directory import pace
+from kvstore.core import pace
 from kvstore.directory.app import GIL_SWITCH_S
 
 MODES = ("quiet", "a thread computing", "a process computing", "a thread computing, paced")
@@ -43,10 +43,11 @@ def _client(port: int, seconds: float, out) -> None:
 
 
 def _compute(stop, paced: bool = False) -> None:
-    while not stop.is_set():
-        total = 0
-        for i in (pace.paced(range(10_000)) if paced else range(10_000)):
-            total += i
+    with pace.tier_sized(paced):
+        while not stop.is_set():
+            total = 0
+            for i in pace.paced(range(10_000)):
+                total += i
 
 
 async def _serve(reader, writer) -> None:
