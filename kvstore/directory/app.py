@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # saves in the thread pool get it while the event loop answers lookups (Python's default, 5 ms,
 # starves them under a lookup load). Tier-sized work (a policy built from SQL, a dry run, a prepare
 # of 100,000 blocks) takes the GIL back every time the event loop makes a system call, and the loop
-# then waits up to this long for it again: such work rests while calls come (`pace.py`); 0.1 ms
+# then waits up to this long for it again: such work rests while calls come (`core/pace.py`); 0.1 ms
 # gave lookups' p99 beside it no clear gain over 0.5 ms.
 GIL_SWITCH_S = 0.0005
 TOKENS_RELOAD_S = 5.0

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.core import heap
-from kvstore.directory.pace import paced
+from kvstore.core.pace import paced
 from kvstore.policies import Backpressure, make_admission, make_eviction
 from kvstore.policies.admission import AdmissionChain, Decision
 from kvstore.policies.hints import NONE as NO_HINTS

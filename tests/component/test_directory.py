@@ -12,7 +12,7 @@ import pytest
 from kvstore.core import specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.keys import Namespace, block_hashes
-from kvstore.directory import pace
+from kvstore.core import pace
 from tests.calls import BLOCK, chain, complete, hits, prepare
 from tests.stacks import DEFAULT_MARKS, NS, PAGE, dram_tier, registration
 

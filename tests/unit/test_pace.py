@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvstore.directory import pace
+from kvstore.core import pace
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, aliased
 from kvstore.directory.db.direct import chunks, driver, json_value, marks, rows, runs_value, shrink
 from kvstore.directory.db.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import MOVING, READY, VISIBLE, WRITING
-from kvstore.directory.pace import paced
+from kvstore.core.pace import paced
 
 
 class VictimReplica(NamedTuple):

@@ -26,10 +26,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from kvstore.core import specs
+from kvstore.core import pace, specs
 from kvstore.core.errors import KVStoreError
 from kvstore.core.sizes import body_length, too_large
-from kvstore.directory import pace, wire
+from kvstore.directory import wire
 from kvstore.directory.db.engine import outage
 from kvstore.directory.http.auth import PRINCIPAL, ROUTES, Guard, Principal
 from kvstore.directory.metrics import UNMATCHED, DirectoryMetrics

@@ -31,7 +31,7 @@ from kvstore.directory.moves.move import Moves
 from kvstore.directory.tier_policies import TierPolicies, VictimRow, block_key
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.workers.reclaim import Reclaim
-from kvstore.directory.pace import paced, tier_sized
+from kvstore.core.pace import paced, tier_sized
 from kvstore.directory.db.writer import Tx, Write
 from kvstore.policies import Admit
 

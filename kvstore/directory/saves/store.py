@@ -33,7 +33,7 @@ from kvstore.directory.db.index import Index
 from kvstore.directory.db import views
 from kvstore.directory.db.views import WorkerView
 from kvstore.directory.metrics import DirectoryMetrics
-from kvstore.directory.pace import paced, tier_sized
+from kvstore.core.pace import paced, tier_sized
 from kvstore.directory.tier_policies import TierPolicies, block_key
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.saves.reservations import Reservation, Reservations, Reserved
