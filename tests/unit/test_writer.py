@@ -249,3 +249,37 @@ def test_a_group_that_only_reads_writes_no_commit_mark_and_every_kind_of_write_d
         writer.run(write)
         assert marks() == done
     writer.close()
+
+
+def test_statements_straight_to_the_driver_fail_as_sqlalchemy_would_and_roll_back_their_job_alone(tmp_path):
+    """`direct` runs its statements on the DBAPI cursor, past SQLAlchemy's execution: what the driver
+    raises still reaches callers as SQLAlchemy's exception kinds (what `engine.outage` reads to
+    answer 503 rather than 500), a job that fails is rolled back without the jobs grouped with it,
+    and a connection the driver reports closed is invalidated, so the pool does not hand it out
+    again."""
+    from sqlalchemy import select
+    from sqlalchemy.exc import DBAPIError, IntegrityError
+
+    from kvstore.directory.db import direct
+
+    sessions = sessions_at(tmp_path)
+    writer = Writer(sessions)
+    insert = "INSERT INTO namespaces (id, spec, created_at) VALUES (?, '{}', 0)"
+    try:
+        writer.run(lambda tx: direct.execute(tx.session, insert, ("ns1",)))
+        with pytest.raises(IntegrityError) as raised:  # the same id again: the driver's IntegrityError
+            writer.run(lambda tx: direct.execute(tx.session, insert, ("ns1",)))
+        assert "namespaces" in str(raised.value) and db.outage(raised.value) is None  # a bug, not an outage
+        with pytest.raises(IntegrityError):
+            writer.run(lambda tx: direct.driver_many(tx.session, insert, [("ns2",), ("ns1",)]))
+        assert writer.run(lambda tx: direct.rows(tx.session, "SELECT id FROM namespaces ORDER BY id")) == [("ns1",)]
+    finally:
+        writer.close()
+
+    with sessions() as session:  # the driver's connection closed under the session: a lost connection
+        session.connection().connection.driver_connection.close()
+        with pytest.raises(DBAPIError) as raised:
+            direct.rows(session, "SELECT 1")
+        assert raised.value.connection_invalidated and db.outage(raised.value) is not None
+        session.rollback()
+        assert session.scalar(select(NamespaceRow.id)) == "ns1"  # a fresh connection from the pool
