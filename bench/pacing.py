@@ -25,7 +25,7 @@ import uvloop
 from common import machine, median, print_table, write_json
 
 from kvstore.core import pace
-from kvstore.directory.app import GIL_SWITCH_S
+from kvstore.directory.process.app import GIL_SWITCH_S
 
 MODES = ("quiet", "a thread computing", "a process computing", "a thread computing, paced")
 

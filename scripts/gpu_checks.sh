@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi -L
 $py - <<'PY' || exit 1
 import torch
-import kvstore.directory.app, kvstore.worker.control, tests.stacks  # noqa: F401  (the services import here)
+import kvstore.directory.process.app, kvstore.worker.control, tests.stacks  # noqa: F401  (the services import here)
 from kvstore.transfer import Agent
 agent = Agent("gpu-check", backends={"UCX": {}})
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())

@@ -30,8 +30,8 @@ from kvstore.core.credentials import TokenCreate
 from kvstore.core.keys import Namespace
 from kvstore.core.pages import PageAllocator
 from kvstore.core.tiers import MEMORY
-from kvstore.directory.app import create_app
-from kvstore.directory.build import build
+from kvstore.directory.process.app import create_app
+from kvstore.directory.process.build import build
 from kvstore.directory.settings import DirectorySettings
 from kvstore.worker.control import ControlServer
 from tests.helpers import MotoServer, ServerThread, free_port, kvstore_cmd, spawn, stop, wait_http, wait_until

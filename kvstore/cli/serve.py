@@ -138,7 +138,7 @@ def directory_serve(
     import uvicorn
 
     from kvstore.core.handoffs import MAX_WAIT_S
-    from kvstore.directory.app import create_app
+    from kvstore.directory.process.app import create_app
     from kvstore.directory.settings import DirectorySettings
 
     service_logging()

@@ -1,5 +1,5 @@
 """This replica's role among directory replicas on one database: whether it leads, under which
-term, why it stopped, how far behind a follower is. The election (`leader.py`) sets it; the
+term, why it stopped, how far behind a follower is. The election (`replica/leader.py`) sets it; the
 commit check (`db/changelog.py`), the service, hand-offs and operators' calls read it.
 
     role = Role(alone)               # alone (one directory on SQLite): it leads from the start

@@ -5,7 +5,7 @@ values; no pydantic model is built per block. `HotPath` answers them in front
 of FastAPI. Until the index is built every hot call answers 503, which a
 connector treats as a miss. On a directory replica that does not lead, every
 call but lookups, health, metrics and stats is sent on to the leader as it
-came (`leader.py`).
+came (`replica/leader.py`).
 
 The OpenAPI document describes these routes with the pydantic specs of
 `kvstore.core.specs` (`document_bodies`), which define the same fields.
@@ -33,7 +33,7 @@ from kvstore.directory import wire
 from kvstore.directory.db.engine import outage
 from kvstore.directory.http.auth import PRINCIPAL, ROUTES, Guard, Principal
 from kvstore.directory.metrics import UNMATCHED, DirectoryMetrics
-from kvstore.directory.service import DirectoryService
+from kvstore.directory.replica.service import DirectoryService
 
 log = logging.getLogger(__name__)
 DATA_THREADS = 32  # loads at once (each may wait on a worker); the framework keeps its own 40 threads

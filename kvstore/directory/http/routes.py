@@ -29,9 +29,9 @@ from kvstore.directory import wire
 from kvstore.directory.admin import Admin
 from kvstore.directory.db.engine import outage
 from kvstore.directory.http.auth import NOBODY, PRINCIPAL, Principal, Tokens
-from kvstore.directory.leader import LAG_S, Leader
+from kvstore.directory.replica.leader import LAG_S, Leader
 from kvstore.directory.namespaces import Namespaces
-from kvstore.directory.service import DirectoryService
+from kvstore.directory.replica.service import DirectoryService
 from kvstore.directory.workers.membership import Membership
 
 log = logging.getLogger(__name__)

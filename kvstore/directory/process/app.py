@@ -15,13 +15,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from kvstore.directory.build import Parts, build
+from kvstore.directory.process.build import Parts, build
 from kvstore.directory.http.auth import Guard, RateLimit, Tokens
 from kvstore.directory.http.hot import HotCalls, HotPath, document_bodies, hot_routes
 from kvstore.directory.http.routes import (ERRORS, add_error_handlers, admin_routes, engine_routes, health_routes,
                                            namespace_routes, token_routes, worker_routes)
-from kvstore.directory.leader import Leader
-from kvstore.directory.service import DirectoryService
+from kvstore.directory.replica.leader import Leader
+from kvstore.directory.replica.service import DirectoryService
 from kvstore.directory.settings import DirectorySettings
 
 log = logging.getLogger(__name__)

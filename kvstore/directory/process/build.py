@@ -19,7 +19,7 @@ from kvstore.directory.db.index import Index
 from kvstore.directory.db.writer import Writer
 from kvstore.directory.handoffs import Handoffs
 from kvstore.directory.http.auth import Tokens
-from kvstore.directory.leader import Leader
+from kvstore.directory.replica.leader import Leader
 from kvstore.directory.loads.loads import Loads
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.moves.move import Moves
@@ -27,10 +27,10 @@ from kvstore.directory.moves.orphans import Orphans
 from kvstore.directory.moves.spread import Spread
 from kvstore.directory.moves.tiers import Movement
 from kvstore.directory.namespaces import Namespaces
-from kvstore.directory.reaper import Reaper
+from kvstore.directory.replica.reaper import Reaper
 from kvstore.directory.saves.reservations import Reservations
 from kvstore.directory.saves.store import Store
-from kvstore.directory.service import DirectoryService
+from kvstore.directory.replica.service import DirectoryService
 from kvstore.directory.settings import DirectorySettings
 from kvstore.directory.tier_policies import TierPolicies
 from kvstore.directory.workers.calls import WorkerCalls

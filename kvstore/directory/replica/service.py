@@ -1,5 +1,5 @@
 """A directory replica's hot calls, checked (the caller's namespace, its tenants), and the replica as
-its election sees it (start, follow, step down). `build.py` wires its parts; namespaces and
+its election sees it (start, follow, step down). `process/build.py` wires its parts; namespaces and
 operators' calls are `namespaces.py` and `admin.py`.
 
 Calls, in the order a block lives through them:
@@ -39,7 +39,7 @@ from kvstore.directory.loads.loads import Loads
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.moves.tiers import Movement
 from kvstore.directory.namespaces import Namespaces
-from kvstore.directory.reaper import Reaper
+from kvstore.directory.replica.reaper import Reaper
 from kvstore.directory.saves.checks import check_blocks, verified
 from kvstore.directory.saves.reservations import Reservations
 from kvstore.directory.saves.store import Store
