@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from kvstore.client.http import JsonHttp
-from kvstore.core import moving, specs
+from kvstore.core import moving, page_calls
 
 
 class WorkerControlClient(JsonHttp):
-    def allocate(self, body: specs.AllocRequest) -> specs.AllocResult:
-        return self.call("POST", "/v1/alloc", body, specs.AllocResult)
+    def allocate(self, body: page_calls.AllocRequest) -> page_calls.AllocResult:
+        return self.call("POST", "/v1/alloc", body, page_calls.AllocResult)
 
-    def free(self, body: specs.FreeRequest) -> None:
+    def free(self, body: page_calls.FreeRequest) -> None:
         self.call_raw("POST", "/v1/free", body)
 
-    def grant(self, body: specs.GrantRequest) -> specs.GrantResult:
-        return self.call("POST", "/v1/grant", body, specs.GrantResult)
+    def grant(self, body: page_calls.GrantRequest) -> page_calls.GrantResult:
+        return self.call("POST", "/v1/grant", body, page_calls.GrantResult)
 
     def move(self, body: moving.MoveRequest, timeout_s: float | None = None) -> moving.MoveResult:
         return self.call("POST", "/v1/move", body, moving.MoveResult, timeout_s)

@@ -8,10 +8,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kvstore.core.specs import MAX_BLOCKS, BlockBytes, Checksum, PageRun, TierKind, _Spec
+from kvstore.core.specs import MAX_BLOCKS, BlockBytes, Checksum, PageRun, TierKind, Spec
 
 
-class MoveItem(_Spec):
+class MoveItem(Spec):
     """Directory -> worker: copy one block between two of the worker's tiers."""
 
     src_kind: TierKind
@@ -34,7 +34,7 @@ class MoveItem(_Spec):
         return self
 
 
-class Peer(_Spec):
+class Peer(Spec):
     """Directory -> worker: another worker whose DRAM a move writes into (worker to worker, UCX)."""
 
     agent_name: str = Field(max_length=200)
@@ -43,7 +43,7 @@ class Peer(_Spec):
     page_bytes: int = Field(gt=0)
 
 
-class MoveRequest(_Spec):
+class MoveRequest(Spec):
     items: list[MoveItem] = Field(min_length=1)
     peer: Peer | None = Field(None, description="every item goes to this worker's DRAM (dst_runs are its pages)")
     expires_at: float | None = Field(None, description="unix time after which the worker must not start "
@@ -53,7 +53,7 @@ class MoveRequest(_Spec):
 MoveCode = Literal["ok", "source_corrupt", "failed", "expired", "unreachable"]
 
 
-class MoveResult(_Spec):
+class MoveResult(Spec):
     ok: list[bool]
     errors: list[str | None]
     codes: list[MoveCode] = Field([], description="per item; source_corrupt: the source failed its checksum "
@@ -71,18 +71,18 @@ class MoveResult(_Spec):
         return self
 
 
-class FenceRequest(_Spec):
+class FenceRequest(Spec):
     """Directory -> worker: moves whose answer the directory does not have (see worker/fencing.py)."""
 
     tokens: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(min_length=1, max_length=MAX_BLOCKS)
 
 
-class FenceResult(_Spec):
+class FenceResult(Spec):
     settled: list[bool] = Field(description="per token; true: nothing writes under it here any more, and a "
                                 "move under it that arrives later is refused")
 
 
-class VerifyItem(_Spec):
+class VerifyItem(Spec):
     """Directory -> worker: does the replica in these pages still hash to `checksum`?"""
 
     kind: TierKind
@@ -91,9 +91,9 @@ class VerifyItem(_Spec):
     checksum: Checksum
 
 
-class VerifyRequest(_Spec):
+class VerifyRequest(Spec):
     items: list[VerifyItem] = Field(min_length=1, max_length=MAX_BLOCKS)
 
 
-class VerifyResult(_Spec):
+class VerifyResult(Spec):
     matches: list[bool | None] = Field(description="per item; null: this worker cannot read that tier")

@@ -28,11 +28,13 @@ def _at_most_blocks(lists: list[list[str]], what: str) -> list[list[str]]:
     return lists
 
 
-class _Spec(BaseModel):
+class Spec(BaseModel):
+    """What every wire value here is: immutable, and no field it does not define."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class TierSpec(_Spec):
+class TierSpec(Spec):
     """A tier as a worker announces it at registration. `device` here and in a ReplicaLocation is written only
     when it is not 0: a directory or an engine from before the field refuses fields it does not know."""
 
@@ -45,7 +47,7 @@ class TierSpec(_Spec):
     low_watermark: float = Field(0.85, gt=0, le=1)
 
 
-class PageRun(_Spec):
+class PageRun(Spec):
     """`count` pages starting at page `first`."""
 
     first: int = Field(ge=0, lt=1 << 40)
@@ -71,7 +73,7 @@ def page_spans(base: int, page_bytes: int, runs, nbytes: int) -> list[tuple[int,
     return spans
 
 
-class Survivor(_Spec):
+class Survivor(Spec):
     """A replica found on a durable tier when a worker starts (restart recovery)."""
 
     kind: TierKind
@@ -83,7 +85,7 @@ class Survivor(_Spec):
     checksum: str | None = Field(None, description="None: unknown (S3 listings); such blocks are not adopted")
 
 
-class WorkerRegistration(_Spec):
+class WorkerRegistration(Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$", description="letters, digits, . _ -")
     agent_name: str = Field(pattern=r"^[!-~]{1,200}$")
     agent_metadata: str = Field(min_length=4, max_length=16 << 20, pattern=r"^(?:[A-Za-z0-9+/]{4})+$|^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)$",
@@ -98,17 +100,17 @@ class WorkerRegistration(_Spec):
     control_secret: str | None = Field(None, min_length=32, max_length=128, description="directory calls carry it")
 
 
-class Registered(_Spec):
+class Registered(Spec):
     worker: str
     epoch: int
     heartbeat_interval_s: float
 
 
-class Heartbeat(_Spec):
+class Heartbeat(Spec):
     epoch: int
 
 
-class WorkerInfo(_Spec):
+class WorkerInfo(Spec):
     name: str
     agent_name: str
     epoch: int
@@ -120,7 +122,7 @@ class WorkerInfo(_Spec):
     agent_metadata: str | None = None
 
 
-class ReplicaLocation(_Spec):
+class ReplicaLocation(Spec):
     """Where a replica's bytes are: absolute (addr, nbytes) runs in a worker's memory."""
 
     worker: str
@@ -131,13 +133,13 @@ class ReplicaLocation(_Spec):
     device: int = Field(0, ge=0, lt=1 << 16, exclude_if=lambda d: not d, description="an HBM tier's CUDA device")
 
 
-class BlockToStore(_Spec):
+class BlockToStore(Spec):
     hash: str = Field(pattern=HEX_HASH)
     parent: str | None = Field(None, pattern=HEX_HASH)
     nbytes: BlockBytes
 
 
-class RequestHints(_Spec):
+class RequestHints(Spec):
     """What an engine says about a save's request, for the eviction and admission policies.
     Advisory: a missing or wrong hint costs hit ratio, never correctness."""
 
@@ -149,7 +151,7 @@ class RequestHints(_Spec):
     priority: int = Field(0, ge=-100, le=100, description="above 0: keep longer; below 0: evict sooner")
 
 
-class PrepareStore(_Spec):
+class PrepareStore(Spec):
     namespace_id: NamespaceId
     blocks: list[BlockToStore] = Field(min_length=1, max_length=MAX_BLOCKS)
     writer: str = Field("", max_length=200)
@@ -161,7 +163,7 @@ class PrepareStore(_Spec):
 StoreStatus = Literal["admitted", "exists", "in_progress", "rejected"]
 
 
-class StoreDecision(_Spec):
+class StoreDecision(Spec):
     hash: str
     status: StoreStatus
     reason: str | None = None  # rejected: no_worker, no_space, not_admitted, throttled, parent_rejected
@@ -169,53 +171,53 @@ class StoreDecision(_Spec):
     location: ReplicaLocation | None = None
 
 
-class StorePrepared(_Spec):
+class StorePrepared(Spec):
     token: str | None = Field(description="reservation token; null when nothing was admitted")
     expires_at: float | None = None
     blocks: list[StoreDecision]
 
 
-class BlockWritten(_Spec):
+class BlockWritten(Spec):
     hash: str = Field(pattern=HEX_HASH)
     ok: bool
     checksum: Checksum | None = None
 
 
-class CompleteStore(_Spec):
+class CompleteStore(Spec):
     token: str = Field(max_length=64)
     blocks: list[BlockWritten] = Field(max_length=MAX_BLOCKS)
 
 
-class StoreCompleted(_Spec):
+class StoreCompleted(Spec):
     committed: int
     rolled_back: int
 
 
-class TokenBody(_Spec):
+class TokenBody(Spec):
     token: str = Field(max_length=64)
 
 
-class LookupRequest(_Spec):
+class LookupRequest(Spec):
     namespace_id: NamespaceId
     hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
     locations: bool = Field(False, description="also answer each hit block's replica location and checksum")
 
 
-class LookupBatchRequest(_Spec):
+class LookupBatchRequest(Spec):
     namespace_id: NamespaceId
     prompts: list[list[HexHash]] = Field(max_length=4096)
 
     _bounded = field_validator("prompts")(lambda lists: _at_most_blocks(lists, "prompts"))
 
 
-class BlockHit(_Spec):
+class BlockHit(Spec):
     hash: str
     nbytes: int
     checksum: str
     location: ReplicaLocation
 
 
-class LookupResult(_Spec):
+class LookupResult(Spec):
     num_hit_blocks: int
     blocks: list[BlockHit] = Field([], description="the hits, only when the request asked for locations")
     by_tier: dict[str, int]
@@ -227,24 +229,24 @@ class LookupResult(_Spec):
         return [kind for kind, n in self.tier_runs for _ in range(n)]
 
 
-class LookupBatchResult(_Spec):
+class LookupBatchResult(Spec):
     results: list[LookupResult]
 
 
-class TokenLookupRequest(_Spec):
+class TokenLookupRequest(Spec):
     namespace_id: NamespaceId
     token_ids: list[int] = Field(max_length=MAX_TOKEN_IDS, description=f"at most {MAX_TOKEN_IDS}, and at most "
                                  f"{MAX_BLOCKS} blocks of the namespace's block_tokens")
     hash_seed: str | None = Field(None, max_length=256, description="vLLM namespaces: the engines' PYTHONHASHSEED")
 
 
-class TokenLookupResult(_Spec):
+class TokenLookupResult(Spec):
     hit_tokens: int
     num_hit_blocks: int
     block_tokens: int
 
 
-class PrepareLoad(_Spec):
+class PrepareLoad(Spec):
     namespace_id: NamespaceId
     hashes: list[HexHash] = Field(max_length=MAX_BLOCKS)
     reader: str = Field("", max_length=200)
@@ -252,7 +254,7 @@ class PrepareLoad(_Spec):
                        "by their workers (needs a reader)")
 
 
-class LoadPrepared(_Spec):
+class LoadPrepared(Spec):
     token: str | None
     expires_at: float | None
     blocks: list[BlockHit]
@@ -262,7 +264,7 @@ class LoadPrepared(_Spec):
                                     "DRAM hits, what lets it push them into the reader's memory")
 
 
-class PrepareLoads(_Spec):
+class PrepareLoads(Spec):
     """Several prefixes leased at once (an engine step's loads): one token, each block pinned once."""
     namespace_id: NamespaceId
     chains: list[list[HexHash]] = Field(max_length=4096)
@@ -271,31 +273,31 @@ class PrepareLoads(_Spec):
     _bounded = field_validator("chains")(lambda lists: _at_most_blocks(lists, "chains"))
 
 
-class LoadsPrepared(_Spec):
+class LoadsPrepared(Spec):
     token: str | None  # null when no chain had a hit
     expires_at: float | None
     chains: list[list[BlockHit]]  # the leading hits of each chain, in the request's order
     more: list[int] = []  # per chain: as LoadPrepared.more
 
 
-class BlockRead(_Spec):
+class BlockRead(Spec):
     hash: HexHash
     ok: bool
 
 
-class CompleteLoad(_Spec):
+class CompleteLoad(Spec):
     token: str = Field(max_length=64)
     blocks: list[BlockRead] = Field([], max_length=MAX_BLOCKS, description="blocks whose bytes did not match "
                                      "their checksum (ok: false), whose replicas are invalidated; a block not "
                                      "listed was read well")
 
 
-class LoadCompleted(_Spec):
+class LoadCompleted(Spec):
     released: int
     invalidated: int
 
 
-class TierUsage(_Spec):
+class TierUsage(Spec):
     worker: str
     kind: TierKind
     capacity_bytes: int | None
@@ -315,7 +317,7 @@ class TierUsage(_Spec):
         return self.kv_bytes / self.block_bytes if self.block_bytes else None
 
 
-class Stats(_Spec):
+class Stats(Spec):
     blocks: int
     replicas: int
     reservations: int  # replicas being written: engine stores and move destinations
@@ -332,55 +334,12 @@ class Stats(_Spec):
     term: int = 0  # the leading replica's term, as the database says (raised by each new leader)
 
 
-class Renewed(_Spec):
+class Renewed(Spec):
     token: str
     expires_at: float
 
 
-class AllocRequest(_Spec):
-    """Directory -> worker: reserve pages for each size, all-or-nothing per item."""
-
-    token: str
-    kind: TierKind
-    sizes: list[int]
-
-
-class AllocResult(_Spec):
-    runs: list[list[PageRun] | None]
-
-
-class GrantRequest(_Spec):
-    """Directory -> worker: page credit, up to `max_pages` free pages of a memory tier at once."""
-
-    token: str = Field(min_length=1, max_length=64)
-    kind: TierKind
-    max_pages: int = Field(gt=0)
-
-
-class GrantResult(_Spec):
-    runs: list[PageRun]
-
-
-class FreeItem(_Spec):
-    token: str = Field(max_length=64)
-    runs: list[PageRun] = Field(max_length=1 << 16)
-    object: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}/[0-9a-f]{2,128}$", description="s3: '<ns_id>/<hash>'")
-    all_pages: bool = Field(False, exclude_if=lambda v: not v, description="every NVMe page the token holds (runs "
-                            "empty): the destinations of a move whose answer the directory lost, and so never "
-                            "learnt their pages; written only when true")
-
-    @model_validator(mode="after")
-    def _whole_token(self) -> FreeItem:
-        if self.all_pages and (self.runs or self.object is not None):
-            raise ValueError("all_pages frees what the token holds: no runs and no object with it")
-        return self
-
-
-class FreeRequest(_Spec):
-    items: list[FreeItem]
-
-
-class EvictRequest(_Spec):
+class EvictRequest(Spec):
     """Without `tier`: drop every replica (of one namespace, or all). With `tier`: least recently
     used blocks of that tier go one tier down (dropped at the bottom), up to `bytes` or `limit`."""
 
@@ -399,14 +358,14 @@ class EvictRequest(_Spec):
                       "S3 included; refused unless said")
 
 
-class Evicted(_Spec):
+class Evicted(Spec):
     replicas: int
     bytes: int = 0
     demoted: int = 0
     dropped: int = 0
 
 
-class NamespacePolicy(_Spec):
+class NamespacePolicy(Spec):
     """How the directory keeps a namespace's blocks; does not change its keys."""
 
     write_through: bool = Field(False, description="also keep a copy of every block in S3, for durability")

@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler
 
 from pydantic import ValidationError
 
-from kvstore.core import moving, push, specs
+from kvstore.core import moving, page_calls, push, specs
 from kvstore.core.errors import KVStoreError, error_list
 from kvstore.core.pages import PageAllocator
 from kvstore.core.servers import BoundedServer, BoundedServer6
@@ -127,16 +127,11 @@ class ControlServer:
                  for kind, a in self.allocators.items()}
         return self.metrics.render(tiers)
 
-    def allocate(self, req: specs.AllocRequest) -> specs.AllocResult:
+    def allocate(self, req: page_calls.AllocRequest) -> page_calls.AllocResult:
         if req.kind in self.object_tiers:  # objects need no pages: one per block, unbounded
-            return specs.AllocResult(runs=[[] for _ in req.sizes])
-        allocator = self._allocator(req.kind)
-        runs = []
-        for nbytes in req.sizes:
-            if nbytes <= 0:
-                raise KVStoreError("invalid", "sizes must be positive", size=nbytes)
-            runs.append(allocator.allocate(req.token, nbytes))
-        return specs.AllocResult(runs=runs)
+            return page_calls.AllocResult(runs=[[] for _ in req.sizes])
+        allocator = self._allocator(req.kind)  # sizes are positive and bounded (`AllocRequest`)
+        return page_calls.AllocResult(runs=[allocator.allocate(req.token, nbytes) for nbytes in req.sizes])
 
     def new_epoch(self) -> None:
         """The worker joins under a new epoch: its memory tiers (DRAM and HBM) start empty, every page
@@ -145,12 +140,12 @@ class ControlServer:
             if kind in MEMORY:
                 allocator.reset()
 
-    def grant(self, req: specs.GrantRequest) -> specs.GrantResult:
+    def grant(self, req: page_calls.GrantRequest) -> page_calls.GrantResult:
         if req.kind not in ("hbm", "dram"):
             raise KVStoreError("invalid", "only memory tiers are granted", tier=req.kind)
-        return specs.GrantResult(runs=self._allocator(req.kind).grant(req.token, req.max_pages))
+        return page_calls.GrantResult(runs=self._allocator(req.kind).grant(req.token, req.max_pages))
 
-    def free(self, req: specs.FreeRequest) -> int:
+    def free(self, req: page_calls.FreeRequest) -> int:
         freed = 0
         for item in req.items:
             if item.object is not None:
@@ -278,9 +273,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(404, KVStoreError("not_found", f"no route {self.path}").to_body())
 
     def do_POST(self) -> None:  # noqa: N802
-        routes = {"/v1/grant": (specs.GrantRequest, lambda b: self.control.grant(b).model_dump()),
-                  "/v1/alloc": (specs.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
-                  "/v1/free": (specs.FreeRequest, lambda b: {"freed": self.control.free(b)}),
+        routes = {"/v1/grant": (page_calls.GrantRequest, lambda b: self.control.grant(b).model_dump()),
+                  "/v1/alloc": (page_calls.AllocRequest, lambda b: self.control.allocate(b).model_dump()),
+                  "/v1/free": (page_calls.FreeRequest, lambda b: {"freed": self.control.free(b)}),
                   "/v1/move": (moving.MoveRequest, lambda b: self.control.move(b).model_dump()),
                   "/v1/verify": (moving.VerifyRequest, lambda b: self.control.verify(b).model_dump()),
                   "/v1/fence": (moving.FenceRequest, lambda b: self.control.settle(b).model_dump()),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from kvstore.core import moving, specs
+from kvstore.core import moving, page_calls, specs
+from kvstore.core.keys import MAX_BLOCK_BYTES
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import MAX_BODY, ControlServer
 from tests.helpers import raw_request
@@ -37,6 +39,11 @@ def test_bad_lengths_and_bodies_get_error_bodies(control):
     assert (status, body["error"]) == (400, "invalid")
     status, body = raw_request(control, post("/v1/nowhere", "2"), b"{}")
     assert (status, body["error"]) == (404, "not_found")
+    for bad in ({"token": "t" * 65, "kind": "dram", "sizes": [128]}, {"token": "", "kind": "dram", "sizes": [128]},
+                {"token": "t", "kind": "dram", "sizes": [MAX_BLOCK_BYTES + 1]}, {"token": "t", "kind": "dram", "sizes": [0]}):
+        body_bytes = json.dumps(bad).encode()
+        status, body = raw_request(control, post("/v1/alloc", str(len(body_bytes))), body_bytes)
+        assert (status, body["error"]) == (400, "invalid"), bad
 
 
 def test_a_bug_is_answered_not_a_dropped_connection(control):
@@ -68,7 +75,7 @@ def test_only_the_holder_of_the_workers_secret_is_served():
     server = ControlServer({"dram": PageAllocator(8, 128)}, secret=secret)
     server.start()
     try:
-        body = specs.AllocRequest(token="t", kind="dram", sizes=[128])
+        body = page_calls.AllocRequest(token="t", kind="dram", sizes=[128])
         for forged in (None, "s" * 42, secret + "x", "Basic " + secret):
             client = WorkerControlClient(server.url, timeout_s=5, token=forged)
             with pytest.raises(KVStoreError) as refused:
@@ -193,11 +200,11 @@ def test_a_new_epoch_frees_every_memory_tier_and_keeps_nvme():
     save to a single-HBM-worker host was refused no_space); NVMe keeps what survives restarts."""
     server = ControlServer({"dram": PageAllocator(8, 128), "hbm": PageAllocator(8, 128), "nvme": PageAllocator(8, 128)})
     for kind in ("dram", "hbm"):
-        assert server.grant(specs.GrantRequest(token="g", kind=kind, max_pages=8)).runs
-    server.allocate(specs.AllocRequest(token="t", kind="nvme", sizes=[256]))
+        assert server.grant(page_calls.GrantRequest(token="g", kind=kind, max_pages=8)).runs
+    server.allocate(page_calls.AllocRequest(token="t", kind="nvme", sizes=[256]))
     server.new_epoch()
     assert [server.allocators[k].free_pages for k in ("dram", "hbm", "nvme")] == [8, 8, 6]
-    assert server.grant(specs.GrantRequest(token="g2", kind="hbm", max_pages=8)).runs == [
+    assert server.grant(page_calls.GrantRequest(token="g2", kind="hbm", max_pages=8)).runs == [
         specs.PageRun(first=0, count=8)]
 
 
@@ -234,7 +241,7 @@ def test_the_worker_places_pages_names_them_and_fails_only_what_does_not_fit():
         assert nvme.owns("m1", answer.dst_runs[0] + answer.dst_runs[2]) and nvme.free_pages == 2
         plain = client.move(moving.MoveRequest(items=[_placed("m2", allocate=False, dst_runs=[])]))
         assert plain.dst_runs == []  # nothing placed, nothing named
-        client.free(specs.FreeRequest(items=[specs.FreeItem(token="m1", runs=[], all_pages=True)]))
+        client.free(page_calls.FreeRequest(items=[page_calls.FreeItem(token="m1", runs=[], all_pages=True)]))
         assert nvme.free_pages == 5 and nvme.owned_tokens() == set()
         late = client.move(moving.MoveRequest(items=[_placed("m1", 4096)]))  # given back: a late move is refused
         assert late.codes == ["expired"] and nvme.free_pages == 5 and len(seen) == 2

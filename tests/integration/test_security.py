@@ -22,7 +22,7 @@ from cryptography.x509.oid import NameOID
 from kvstore.client import DirectoryClient
 from kvstore.client.worker import WorkerControlClient
 from kvstore.connector import KVStoreClient, Namespace
-from kvstore.core import specs
+from kvstore.core import page_calls
 from kvstore.core.errors import KVStoreError
 from tests.helpers import free_port, kvstore_cmd, spawn, stop, wait_http, wait_until
 
@@ -119,7 +119,7 @@ def test_tls_tokens_and_tenants_end_to_end(tmp_path):
         assert other_tenant.value.kind == "forbidden"
         with pytest.raises(KVStoreError) as forged:  # the worker serves only the directory
             WorkerControlClient(control_url, ca_file=ca, token=admin).allocate(
-                specs.AllocRequest(token="mine", kind="dram", sizes=[16384]))
+                page_calls.AllocRequest(token="mine", kind="dram", sizes=[16384]))
         assert forged.value.kind == "unauthorized"
         assert operator.stats().blocks == 4
     finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvstore.core import moving, specs
+from kvstore.core import moving, page_calls, specs
 from kvstore.worker.nvme import NvmeTier
 
 PAGE = 4096
@@ -26,9 +26,9 @@ def test_the_wire_values_refuse_placement_that_cannot_be_meant():
     with pytest.raises(ValidationError):
         item("t", dst_kind="dram")  # memory tiers are the directory's to place
     with pytest.raises(ValidationError):
-        specs.FreeItem(token="t", runs=[specs.PageRun(first=0, count=1)], all_pages=True)
+        page_calls.FreeItem(token="t", runs=[specs.PageRun(first=0, count=1)], all_pages=True)
     with pytest.raises(ValidationError):
-        specs.FreeItem(token="t", runs=[], object="00/ab", all_pages=True)
+        page_calls.FreeItem(token="t", runs=[], object="00/ab", all_pages=True)
 
 
 def test_forgetting_a_whole_token_frees_every_block_recorded_under_it(tmp_path):
@@ -55,7 +55,7 @@ def test_the_new_fields_stay_off_the_wire_at_their_defaults():
     answer = moving.MoveResult(ok=[True], errors=[None], codes=["ok"])
     assert set(answer.model_dump()) == {"ok", "errors", "codes"}
     assert "allocate" not in item("t", allocate=False, dst_runs=[]).model_dump()
-    assert "all_pages" not in specs.FreeItem(token="t", runs=[]).model_dump()
+    assert "all_pages" not in page_calls.FreeItem(token="t", runs=[]).model_dump()
     placed = moving.MoveResult(ok=[True], errors=[None], codes=["ok"], dst_runs=[[specs.PageRun(first=0, count=1)]])
     assert item("t").model_dump()["allocate"] is True and placed.model_dump()["dst_runs"]
 

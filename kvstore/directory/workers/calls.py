@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pydantic import ValidationError
 
 from kvstore.client.worker import WorkerControlClient
-from kvstore.core import moving, specs
+from kvstore.core import moving, page_calls, specs
 from kvstore.core.errors import KVStoreError
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class WorkerCalls:
             probe.close()
 
     def grant(self, url: str, kind: str, token: str, max_pages: int) -> list[specs.PageRun]:
-        return self.client(url).grant(specs.GrantRequest(token=token, kind=kind, max_pages=max_pages)).runs
+        return self.client(url).grant(page_calls.GrantRequest(token=token, kind=kind, max_pages=max_pages)).runs
 
     def move(self, url: str, items: list[moving.MoveItem], deadline: float,
              peer: moving.Peer | None = None, timeout_s: float | None = None) -> moving.MoveResult:
@@ -117,7 +117,7 @@ class WorkerCalls:
         def free() -> None:
             for start in range(0, len(items), FREE_ITEMS_PER_CALL):
                 chunk = items[start : start + FREE_ITEMS_PER_CALL]
-                body = specs.FreeRequest(items=[specs.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]],
+                body = page_calls.FreeRequest(items=[page_calls.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]],
                                                                object=i[2] if len(i) > 2 else None,
                                                                all_pages=len(i) > 3 and i[3]) for i in chunk])
                 try:
