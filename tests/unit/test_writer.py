@@ -251,12 +251,12 @@ def test_a_group_that_only_reads_writes_no_commit_mark_and_every_kind_of_write_d
     writer.close()
 
 
-def test_statements_straight_to_the_driver_fail_as_sqlalchemy_would_and_roll_back_their_job_alone(tmp_path):
+def test_statements_straight_to_the_driver_fail_as_sqlalchemy_would_and_roll_back_their_job(tmp_path):
     """`direct` runs its statements on the DBAPI cursor, past SQLAlchemy's execution: what the driver
     raises still reaches callers as SQLAlchemy's exception kinds (what `engine.outage` reads to
-    answer 503 rather than 500), a job that fails is rolled back without the jobs grouped with it,
-    and a connection the driver reports closed is invalidated, so the pool does not hand it out
-    again."""
+    answer 503 rather than 500), a job that fails is rolled back with what its statement wrote
+    before failing, and a connection the driver reports closed is invalidated, so the pool does not
+    hand it out again."""
     from sqlalchemy import select
     from sqlalchemy.exc import DBAPIError, IntegrityError
 
