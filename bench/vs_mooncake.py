@@ -211,7 +211,7 @@ def mooncake_side(args) -> dict:
     port, logs = free_port(), open(Path(args.tmp) / "mooncake.log", "ab")
     master = subprocess.Popen([str(bin_dir / "mooncake_master"), "--rpc_port", str(port), "--rpc_address",
                                "127.0.0.1", "--metrics_port", str(free_port()), "--enable_metric_reporting=false",
-                               "--default_kv_lease_ttl", "50"], stdout=logs, stderr=subprocess.STDOUT)
+                               "--default_kv_lease_ttl", "1000"], stdout=logs, stderr=subprocess.STDOUT)
     # room for everything the run puts, so that no eviction ever takes a key the run reads
     segment = parse_size(args.batch_bytes) * (args.repeats + 1) * len(args.sizes.split(",")) \
         + args.keys * SMALL * (2 + len(args.clients)) \
