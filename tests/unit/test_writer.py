@@ -283,3 +283,9 @@ def test_statements_straight_to_the_driver_fail_as_sqlalchemy_would_and_roll_bac
         assert raised.value.connection_invalidated and db.outage(raised.value) is not None
         session.rollback()
         assert session.scalar(select(NamespaceRow.id)) == "ns1"  # a fresh connection from the pool
+
+    with sessions.kw["bind"].connect() as connection:  # SQLite's BEGIN, sent to the driver the same way
+        connection.connection.driver_connection.close()
+        with pytest.raises(DBAPIError) as raised:
+            connection.begin()
+        assert raised.value.connection_invalidated and db.outage(raised.value) is not None

@@ -4,7 +4,7 @@
     rows(session, sql, params) / execute(session, sql, params) / driver_many(session, sql, rows)
     stream(session, sql, params, size)          # a large read, `size` rows at a time
     insert_blocks                               # multi-row INSERTs, ids assigned here
-    insert_replicas                             # multi-row INSERTs ... RETURNING
+    insert_replicas                             # multi-row INSERTs, ids assigned here
     set_states(session, {replica id: state})
     expire_loaded(session, model, ids)          # after a driver UPDATE of rows the ORM may hold
 
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import json
 
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from kvstore.directory.db.engine import on_driver
 from kvstore.directory.db.models import Replica
 from kvstore.directory.db.models.replica import READY
 
@@ -80,26 +80,11 @@ def rows(session: Session, sql: str, params: tuple = ()) -> list[tuple]:
 
 
 def _cursor_run(session: Session, sql: str, params, many: bool = False, fetch: bool = False):
-    """`sql` on a cursor of the session's DBAPI connection, in its transaction. SQLAlchemy's own
-    execution (`exec_driver_sql`) costs 20-40 µs a statement here, where the driver takes 2-3: a save
-    runs about six. What the driver raises is raised as SQLAlchemy raises it (`DBAPIError` and its
-    kinds: `engine.unreachable` reads them), and a connection the driver reports lost is invalidated,
-    as SQLAlchemy would."""
+    """`sql` on a cursor of the session's DBAPI connection, in its transaction (`engine.on_driver`).
+    SQLAlchemy's own execution (`exec_driver_sql`) cost 20-50 µs a statement here, where the driver
+    takes 2-3: a save runs about six."""
     connection, sql = driver(session, sql)
-    dialect, cursor = connection.dialect, None
-    try:
-        cursor = connection.connection.driver_connection.cursor()
-        (cursor.executemany if many else cursor.execute)(sql, params)
-        return cursor.fetchall() if fetch else None
-    except dialect.loaded_dbapi.Error as exc:
-        lost = dialect.is_disconnect(exc, connection.connection.dbapi_connection, cursor)
-        if lost:
-            connection.invalidate(exc)
-        raise DBAPIError.instance(sql, params, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost,
-                                  dialect=dialect) from exc
-    finally:
-        if cursor is not None and not connection.invalidated:
-            cursor.close()
+    return on_driver(connection, sql, params, many, fetch)
 
 
 def stream(session: Session, sql: str, params: tuple = (), size: int = 20_000):

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kvstore.core.errors import KVStoreError
 
-__all__ = ["Engine", "Session", "sessionmaker", "make_engine", "make_sessions", "upgrade", "schema", "backup",
-           "unreachable", "outage"]  # the SQLAlchemy types too: the rest of the directory names them from here
+__all__ = ["Engine", "Session", "sessionmaker", "make_engine", "make_sessions", "on_driver", "upgrade", "schema",
+           "backup", "unreachable", "outage"]  # the SQLAlchemy types too: the rest of the directory names them from here
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"  # shipped inside the package (wheel included)
 SQLITE_PRAGMAS = (
@@ -43,7 +43,7 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _begin(conn):  # straight to the driver: SQLAlchemy's execution costs ten times SQLite's BEGIN
-            conn.connection.driver_connection.execute("BEGIN")
+            on_driver(conn, "BEGIN", ())
 
         return engine
     # psycopg prepares a statement on the server after 5 runs and PostgreSQL may then keep a generic
@@ -51,6 +51,32 @@ def make_engine(url: str) -> Engine:
     # once the table holds millions of blocks. Planned per execution instead.
     connect_args = {"prepare_threshold": None} if url.startswith("postgresql+psycopg") else {}
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10, connect_args=connect_args)
+
+
+def on_driver(connection, sql: str, params, many: bool = False, fetch: bool = False):
+    """`sql` on a cursor of `connection`'s DBAPI connection (in its transaction), past SQLAlchemy's
+    execution. What the driver raises is raised as SQLAlchemy raises it (`DBAPIError` and its kinds,
+    which `outage` reads), and a connection the driver reports lost is invalidated, as is one
+    interrupted mid-statement; SQLAlchemy's execution events and statement logging do not see it."""
+    dialect, cursor = connection.dialect, None
+    try:
+        cursor = connection.connection.driver_connection.cursor()
+        (cursor.executemany if many else cursor.execute)(sql, params)
+        return cursor.fetchall() if fetch else None
+    except dialect.loaded_dbapi.Error as exc:
+        lost = dialect.is_disconnect(exc, connection.connection.dbapi_connection, cursor)
+        if lost:
+            connection.invalidate(exc)
+        raise DBAPIError.instance(sql, params, exc, dialect.loaded_dbapi.Error,
+                                  hide_parameters=connection.engine.hide_parameters, connection_invalidated=lost,
+                                  dialect=dialect, ismulti=many) from exc
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # interrupted: the connection's state is unknown
+            connection.invalidate(exc)
+        raise
+    finally:
+        if cursor is not None and not connection.invalidated:
+            cursor.close()
 
 
 def make_sessions(engine: Engine) -> sessionmaker[Session]:

@@ -1,6 +1,6 @@
 """A directory replica's hot calls, checked (the caller's namespace, its tenants), and the replica as
 its election sees it (start, follow, step down). `process/build.py` wires its parts; namespaces and
-operators' calls are `namespaces.py` and `admin.py`.
+operators' calls are the directory's `namespaces.py` and `admin.py`.
 
 Calls, in the order a block lives through them:
     start()                                             # recover, rebuild index and page pools (readyz)
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 class DirectoryService:
-    """Built by `build.py`, which hands it the parts it calls; they stay readable as attributes."""
+    """Built by `process/build.py`, which hands it the parts it calls; they stay readable as attributes."""
 
     def __init__(self, *, settings: DirectorySettings, sessions: sessionmaker[Session], changelog: ChangeLog,
                  metrics: DirectoryMetrics, writer: Writer, index: Index, policies: TierPolicies, pools: PagePools,
