@@ -39,8 +39,10 @@ def test_bad_lengths_and_bodies_get_error_bodies(control):
     assert (status, body["error"]) == (400, "invalid")
     status, body = raw_request(control, post("/v1/nowhere", "2"), b"{}")
     assert (status, body["error"]) == (404, "not_found")
-    for bad in ({"token": "t" * 65, "kind": "dram", "sizes": [128]}, {"token": "", "kind": "dram", "sizes": [128]},
-                {"token": "t", "kind": "dram", "sizes": [MAX_BLOCK_BYTES + 1]}, {"token": "t", "kind": "dram", "sizes": [0]}):
+    for bad in ({"token": "t" * 65, "kind": "dram", "sizes": [128]},
+                {"token": "", "kind": "dram", "sizes": [128]},
+                {"token": "t", "kind": "dram", "sizes": [MAX_BLOCK_BYTES + 1]},
+                {"token": "t", "kind": "dram", "sizes": [0]}):
         body_bytes = json.dumps(bad).encode()
         status, body = raw_request(control, post("/v1/alloc", str(len(body_bytes))), body_bytes)
         assert (status, body["error"]) == (400, "invalid"), bad

@@ -12,8 +12,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kvstore.core.errors import KVStoreError
 
+# the SQLAlchemy types too: the rest of the directory names them from here
 __all__ = ["Engine", "Session", "sessionmaker", "make_engine", "make_sessions", "on_driver", "upgrade", "schema",
-           "backup", "unreachable", "outage"]  # the SQLAlchemy types too: the rest of the directory names them from here
+           "backup", "unreachable", "outage"]
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"  # shipped inside the package (wheel included)
 SQLITE_PRAGMAS = (
