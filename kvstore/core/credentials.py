@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from kvstore.core.keys import MAX_NAME_CHARS
+from kvstore.core.spec_base import Spec
 
 ENGINE, WORKER, ADMIN, READ = "engine", "worker", "admin", "read"
 SCOPES = (ENGINE, WORKER, ADMIN, READ)
@@ -15,11 +16,7 @@ Tenant = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 TOKEN_PATTERN = r"^kvs_[A-Za-z0-9_-]{43}$"  # "kvs_" and 256 random bits, URL-safe base64
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class TokenCreate(_Spec):
+class TokenCreate(Spec):
     """An engine token names at least one tenant; tokens of other scopes name none."""
 
     model_config = ConfigDict(json_schema_extra={
@@ -32,7 +29,7 @@ class TokenCreate(_Spec):
     tenants: list[Tenant] = Field([], max_length=1000, description="an engine token's tenants (at least one)")
 
 
-class TokenInfo(_Spec):
+class TokenInfo(Spec):
     id: str
     name: str
     scopes: list[str]
@@ -41,6 +38,6 @@ class TokenInfo(_Spec):
     revoked_at: float | None = None
 
 
-class TokenCreated(_Spec):
+class TokenCreated(Spec):
     token: str = Field(description="the secret; shown once, kept only as a hash")
     info: TokenInfo

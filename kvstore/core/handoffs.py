@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from kvstore.core.specs import HexHash
+from kvstore.core.spec_base import Spec
 
 HANDOFF_ID = r"^[A-Za-z0-9._:-]{1,128}$"
 HandoffId = Annotated[str, Field(pattern=HANDOFF_ID, description="chosen by the router: letters, digits, . _ : -")]
@@ -24,11 +25,7 @@ MAX_TOKENS = 1 << 24
 MAX_WAIT_BLOCKS = 32_768  # blocks a wait names (a 512k-token prompt of 16-token blocks)
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class HandoffCommit(_Spec):
+class HandoffCommit(Spec):
     namespace_id: str = Field(max_length=16)
     handoff_id: HandoffId
     num_tokens: int = Field(ge=0, le=MAX_TOKENS, description="the prompt tokens the producer saved")
@@ -37,7 +34,7 @@ class HandoffCommit(_Spec):
                                       "producer's request finished (for the hand-off latency; the producer's clock)")
 
 
-class HandoffWait(_Spec):
+class HandoffWait(Spec):
     namespace_id: str = Field(max_length=16)
     handoff_id: HandoffId
     hashes: list[HexHash] = Field([], max_length=MAX_WAIT_BLOCKS, description="the consumer's blocks: the wait also "
@@ -48,7 +45,7 @@ class HandoffWait(_Spec):
 HandoffOutcome = Literal["committed", "failed", "present", "pending"]
 
 
-class HandoffState(_Spec):
+class HandoffState(Spec):
     handoff_id: str
     state: HandoffOutcome = Field(description="committed / failed: what the producer said; present: not said, "
                                   "but every block named is stored; pending: none of these yet")

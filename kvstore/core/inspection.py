@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from kvstore.core.specs import MAX_TOKEN_IDS, HexHash
+from kvstore.core.spec_base import Spec
 
 MAX_INSPECTED = 4096  # blocks one inspection may name
 HashSeed = Field(None, max_length=256, description="vLLM namespaces: the engines' PYTHONHASHSEED, if they set one")
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class InspectRequest(_Spec):
+class InspectRequest(Spec):
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"required": ["token_ids"], "properties": {"token_ids": {"type": "array"}},
          "not": {"required": ["hashes"], "properties": {"hashes": {"type": "array"}}}},
@@ -34,7 +31,7 @@ class InspectRequest(_Spec):
         return self
 
 
-class ReplicaInfo(_Spec):
+class ReplicaInfo(Spec):
     worker: str
     tier: str
     state: str
@@ -43,7 +40,7 @@ class ReplicaInfo(_Spec):
     pins: int = Field(description="reader leases holding it now")
 
 
-class BlockInfo(_Spec):
+class BlockInfo(Spec):
     position: int = Field(description="the block's index in the prefix")
     hash: str
     stored: bool
@@ -53,7 +50,7 @@ class BlockInfo(_Spec):
     replicas: list[ReplicaInfo] = []
 
 
-class InspectResult(_Spec):
+class InspectResult(Spec):
     namespace_id: str
     block_tokens: int
     blocks: list[BlockInfo]

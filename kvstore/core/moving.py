@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kvstore.core.specs import MAX_BLOCKS, BlockBytes, Checksum, PageRun, TierKind, Spec
+from kvstore.core.spec_base import Spec
+from kvstore.core.specs import MAX_BLOCKS, BlockBytes, Checksum, PageRun, TierKind
 
 
 class MoveItem(Spec):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from kvstore.core.spec_base import Spec
 
 
-class NamespaceInfo(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class NamespaceInfo(Spec):
     namespace_id: str
     tenant: str
     model_id: str

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from kvstore.core.specs import MAX_BLOCKS, BlockBytes, PageRun, Spec, TierKind
+from kvstore.core.spec_base import Spec
+from kvstore.core.specs import MAX_BLOCKS, BlockBytes, PageRun, TierKind
+
+MAX_FREE_ITEMS = 10_000  # allocations one free call gives back (the directory sends larger sets in chunks)
+MAX_GRANT_PAGES = 1 << 40  # far above any tier's page count: a bound, not a policy
 
 
 class AllocRequest(Spec):
@@ -26,7 +30,7 @@ class GrantRequest(Spec):
 
     token: str = Field(min_length=1, max_length=64)
     kind: TierKind
-    max_pages: int = Field(gt=0)
+    max_pages: int = Field(gt=0, le=MAX_GRANT_PAGES)
 
 
 class GrantResult(Spec):
@@ -49,4 +53,4 @@ class FreeItem(Spec):
 
 
 class FreeRequest(Spec):
-    items: list[FreeItem]
+    items: list[FreeItem] = Field(max_length=MAX_FREE_ITEMS)

@@ -26,9 +26,10 @@ import hmac
 import struct
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from kvstore.core.keys import MAX_NAME_CHARS
+from kvstore.core.spec_base import Spec
 
 MAX_PUSH_RUNS = 8192  # runs one lease may grant on one worker; a larger load is read
 MAX_METADATA_CHARS = 256 << 10  # base64 of an engine's NIXL metadata (~44 bytes a registered region)
@@ -43,11 +44,7 @@ Reader = Annotated[str, Field(min_length=1, max_length=200)]
 Epoch = Annotated[int, Field(ge=0, lt=1 << 63)]
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class PushGrant(_Spec):
+class PushGrant(Spec):
     """What prepare_load hands an engine that asked for pushes, per worker holding its DRAM hits."""
 
     worker: str
@@ -59,14 +56,14 @@ class PushGrant(_Spec):
     engine_key: str = Field(pattern=HEX_MAC)
 
 
-class EngineMemory(_Spec):
+class EngineMemory(Spec):
     generation: int = Field(ge=0, le=MAX_GENERATION, description="grows whenever the engine registers or "
                             "releases memory")
     metadata: str | None = Field(None, max_length=MAX_METADATA_CHARS,
                                  description="base64 NIXL agent metadata: sent when the worker asks for it")
 
 
-class PushRequest(_Spec):
+class PushRequest(Spec):
     tenant: str = Field(max_length=MAX_NAME_CHARS)
     owner: Owner
     reader: Reader
@@ -82,16 +79,16 @@ class PushRequest(_Spec):
     wait_s: float = Field(30.0, gt=0, le=MAX_WAIT_S, description="the longest the push may take; then it fails")
 
 
-class PushResult(_Spec):
+class PushResult(Spec):
     code: Literal["ok", "metadata", "stale", "failed"]
     error: str | None = None
 
 
-class ForgotEngine(_Spec):
+class ForgotEngine(Spec):
     quiet: bool = Field(description="no push into the engine's older memory ran when the answer left")
 
 
-class ForgetEngine(_Spec):
+class ForgetEngine(Spec):
     tenant: str = Field(max_length=MAX_NAME_CHARS)
     owner: Owner
     reader: Reader

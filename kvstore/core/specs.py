@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from kvstore.core.keys import MAX_BLOCK_BYTES
 from kvstore.core.push import PushGrant
+from kvstore.core.spec_base import Spec
 
 TierKind = Literal["hbm", "dram", "nvme", "s3"]
 HEX_HASH = r"^[0-9a-f]{2,128}$"
@@ -26,12 +27,6 @@ def _at_most_blocks(lists: list[list[str]], what: str) -> list[list[str]]:
     if sum(len(x) for x in lists) > MAX_BLOCKS:
         raise ValueError(f"at most {MAX_BLOCKS} hashes in all {what} together")
     return lists
-
-
-class Spec(BaseModel):
-    """What every wire value here is: immutable, and no field it does not define."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class TierSpec(Spec):

@@ -46,6 +46,12 @@ def test_bad_lengths_and_bodies_get_error_bodies(control):
         body_bytes = json.dumps(bad).encode()
         status, body = raw_request(control, post("/v1/alloc", str(len(body_bytes))), body_bytes)
         assert (status, body["error"]) == (400, "invalid"), bad
+    too_many = {"items": [{"token": "t", "runs": []}] * (page_calls.MAX_FREE_ITEMS + 1)}
+    for path, bad in (("/v1/grant", {"token": "t", "kind": "dram", "max_pages": page_calls.MAX_GRANT_PAGES + 1}),
+                      ("/v1/free", too_many)):
+        body_bytes = json.dumps(bad).encode()
+        status, body = raw_request(control, post(path, str(len(body_bytes))), body_bytes)
+        assert (status, body["error"]) == (400, "invalid"), path
 
 
 def test_a_bug_is_answered_not_a_dropped_connection(control):

@@ -258,7 +258,7 @@ def test_statements_straight_to_the_driver_fail_as_sqlalchemy_would_and_roll_bac
     before failing, and a connection the driver reports closed is invalidated, so the pool does not
     hand it out again."""
     from sqlalchemy import select
-    from sqlalchemy.exc import DBAPIError, IntegrityError
+    from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
     from kvstore.directory.db import direct
 
@@ -288,4 +288,18 @@ def test_statements_straight_to_the_driver_fail_as_sqlalchemy_would_and_roll_bac
         connection.connection.driver_connection.close()
         with pytest.raises(DBAPIError) as raised:
             connection.begin()
+        assert raised.value.connection_invalidated and db.outage(raised.value) is not None
+
+    with sessions() as session:  # a large read in batches: the same kinds, and a reader may stop early
+        assert [batch for batch in direct.stream(session, "SELECT id FROM namespaces", (), 1)] == [[("ns1",)]]
+        with pytest.raises(OperationalError):
+            next(direct.stream(session, "SELECT id FROM nowhere"))
+        session.rollback()
+        batches = direct.stream(session, "SELECT 1 UNION ALL SELECT 2", (), 1)
+        assert next(batches) == [(1,)]
+        batches.close()  # stopped early: the connection stays good
+        assert not session.connection().invalidated
+        session.connection().connection.driver_connection.close()
+        with pytest.raises(DBAPIError) as raised:
+            next(direct.stream(session, "SELECT 1"))
         assert raised.value.connection_invalidated and db.outage(raised.value) is not None

@@ -27,7 +27,7 @@ import json
 
 from sqlalchemy.orm import Session
 
-from kvstore.directory.db.engine import on_driver
+from kvstore.directory.db.engine import driver_cursor, on_driver
 from kvstore.directory.db.models import Replica
 from kvstore.directory.db.models.replica import READY
 
@@ -90,16 +90,15 @@ def _cursor_run(session: Session, sql: str, params, many: bool = False, fetch: b
 def stream(session: Session, sql: str, params: tuple = (), size: int = 20_000):
     """A large read's rows as the driver's tuples, `size` at a time (the index's rebuild: no SQLAlchemy
     row or type processing per row). On PostgreSQL a server-side cursor: the rows are never all in
-    this process at once."""
+    this process at once. Errors as `engine.on_driver` raises them; pending ORM changes flushed first."""
+    session.flush()
     connection = session.connection()
-    raw = connection.connection.driver_connection
-    cursor = raw.cursor(name="kvstore_stream") if connection.dialect.name == "postgresql" else raw.cursor()
-    try:
-        cursor.execute(_placeholders(connection, sql), params)
+    sql = _placeholders(connection, sql)
+    name = "kvstore_stream" if connection.dialect.name == "postgresql" else None
+    with driver_cursor(connection, sql, params, name=name) as cursor:
+        cursor.execute(sql, params)
         while batch := cursor.fetchmany(size):
             yield batch
-    finally:
-        cursor.close()
 
 
 def marks(n: int) -> str:

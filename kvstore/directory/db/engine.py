@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -13,8 +14,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from kvstore.core.errors import KVStoreError
 
 # the SQLAlchemy types too: the rest of the directory names them from here
-__all__ = ["Engine", "Session", "sessionmaker", "make_engine", "make_sessions", "on_driver", "upgrade", "schema",
-           "backup", "unreachable", "outage"]
+__all__ = ["Engine", "Session", "sessionmaker", "make_engine", "make_sessions", "on_driver", "driver_cursor",
+           "upgrade", "schema", "backup", "unreachable", "outage"]
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"  # shipped inside the package (wheel included)
 SQLITE_PRAGMAS = (
@@ -56,14 +57,24 @@ def make_engine(url: str) -> Engine:
 
 def on_driver(connection, sql: str, params, many: bool = False, fetch: bool = False):
     """`sql` on a cursor of `connection`'s DBAPI connection (in its transaction), past SQLAlchemy's
-    execution. What the driver raises is raised as SQLAlchemy raises it (`DBAPIError` and its kinds,
-    which `outage` reads), and a connection the driver reports lost is invalidated, as is one
-    interrupted mid-statement; SQLAlchemy's execution events and statement logging do not see it."""
-    dialect, cursor = connection.dialect, None
-    try:
-        cursor = connection.connection.driver_connection.cursor()
+    execution (`driver_cursor`); the rows when `fetch`."""
+    with driver_cursor(connection, sql, params, many) as cursor:
         (cursor.executemany if many else cursor.execute)(sql, params)
         return cursor.fetchall() if fetch else None
+
+
+@contextmanager
+def driver_cursor(connection, sql: str, params, many: bool = False, name: str | None = None):
+    """A cursor of `connection`'s DBAPI connection (a server-side one called `name` on PostgreSQL),
+    for `sql` with `params`. What the driver raises in it is raised as SQLAlchemy raises it
+    (`DBAPIError` and its kinds, which `outage` reads), and a connection the driver reports lost is
+    invalidated, as is one interrupted mid-statement; SQLAlchemy's execution events and statement
+    logging do not see it."""
+    dialect, cursor = connection.dialect, None
+    try:
+        raw = connection.connection.driver_connection
+        cursor = raw.cursor(name=name) if name else raw.cursor()
+        yield cursor
     except dialect.loaded_dbapi.Error as exc:
         lost = dialect.is_disconnect(exc, connection.connection.dbapi_connection, cursor)
         if lost:
@@ -72,8 +83,8 @@ def on_driver(connection, sql: str, params, many: bool = False, fetch: bool = Fa
                                   hide_parameters=connection.engine.hide_parameters, connection_invalidated=lost,
                                   dialect=dialect, ismulti=many) from exc
     except BaseException as exc:
-        if not isinstance(exc, Exception):  # interrupted: the connection's state is unknown
-            connection.invalidate(exc)
+        if not isinstance(exc, (Exception, GeneratorExit)):  # interrupted: the connection's state is unknown
+            connection.invalidate(exc)  # (a reader that stops early closes its stream: not an interruption)
         raise
     finally:
         if cursor is not None and not connection.invalidated:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from sqlalchemy import case, distinct, func, select
 from sqlalchemy.orm import Session, aliased
 
-from kvstore.directory.db.direct import chunks, driver, json_value, marks, rows, runs_value, shrink
+from kvstore.directory.db.direct import chunks, json_value, marks, rows, runs_value, shrink, stream
 from kvstore.directory.db.models import Block, Lease, NamespaceRow, Replica, Tier, Worker
 from kvstore.directory.db.models.replica import MOVING, READY, VISIBLE, WRITING
 from kvstore.core.pace import paced
@@ -82,17 +82,12 @@ def policy_rows(session: Session, tier_id: int, fill: Callable[[list[tuple]], No
     on ties), handed to `fill` `at_once` at a time as a policy is built from them: sorted by the
     database, which holds no GIL, into plain tuples of plain values. The parent's id comes from
     `parent_id` (as in `ready_replicas_of_tier`)."""
-    connection, statement = driver(session, (
-        "SELECT b.id, b.namespace_id, b.parent, b.hit_count, CASE WHEN b.hit_count > 0 THEN b.hash END "
-        "FROM replicas r JOIN blocks b ON b.id = r.block_id "
-        f"WHERE r.tier_id = ? AND r.state = '{READY}' ORDER BY b.last_access, b.depth DESC"))
-    result = connection.exec_driver_sql(statement, (tier_id,))
-    try:
-        while chunk := result.cursor.fetchmany(at_once):
-            fill([(block_id, parent_id(namespace_id, parent), hits, namespace_id if hits else None, block_hash)
-                  for block_id, namespace_id, parent, hits, block_hash in paced(chunk)])
-    finally:
-        result.close()
+    for chunk in stream(session, "SELECT b.id, b.namespace_id, b.parent, b.hit_count, CASE WHEN b.hit_count > 0 "
+                        "THEN b.hash END FROM replicas r JOIN blocks b ON b.id = r.block_id "
+                        f"WHERE r.tier_id = ? AND r.state = '{READY}' ORDER BY b.last_access, b.depth DESC",
+                        (tier_id,), at_once):
+        fill([(block_id, parent_id(namespace_id, parent), hits, namespace_id if hits else None, block_hash)
+              for block_id, namespace_id, parent, hits, block_hash in paced(chunk)])
     shrink(session)
 
 

@@ -22,7 +22,6 @@ from kvstore.core import moving, page_calls, specs
 from kvstore.core.errors import KVStoreError
 
 log = logging.getLogger(__name__)
-FREE_ITEMS_PER_CALL = 10_000  # a worker takes bodies of bounded size
 
 
 PROBE_S = 1.0  # a live worker answers /healthz within this
@@ -115,8 +114,8 @@ class WorkerCalls:
         PageRuns or [first, count]; an object name (s3) means: delete that object; all pages: every
         NVMe page the token holds there."""
         def free() -> None:
-            for start in range(0, len(items), FREE_ITEMS_PER_CALL):
-                chunk = items[start : start + FREE_ITEMS_PER_CALL]
+            for start in range(0, len(items), page_calls.MAX_FREE_ITEMS):
+                chunk = items[start : start + page_calls.MAX_FREE_ITEMS]
                 body = page_calls.FreeRequest(items=[page_calls.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]],
                                                                object=i[2] if len(i) > 2 else None,
                                                                all_pages=len(i) > 3 and i[3]) for i in chunk])
