@@ -22,7 +22,7 @@ from kvstore.connector.arenas import Arena, LocalArenas, arena_digest
 from kvstore.connector.nixl_rows import by_tier, remote_side, rows
 from kvstore.connector.peers import Peers
 from kvstore.core import specs
-from kvstore.transfer import Agent, Transfer
+from kvstore.transfer import JOIN_BYTES, Agent, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ class BlockCopier:
             peer = self.peers.agent_for(worker, epoch)
             local, remote = rows([items[k] for k in ks])
             remote, remote_mem = remote_side(remote, items[ks[0]][1])  # one tier of one worker: one device
-            transfers.append((self.agent.submit(op, local, remote, peer, "DRAM", remote_mem) if peer else None, ks))
+            transfers.append((self.agent.submit(op, local, remote, peer, "DRAM", remote_mem, join_up_to=JOIN_BYTES)
+                              if peer else None, ks))
         for transfer, ks in transfers:
             state = transfer.wait(self.timeout_s) if transfer else "failed"
             if state != "done":

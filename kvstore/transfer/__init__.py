@@ -1,5 +1,5 @@
 """Moves bytes with NIXL. The only package that imports `nixl`."""
 
-from kvstore.transfer.agent import Agent, PreparedList, Registration, Transfer, paired
+from kvstore.transfer.agent import JOIN_BYTES, Agent, PreparedList, Registration, Transfer, joined, paired
 
-__all__ = ["Agent", "PreparedList", "Registration", "Transfer", "paired"]
+__all__ = ["JOIN_BYTES", "Agent", "PreparedList", "Registration", "Transfer", "joined", "paired"]

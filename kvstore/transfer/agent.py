@@ -261,11 +261,22 @@ class Agent:
             self._peers.discard(name)
 
     def submit(self, op: str, local_rows: np.ndarray, remote_rows: np.ndarray, peer: str,
-               mem_type: str = "DRAM", remote_mem_type: str = "DRAM") -> Transfer:
-        """Post `op` ("READ"/"WRITE") of local (addr, len) rows <-> remote (addr, len) rows."""
+               mem_type: str = "DRAM", remote_mem_type: str = "DRAM", join_up_to: int = 0) -> Transfer:
+        """Post `op` ("READ"/"WRITE") of local (addr, len) rows <-> remote (addr, len) rows. With
+        `join_up_to`, rows that follow each other on both sides are posted joined, in pieces of about
+        that many bytes (`joined`: NIXL posts each row of a request as a message of its own); a
+        joined list NIXL refuses (two registrations that happen to touch) is posted as given."""
         assert op in ("READ", "WRITE"), f"bad op {op}"
         assert len(local_rows) == len(remote_rows), "descriptor lists differ in length"
         assert np.array_equal(local_rows[:, 1], remote_rows[:, 1]), "descriptor lengths differ"
+        if join_up_to:
+            local_joined, remote_joined = joined(local_rows, remote_rows, join_up_to)
+            if len(local_joined) < len(local_rows):
+                transfer = self.submit(op, local_joined, remote_joined, peer, mem_type, remote_mem_type)
+                if transfer.state != "failed":
+                    return transfer
+                log.info("NIXL refused %d rows joined into %d (%s): posting them as given", len(local_rows),
+                         len(local_joined), transfer.error)
         try:
             handle = self._raw.initialize_xfer(
                 op,
@@ -331,6 +342,38 @@ def _with_dev(rows: np.ndarray) -> np.ndarray:
     out = np.zeros((rows.shape[0], 3), dtype=np.uint64)
     out[:, :2] = rows
     return out
+
+
+JOIN_BYTES = 1 << 20  # rows that follow each other are posted to another host in pieces of about this size
+
+
+def joined(local: np.ndarray, remote: np.ndarray, up_to: int) -> tuple[np.ndarray, np.ndarray]:
+    """`local` and `remote` rows of equal lengths, each run of rows that follow each other on both
+    sides (on one device or file, where rows name one) joined into rows of about `up_to` bytes: a
+    row starts a piece where its offset in the run crosses a multiple of `up_to`, so rows of
+    `up_to` or more are never joined. Over TCP, NIXL's UCX posts each row as a message of its own:
+    256 KiB rows moved 1.3-1.4x as fast joined into 1 MiB ones, and 1 MiB rows faster than one row
+    of 64 MiB."""
+    if len(local) < 2:
+        return local, remote
+    local, remote = np.asarray(local, dtype=np.uint64), np.asarray(remote, dtype=np.uint64)
+    lengths = local[:, 1]
+    follows = (local[1:, 0] == local[:-1, 0] + lengths[:-1]) & (remote[1:, 0] == remote[:-1, 0] + lengths[:-1])
+    for side in (local, remote):
+        if side.shape[1] > 2:
+            follows &= (side[1:, 2:] == side[:-1, 2:]).all(axis=1)
+    if not follows.any():
+        return local, remote
+    run_starts = np.concatenate(([True], ~follows))
+    before = np.cumsum(lengths) - lengths  # bytes of the rows before each row
+    offset = before - before[np.flatnonzero(run_starts)][np.cumsum(run_starts) - 1]  # within its run
+    piece = offset // np.uint64(up_to)
+    starts = run_starts.copy()
+    starts[1:] |= piece[1:] != piece[:-1]
+    first = np.flatnonzero(starts)
+    out_local, out_remote = local[first].copy(), remote[first].copy()
+    out_local[:, 1] = out_remote[:, 1] = np.add.reduceat(lengths, first)
+    return out_local, out_remote
 
 
 def paired(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -31,7 +31,7 @@ import numpy as np
 from kvstore.core import push
 from kvstore.core.errors import KVStoreError
 from kvstore.core.memory import HostBuffer
-from kvstore.transfer import Agent
+from kvstore.transfer import JOIN_BYTES, Agent
 
 log = logging.getLogger(__name__)
 MAX_ENGINES = 256  # engines whose metadata is kept; the least recently used idle one beyond it is dropped
@@ -77,7 +77,7 @@ class Pushes:
             left = min(deadline - time.monotonic(), req.expires_at - time.time())
             if left <= 0:  # waited too long for the engine's registration: the engine has moved on
                 return push.PushResult(code="failed", error="the push's time or its lease ran out before it began")
-            transfer = self._agent.submit("WRITE", local, remote, peer)
+            transfer = self._agent.submit("WRITE", local, remote, peer, join_up_to=JOIN_BYTES)
             state = transfer.wait(left)
         finally:
             with self._cond:

@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.core.errors import KVStoreError
 from kvstore.core.memory import HostBuffer
-from kvstore.transfer import Agent
+from kvstore.transfer import Agent, joined
 from tests.helpers import wait_until
 
 PAGE, PAGES = 4096, 16
@@ -93,6 +93,47 @@ def test_a_transfer_outside_registered_memory_fails_as_a_value(pair):
     assert t.wait(10) == "failed" and "NotFound" in t.error
     t = initiator.submit("WRITE", pages(local, [0]), pages(remote, [0]), "no-such-peer")
     assert t.state == "failed"
+
+
+def test_rows_that_follow_each_other_are_joined_into_pieces_of_about_the_limit():
+    rows = np.array([(1000 + i * PAGE, PAGE) for i in range(10)], dtype=np.uint64)
+    far = rows.copy()
+    far[:, 0] += 1 << 30
+    local, remote = joined(rows, far, 4 * PAGE)
+    assert local.tolist() == [[1000, 4 * PAGE], [1000 + 4 * PAGE, 4 * PAGE], [1000 + 8 * PAGE, 2 * PAGE]]
+    assert remote.tolist() == [[a + (1 << 30), n] for a, n in local.tolist()]
+    far[5:, 0] += PAGE  # a gap on one side ends a run there; the next run counts its pieces from 0
+    local, remote = joined(rows, far, 4 * PAGE)
+    assert [n // PAGE for _, n in local.tolist()] == [4, 1, 4, 1]
+    assert remote[:, 0].tolist() == [far[0, 0], far[4, 0], far[5, 0], far[9, 0]]
+    assert joined(rows, far, PAGE)[0].tolist() == rows.tolist()  # rows of the limit stay as they are
+    files = np.column_stack([rows, [3] * 5 + [4] * 5]).astype(np.uint64)  # (offset, len, fd): one file each
+    assert [n // PAGE for _, n, _ in joined(files, np.column_stack([rows[:, 0] + (1 << 30), rows[:, 1], [0] * 10])
+                                            .astype(np.uint64), 64 * PAGE)[0].tolist()] == [5, 5]
+
+
+def test_a_joined_request_moves_the_same_bytes_and_falls_back_where_registrations_touch():
+    """Joined rows write what the rows name; where two registrations of the peer touch, NIXL
+    refuses a row that spans both, and the rows are posted as given."""
+    target, initiator = Agent("j-target", {"UCX": {}}), Agent("j-initiator", {"UCX": {}})
+    remote, local = HostBuffer(PAGE * PAGES), HostBuffer(PAGE * PAGES)
+    try:
+        half = PAGE * PAGES // 2
+        target.register_dram(remote.addr, half)
+        target.register_dram(remote.addr + half, half)  # two registrations that touch
+        initiator.register_dram(local.addr, local.nbytes)
+        peer = initiator.add_peer(target.metadata())
+        for span in (range(0, 4), range(6, 10)):  # inside one registration; across the two
+            src, before = fill(local, 5), fill(remote, 6)
+            t = initiator.submit("WRITE", pages(local, range(4)), pages(remote, span), peer, join_up_to=8 * PAGE)
+            assert t.wait(10) == "done" and t.nbytes == 4 * PAGE, t.error
+            r = remote.array.reshape(PAGES, PAGE)
+            assert np.array_equal(r[list(span)], src.reshape(PAGES, PAGE)[:4])
+            untouched = [i for i in range(PAGES) if i not in span]
+            assert np.array_equal(r[untouched], before.reshape(PAGES, PAGE)[untouched])
+    finally:
+        initiator.close()
+        target.close()
 
 
 def test_metadata_nixl_cannot_load_is_a_kvstore_error_not_a_nixl_one():

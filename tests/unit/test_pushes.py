@@ -55,7 +55,7 @@ class FakeAgent:
     def remove_peer(self, name: str) -> None:
         self.peers.discard(name)
 
-    def submit(self, op, local, remote, peer):
+    def submit(self, op, local, remote, peer, mem_type="DRAM", remote_mem_type="DRAM", join_up_to=0):
         self.writes.append((op, local.tolist(), remote.tolist(), peer))
         return FakeTransfer(self.state, self.gate)
 
