@@ -30,6 +30,8 @@ moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
 8. the directory's resident memory, and its start-up time to ready when it is
    restarted on the full database.
 
+`--only-stalls` runs the fill and step 3 alone.
+
 `--directory-src DIR` runs the directory from another checkout (a before/after
 comparison on the same machine); `--always-locations` for one that predates the
 `locations` field (it always answers them), which is then asked without it.
@@ -288,6 +290,13 @@ def stalls(port: int, namespace_id: str, chains: int, first_chain: int) -> dict:
     return out
 
 
+def print_stalls(stalled: dict) -> None:
+    print_table(["1 client's lookups while", "took s", "quiet p50 ms", "quiet p99 ms", "p50 ms", "p99 ms",
+                 "p99 ÷ quiet"],
+                [[n, round(v["operation_s"], 2), v["quiet_p50_ms"], v["quiet_p99_ms"], v["p50_ms"], v["p99_ms"],
+                  round(v["p99_vs_quiet"], 2)] for n, v in stalled.items()])
+
+
 def indexed(http: Http) -> int:
     return http.post("/v1/admin/stats", None, method="GET")[0]["indexed_blocks"]
 
@@ -335,6 +344,8 @@ def main() -> None:
     parser.add_argument("--directory-src", type=Path, default=REPO)
     parser.add_argument("--always-locations", action="store_true",
                         help="the directory predates the `locations` field (it always answers them)")
+    parser.add_argument("--only-stalls", action="store_true",
+                        help="the fill, then only the lookups during tier-sized work (step 3)")
     parser.add_argument("--json")
     args = parser.parse_args()
     chains = max(1, args.blocks // CHAIN)
@@ -361,6 +372,13 @@ def main() -> None:
             print(f"\rfill: {chains * CHAIN:,} blocks in {fill_s:.0f} s ({chains * CHAIN / fill_s:,.0f} blocks/s)")
             rss = rss_mib(directory.pid)
             pid = directory.pid
+            if args.only_stalls:
+                stalled = stalls(port, namespace_id, chains, chains + 50_000)
+                print_stalls(stalled)
+                write_json(args.json, {"machine": machine(), "blocks": chains * CHAIN, "stalls": stalled,
+                                       "directory_src": str(args.directory_src)})
+                control.stop()
+                return
             phases = [lookups(port, pid, namespace_id, chains, 1, args.seconds),
                       lookups(port, pid, namespace_id, chains, 1, args.seconds,
                               locations="always" if args.always_locations else True),
@@ -404,10 +422,7 @@ def main() -> None:
                 [[n, round(p["per_s"]), p["p50_ms"], p["p99_ms"], p["full_hits"], p["saved_meanwhile"],
                   round(p["directory_cpu_us_per_lookup"])] for n, p in zip(names, phases)])
     print()
-    print_table(["1 client's lookups while", "took s", "quiet p50 ms", "quiet p99 ms", "p50 ms", "p99 ms",
-                 "p99 ÷ quiet"],
-                [[n, round(v["operation_s"], 2), v["quiet_p50_ms"], v["quiet_p99_ms"], v["p50_ms"], v["p99_ms"],
-                  round(v["p99_vs_quiet"], 2)] for n, v in stalled.items()])
+    print_stalls(stalled)
     print()
     print_table(["prepare+complete", "ms", "µs per block"], [[f"{k} blocks", v["ms"], v["us_per_block"]]
                                                             for k, v in stores.items()])
