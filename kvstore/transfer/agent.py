@@ -265,13 +265,14 @@ class Agent:
         """Post `op` ("READ"/"WRITE") of local (addr, len) rows <-> remote (addr, len) rows. With
         `join_up_to`, rows that follow each other on both sides are posted joined, in pieces of about
         that many bytes (`joined`: NIXL posts each row of a request as a message of its own); a
-        joined list NIXL refuses (two registrations that happen to touch) is posted as given."""
+        joined list that spans two registrations that happen to touch (known here for this side's,
+        refused by NIXL for the peer's) is posted as given."""
         assert op in ("READ", "WRITE"), f"bad op {op}"
         assert len(local_rows) == len(remote_rows), "descriptor lists differ in length"
         assert np.array_equal(local_rows[:, 1], remote_rows[:, 1]), "descriptor lengths differ"
         if join_up_to:
             local_joined, remote_joined = joined(local_rows, remote_rows, join_up_to)
-            if len(local_joined) < len(local_rows):
+            if len(local_joined) < len(local_rows) and self._registered(local_joined, mem_type):
                 transfer = self.submit(op, local_joined, remote_joined, peer, mem_type, remote_mem_type)
                 if transfer.state != "failed":
                     return transfer
@@ -287,6 +288,19 @@ class Agent:
         except Exception as exc:  # unregistered range, unknown peer: a failed result, not a crash
             return Transfer.failed(int(local_rows[:, 1].sum()), exc)
         return Transfer(self, handle, int(local_rows[:, 1].sum()))
+
+    def _registered(self, rows: np.ndarray, mem_type: str) -> bool:
+        """Whether each (addr, len) row lies inside one of this agent's registrations of `mem_type`
+        (rows that name a device or file are left to NIXL): a joined row across two registrations
+        that touch is known here without asking NIXL, which refuses it with an error in its log."""
+        if rows.shape[1] != 2:
+            return True
+        starts, ends = rows[:, 0], rows[:, 0] + rows[:, 1]
+        inside = np.zeros(len(rows), dtype=bool)
+        for reg in self._regs:
+            if reg.mem_type == mem_type:
+                inside |= (starts >= reg.addr) & (ends <= reg.addr + reg.nbytes)
+        return bool(inside.all())
 
     def prepare(self, rows: np.ndarray, peer: str | None = None, mem_type: str = "DRAM") -> "PreparedList":
         """Prepare (addr, len) rows once; later transfers pick rows by index. `peer=None`: local side."""

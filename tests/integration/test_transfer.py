@@ -5,6 +5,7 @@ every unmapped destination untouched."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -112,24 +113,29 @@ def test_rows_that_follow_each_other_are_joined_into_pieces_of_about_the_limit()
                                             .astype(np.uint64), 64 * PAGE)[0].tolist()] == [5, 5]
 
 
-def test_a_joined_request_moves_the_same_bytes_and_falls_back_where_registrations_touch():
+def test_a_joined_request_moves_the_same_bytes_and_falls_back_where_registrations_touch(caplog):
     """Joined rows write what the rows name; where two registrations of the peer touch, NIXL
-    refuses a row that spans both, and the rows are posted as given."""
+    refuses a row that spans both and the rows are posted as given; where two of this side touch,
+    the agent knows it and never asks."""
     target, initiator = Agent("j-target", {"UCX": {}}), Agent("j-initiator", {"UCX": {}})
     remote, local = HostBuffer(PAGE * PAGES), HostBuffer(PAGE * PAGES)
     try:
         half = PAGE * PAGES // 2
-        target.register_dram(remote.addr, half)
-        target.register_dram(remote.addr + half, half)  # two registrations that touch
-        initiator.register_dram(local.addr, local.nbytes)
+        for agent, buffer in ((target, remote), (initiator, local)):  # two registrations that touch, each side
+            agent.register_dram(buffer.addr, half)
+            agent.register_dram(buffer.addr + half, half)
         peer = initiator.add_peer(target.metadata())
-        for span in (range(0, 4), range(6, 10)):  # inside one registration; across the two
+        for here, there, refused in ((range(4), range(4), False), (range(4), range(6, 10), True),
+                                     (range(6, 10), range(4), False)):
             src, before = fill(local, 5), fill(remote, 6)
-            t = initiator.submit("WRITE", pages(local, range(4)), pages(remote, span), peer, join_up_to=8 * PAGE)
-            assert t.wait(10) == "done" and t.nbytes == 4 * PAGE, t.error
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="kvstore.transfer.agent"):
+                t = initiator.submit("WRITE", pages(local, here), pages(remote, there), peer, join_up_to=8 * PAGE)
+                assert t.wait(10) == "done" and t.nbytes == 4 * PAGE, t.error
+            assert ("NIXL refused" in caplog.text) == refused, (here, there)
             r = remote.array.reshape(PAGES, PAGE)
-            assert np.array_equal(r[list(span)], src.reshape(PAGES, PAGE)[:4])
-            untouched = [i for i in range(PAGES) if i not in span]
+            assert np.array_equal(r[list(there)], src.reshape(PAGES, PAGE)[list(here)])
+            untouched = [i for i in range(PAGES) if i not in there]
             assert np.array_equal(r[untouched], before.reshape(PAGES, PAGE)[untouched])
     finally:
         initiator.close()
