@@ -108,15 +108,20 @@ def test_rows_that_follow_each_other_are_joined_into_pieces_of_about_the_limit()
     assert [n // PAGE for _, n in local.tolist()] == [4, 1, 4, 1]
     assert remote[:, 0].tolist() == [far[0, 0], far[4, 0], far[5, 0], far[9, 0]]
     assert joined(rows, far, PAGE)[0].tolist() == rows.tolist()  # rows of the limit stay as they are
+    sizes = [PAGE, 8 * PAGE, PAGE, PAGE]  # a row of the limit or more stands alone, whatever is around it
+    mixed = np.array([(1000 + sum(sizes[:i]), n) for i, n in enumerate(sizes)], dtype=np.uint64)
+    assert [n // PAGE for _, n in joined(mixed, mixed, 4 * PAGE)[0].tolist()] == [1, 8, 2]
+    top = np.array([((1 << 64) - PAGE, PAGE), (0, PAGE)], dtype=np.uint64)  # ends at 2**64: nothing follows it
+    assert len(joined(rows[:2], top, 4 * PAGE)[0]) == 2
     files = np.column_stack([rows, [3] * 5 + [4] * 5]).astype(np.uint64)  # (offset, len, fd): one file each
     assert [n // PAGE for _, n, _ in joined(files, np.column_stack([rows[:, 0] + (1 << 30), rows[:, 1], [0] * 10])
                                             .astype(np.uint64), 64 * PAGE)[0].tolist()] == [5, 5]
 
 
 def test_a_joined_request_moves_the_same_bytes_and_falls_back_where_registrations_touch(caplog):
-    """Joined rows write what the rows name; where two registrations of the peer touch, NIXL
-    refuses a row that spans both and the rows are posted as given; where two of this side touch,
-    the agent knows it and never asks."""
+    """Joined rows write what the rows name; where two of this side's registrations touch, the
+    agent knows it and never asks; where two of the peer's touch, NIXL refuses a row that spans
+    both, the rows are posted as given, and that peer's are from then on (no second refusal)."""
     target, initiator = Agent("j-target", {"UCX": {}}), Agent("j-initiator", {"UCX": {}})
     remote, local = HostBuffer(PAGE * PAGES), HostBuffer(PAGE * PAGES)
     try:
@@ -125,8 +130,8 @@ def test_a_joined_request_moves_the_same_bytes_and_falls_back_where_registration
             agent.register_dram(buffer.addr, half)
             agent.register_dram(buffer.addr + half, half)
         peer = initiator.add_peer(target.metadata())
-        for here, there, refused in ((range(4), range(4), False), (range(4), range(6, 10), True),
-                                     (range(6, 10), range(4), False)):
+        for here, there, refused in ((range(4), range(4), False), (range(6, 10), range(4), False),
+                                     (range(4), range(6, 10), True), (range(4), range(6, 10), False)):
             src, before = fill(local, 5), fill(remote, 6)
             caplog.clear()
             with caplog.at_level(logging.INFO, logger="kvstore.transfer.agent"):

@@ -13,6 +13,7 @@ import pytest
 from kvstore.core import push
 from kvstore.core.errors import KVStoreError
 from kvstore.core.memory import HostBuffer
+from kvstore.transfer import JOIN_BYTES
 from kvstore.worker import pushes
 from kvstore.worker.pushes import Pushes, agent_name
 from tests.helpers import wait_until
@@ -42,6 +43,7 @@ class FakeAgent:
     def __init__(self) -> None:
         self.peers: set[str] = {"w1-0123abcd"}  # a peer worker of the moves
         self.writes: list[tuple] = []
+        self.joins: list[int] = []
         self.state, self.gate = "done", None
 
     def has_peer(self, name: str) -> bool:
@@ -57,6 +59,7 @@ class FakeAgent:
 
     def submit(self, op, local, remote, peer, mem_type="DRAM", remote_mem_type="DRAM", join_up_to=0):
         self.writes.append((op, local.tolist(), remote.tolist(), peer))
+        self.joins.append(join_up_to)
         return FakeTransfer(self.state, self.gate)
 
     def forget_key(self, reader: str = READER, owner: str = OWNER, generation: int = 2) -> push.ForgetEngine:
@@ -105,6 +108,7 @@ def test_a_push_writes_the_granted_runs_once_the_worker_has_the_engine_s_metadat
     assert pushes_.push(request(arena)).code == "metadata"  # a first push without it
     assert pushes_.push(request(arena, metadata=metadata(READER))).code == "ok"
     assert agent.writes == [("WRITE", [[arena.addr + 8192, 4096]], [[1 << 40, 4096]], READER)]
+    assert agent.joins == [JOIN_BYTES]  # rows that follow each other go joined (`transfer.joined`)
     assert pushes_.push(request(arena)).code == "ok"  # kept
     assert pushes_.push(request(arena, generation=0)).code == "stale"
 
