@@ -56,6 +56,17 @@ def schema(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def block_values(first: int, k: int, hashes: list[str], now: float) -> tuple:
+    """Block `k` of a save as its row's values: id, namespace, hash, parent, depth, nbytes, checksum,
+    created_at, last_access."""
+    return (first + k, "ns", hashes[k], hashes[k - 1] if k else None, k, 65536, f"{k:016x}", now, now)
+
+
+def pages(chain: int, n: int, k: int) -> str:
+    """Block `k`'s page run as a replica row holds it (16 pages of 4 KiB)."""
+    return f"[[{16 * (chain * n + k)}, 16]]"
+
+
 def save_rows(conn: sqlite3.Connection, chain: int, n: int, clock) -> list[float]:
     """One save of `n` blocks as the directory commits it; the CPU of each step."""
     now = time.time()
@@ -67,16 +78,14 @@ def save_rows(conn: sqlite3.Connection, chain: int, n: int, clock) -> list[float
     values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"] * n)
     conn.execute("INSERT INTO blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
                  f"last_access, hit_count) VALUES {values}", tuple(
-                     x for k, h in enumerate(hashes)
-                     for x in (first + k, "ns", h, hashes[k - 1] if k else None, k, 65536, f"{k:016x}", now, now)))
+                     x for k in range(n) for x in block_values(first, k, hashes, now)))
     ids = [first + k for k in range(n)]
     spent.append(clock() - t)
     t = clock()
     ((first,),) = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM replicas").fetchall()
     values = ", ".join(["(?, ?, ?, ?, 'ready', ?, ?, ?, ?, ?)"] * n)
     params = tuple(x for k, block_id in enumerate(ids)
-                   for x in (first + k, block_id, 1, 1, f"tok{chain}", f"[[{16 * (chain * n + k)}, 16]]", 65536, None,
-                             now))
+                   for x in (first + k, block_id, 1, 1, f"tok{chain}", pages(chain, n, k), 65536, None, now))
     conn.execute("INSERT INTO replicas (id, block_id, tier_id, epoch, state, token, pages, reserved_bytes, expires_at, "
                  f"created_at) VALUES {values}", params)
     spent.append(clock() - t)
@@ -97,9 +106,8 @@ def save_inline(conn: sqlite3.Connection, chain: int, n: int, clock) -> float:
     conn.execute("INSERT INTO inline_blocks (id, namespace_id, hash, parent, depth, nbytes, checksum, created_at, "
                  "last_access, hit_count, tier_id, epoch, state, token, pages, reserved_bytes) "
                  f"VALUES {values}", tuple(
-                     x for k, h in enumerate(hashes)
-                     for x in (first + k, "ns", h, hashes[k - 1] if k else None, k, 65536, f"{k:016x}", now, now,
-                               1, 1, f"tok{chain}", f"[[{16 * (chain * n + k)}, 16]]", 65536)))
+                     x for k in range(n)
+                     for x in (*block_values(first, k, hashes, now), 1, 1, f"tok{chain}", pages(chain, n, k), 65536)))
     conn.execute("COMMIT")
     return clock() - t
 

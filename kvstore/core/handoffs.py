@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from kvstore.core.specs import HexHash
 from kvstore.core.spec_base import Spec
+from kvstore.core.specs import HexHash
 
 HANDOFF_ID = r"^[A-Za-z0-9._:-]{1,128}$"
 HandoffId = Annotated[str, Field(pattern=HANDOFF_ID, description="chosen by the router: letters, digits, . _ : -")]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, model_validator
 
-from kvstore.core.specs import MAX_TOKEN_IDS, HexHash
 from kvstore.core.spec_base import Spec
+from kvstore.core.specs import MAX_TOKEN_IDS, HexHash
 
 MAX_INSPECTED = 4096  # blocks one inspection may name
 HashSeed = Field(None, max_length=256, description="vLLM namespaces: the engines' PYTHONHASHSEED, if they set one")

@@ -116,9 +116,10 @@ class WorkerCalls:
         def free() -> None:
             for start in range(0, len(items), page_calls.MAX_FREE_ITEMS):
                 chunk = items[start : start + page_calls.MAX_FREE_ITEMS]
-                body = page_calls.FreeRequest(items=[page_calls.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]],
-                                                               object=i[2] if len(i) > 2 else None,
-                                                               all_pages=len(i) > 3 and i[3]) for i in chunk])
+                body = page_calls.FreeRequest(items=[
+                    page_calls.FreeItem(token=i[0], runs=[_page_run(r) for r in i[1]],
+                                        object=i[2] if len(i) > 2 else None, all_pages=len(i) > 3 and i[3])
+                    for i in chunk])
                 try:
                     self.client(url).free(body)
                 except KVStoreError as exc:  # a worker that is gone keeps nothing: its epoch resets its pages
