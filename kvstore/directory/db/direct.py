@@ -39,13 +39,14 @@ def chunks(values: list) -> list[list]:
     return [values[i : i + CHUNK] for i in range(0, len(values), CHUNK)]
 
 
-def driver(session: Session, sql: str) -> tuple:
+def driver(session: Session, sql: str, writes: bool = True) -> tuple:
     """The session's connection and `sql` (`?` placeholders) as its driver wants it, to run straight
     through the driver: not compiled again, no parameters processed per row (SQLAlchemy Core costs
     about ten microseconds a row). Pending ORM changes are flushed first, as `session.execute` would,
     so the statement runs after them."""
     session.flush()
-    session.info["wrote"] = True  # for the writer: this group has something to commit (`writer.py`)
+    if writes:
+        session.info["wrote"] = True  # for the writer: this group has something to commit (`writer.py`)
     connection = session.connection()
     return connection, _placeholders(connection, sql)
 
@@ -91,9 +92,7 @@ def stream(session: Session, sql: str, params: tuple = (), size: int = 20_000):
     """A large read's rows as the driver's tuples, `size` at a time (the index's rebuild: no SQLAlchemy
     row or type processing per row). On PostgreSQL a server-side cursor: the rows are never all in
     this process at once. Errors as `engine.on_driver` raises them; pending ORM changes flushed first."""
-    session.flush()
-    connection = session.connection()
-    sql = _placeholders(connection, sql)
+    connection, sql = driver(session, sql, writes=False)
     name = "kvstore_stream" if connection.dialect.name == "postgresql" else None
     with driver_cursor(connection, sql, params, name=name) as cursor:
         cursor.execute(sql, params)

@@ -101,29 +101,32 @@ class Loads:
         for asked, hits in zip(chains, found):
             self._metrics.count_lookup(len(asked), len(hits))
             self._index.record([h.entry for h in hits])
+        bodies = [[hit_body(h) for h in hits] for hits in found]
         answer = {"token": token if pinned else None, "expires_at": expires_at if pinned else None,
-                  "chains": [[hit_body(h) for h in hits] for hits in found], "more": more}
+                  "chains": bodies, "more": more}
         if pinned and pushes is not None:
-            answer["grants"] = self._grants([h for hits in found for h in hits], *pushes, reader, token, expires_at)
+            answer["grants"] = self._grants([(h, body["location"]) for hits, said in zip(found, bodies)
+                                             for h, body in zip(hits, said)], *pushes, reader, token, expires_at)
         return answer
 
-    def _grants(self, hits: list[Hit], tenant: str, owner: str, reader: str, token: str,
+    def _grants(self, hits: list[tuple[Hit, dict]], tenant: str, owner: str, reader: str, token: str,
                 expires_at: float) -> list[dict]:
-        """Per worker holding DRAM hits, a grant over their runs in the order of the hits (a block
-        chains share once): what `kvstore.core.push` says the worker checks. None for a reader that
-        names a worker's NIXL agent: a worker would take the engine's metadata for its peer's."""
+        """Per worker holding DRAM hits (each with the location the answer gives it), a grant over
+        their runs in the order of the hits (a block chains share once): what `kvstore.core.push`
+        says the worker checks. None for a reader that names a worker's NIXL agent: a worker would
+        take the engine's metadata for its peer's."""
         if any(w.agent_name == reader for w in list(self._index.workers.values())):
             return []
         runs: dict[tuple[str, int], list] = {}
         workers = {}
         seen = set()
-        for hit in hits:
+        for hit, location in hits:
             if hit.tier.kind != "dram" or hit.replica_id in seen:
                 continue
             seen.add(hit.replica_id)
             key = (hit.worker.name, hit.worker.epoch)
             workers[key] = hit.worker
-            runs.setdefault(key, []).extend(views.location(hit.worker, hit.tier, hit.runs(), hit.nbytes)["runs"])
+            runs.setdefault(key, []).extend(location["runs"])
         grants = []
         for (name, epoch), worker_runs in runs.items():
             secret = self._secret(workers[name, epoch].control_url)
