@@ -17,7 +17,7 @@ from kvstore.core.errors import KVStoreError
 class ScriptedServer(socketserver.ThreadingTCPServer):
     """Answers each request by `script(n)` (n counts requests): "ok", "error" (409), "unready"
     (503), "worker-failed" (502), "close-after" (answer, then close the connection without saying
-    so) or "drop" (close without answering)."""
+    so), "drop" (close without answering) or a list of raw pieces to write (None: close)."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -45,6 +45,15 @@ class Handler(socketserver.StreamRequestHandler):
             action = self.server.script(len(self.server.requests))
             if action == "drop":
                 return
+            if isinstance(action, list):  # raw bytes, written piece by piece; None: close the connection
+                for piece in action:
+                    if piece is None:
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    self.wfile.write(piece)
+                    self.wfile.flush()
+                    time.sleep(0.01)  # each piece arrives on its own
+                continue
             status, payload = {
                 "error": (409, {"error": "conflict", "detail": "already there", "context": {"hash": "ab"}}),
                 "unready": (503, {"error": "unavailable", "detail": "building the index", "context": {}}),
@@ -173,3 +182,75 @@ def test_several_servers_all_failing_raise_the_last_failure(serve):
     with pytest.raises(KVStoreError) as info:
         JsonHttp(only.url).call_raw("GET", "/v1/y")
     assert info.value.message == "building the index"
+
+
+def answer(body: bytes, *head: str, status: str = "200 OK", version: str = "HTTP/1.1") -> bytes:
+    return "\r\n".join([f"{version} {status}", "content-type: application/json", *head]).encode() + \
+        b"\r\n\r\n" + body
+
+
+def test_answers_in_every_framing_http_allows_are_read_whole(serve):
+    """Content-Length split across packets (the head cut mid-line), chunks with an extension and a
+    trailer, a 100 Continue before the answer, a body read to the close, `Connection: close` and
+    HTTP/1.0 (each followed by a new connection), 204 without a body."""
+    body = b'{"a": [1, 2, 3], "b": "' + b"x" * 70_000 + b'"}'
+    chunked = answer(b"5;ext=1\r\n" + body[:5] + b"\r\n" + f"{len(body) - 5:x}".encode() + b"\r\n" + body[5:] +
+                     b"\r\n0\r\ntrailer: t\r\n\r\n", "transfer-encoding: chunked")
+    whole = answer(body, f"content-length: {len(body)}")
+    script = {
+        1: [whole[:20], whole[20:45], whole[45:30_000], whole[30_000:]],
+        2: [chunked[:100], chunked[100:]],
+        3: [b"HTTP/1.1 100 Continue\r\n\r\n", whole],
+        4: [answer(b'{"c": 1}', "connection: close", "content-length: 8")],
+        5: [answer(b'{"d": 2}', "content-length: 8", version="HTTP/1.0")],
+        6: [answer(b'{"e": 3}'), None],  # no length: the body ends with the connection
+        7: [b"HTTP/1.1 204 No Content\r\n\r\n"],
+        8: "ok",
+    }
+    server = serve(lambda n: script[n])
+    client = JsonHttp(server.url, timeout_s=5)
+    expected = json.loads(body)
+    assert client.call_raw("POST", "/v1/x", {"i": 1}) == expected
+    assert client.call_raw("POST", "/v1/x", {"i": 2}) == expected
+    assert client.call_raw("POST", "/v1/x", {"i": 3}) == expected
+    assert server.connections == 1  # kept alive through all three
+    assert client.call_raw("POST", "/v1/x", {"i": 4}) == {"c": 1}
+    assert client.call_raw("POST", "/v1/x", {"i": 5}) == {"d": 2}
+    assert client.call_raw("POST", "/v1/x", {"i": 6}) == {"e": 3}
+    assert client._request("POST", "/v1/x", {"i": 7}) == b""
+    assert client.call_raw("POST", "/v1/x", {"i": 8}) == {"echo": {"i": 8}}
+    assert server.connections == 4 and len(server.requests) == 8  # closed after 4, 5 and 6; nothing sent twice
+    assert [h["host"] for _, h, _ in server.requests] == [server.url.split("//")[1]] * 8
+    client.close()
+
+
+def test_answers_that_are_not_http_or_are_cut_short_are_unavailable_and_never_reused(serve):
+    script = {
+        1: [b"SSH-2.0-OpenSSH\r\n\r\n"],
+        2: [b"HTTP/1.1 200 OK\r\n" + b"x-pad: " + b"p" * (70 << 10) + b"\r\n\r\n"],
+        3: [answer(b'{"short"', "content-length: 100"), None],
+        4: [b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"],
+        5: [answer(b"zz\r\n", "transfer-encoding: chunked"), None],
+        6: "ok",
+    }
+    server = serve(lambda n: script[n])
+    client = JsonHttp(server.url, timeout_s=5)
+    for i in range(1, 6):
+        with pytest.raises(KVStoreError) as info:
+            client.call_raw("POST", "/v1/x", {"i": i})
+        assert info.value.kind == "unavailable", i
+    assert client.call_raw("POST", "/v1/x", {"i": 6}) == {"echo": {"i": 6}}
+    assert server.connections == 6 and len(server.requests) == 6  # a new connection after each, no retry
+
+
+def test_request_lines_and_headers_cannot_be_split_by_the_caller(serve):
+    server = serve(lambda n: "ok")
+    client = JsonHttp(server.url)
+    for path in ("/v1/x y", "/v1/x\r\nx-injected: 1", "/v1/\x00"):
+        with pytest.raises(KVStoreError) as info:
+            client.call_raw("GET", path)
+        assert info.value.kind == "invalid"
+    with pytest.raises(KVStoreError) as info:
+        JsonHttp(server.url, token="abc\r\nx-injected: 1")
+    assert info.value.kind == "invalid"
+    assert server.requests == []
