@@ -23,6 +23,8 @@ MAX_HEAD_BYTES = 64 << 10  # an answer's status line and headers; more is not a 
 RECV_BYTES = 64 << 10
 CONTROL = re.compile(r"[\x00-\x20\x7f]")  # not in a request target
 LINE_BREAK = re.compile(r"[\x00\r\n]")  # not in a header
+OWN_HEADERS = ("host", "content-length", "transfer-encoding")  # a request's framing: this class writes it
+MAX_BODY_BYTES = 1 << 30  # an answer said to be larger is not a kvstore server's
 
 
 class Disconnected(ConnectionError):
@@ -71,7 +73,7 @@ class Connection:
         if CONTROL.search(target):
             raise ValueError(f"a request target with spaces or control characters: {target[:100]!r}")
         lines = [f"{method} {target} HTTP/1.1", f"host: {self.host_header}"]
-        lines += [f"{name}: {value}" for name, value in headers.items()]
+        lines += [f"{name}: {value}" for name, value in headers.items() if name.lower() not in OWN_HEADERS]
         if any(LINE_BREAK.search(line) for line in lines):
             raise ValueError("a header with a line break")
         if content is not None or method in ("POST", "PUT", "PATCH"):
@@ -89,7 +91,7 @@ class Connection:
             return Response(status, fields, self._chunks(), close)
         if "content-length" in fields:
             length = int(fields["content-length"])
-            if length < 0:
+            if not 0 <= length <= MAX_BODY_BYTES:
                 raise ValueError(f"content-length {length}")
             return Response(status, fields, self._take(length), close)
         return Response(status, fields, self._rest(), True)  # read to the close
@@ -149,6 +151,8 @@ class Connection:
                 while self._line():  # trailers, up to the empty line
                     pass
                 return bytes(body)
+            if len(body) + size > MAX_BODY_BYTES:
+                raise ValueError(f"chunks of more than {MAX_BODY_BYTES} bytes")
             body += self._take(size)
             if self._take(2) != b"\r\n":
                 raise ValueError("a chunk not followed by CRLF")

@@ -231,16 +231,19 @@ def test_answers_that_are_not_http_or_are_cut_short_are_unavailable_and_never_re
         3: [answer(b'{"short"', "content-length: 100"), None],
         4: [b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"],
         5: [answer(b"zz\r\n", "transfer-encoding: chunked"), None],
-        6: "ok",
+        6: [answer(b"-5\r\nabc", "transfer-encoding: chunked"), None],
+        7: [answer(b"{}", f"content-length: {(1 << 30) + 1}"), None],
     }
-    server = serve(lambda n: script[n])
+    server = serve(lambda n: script.get(n, "ok"))
     client = JsonHttp(server.url, timeout_s=5)
-    for i in range(1, 6):
+    for i in range(1, 8):
         with pytest.raises(KVStoreError) as info:
             client.call_raw("POST", "/v1/x", {"i": i})
         assert info.value.kind == "unavailable", i
-    assert client.call_raw("POST", "/v1/x", {"i": 6}) == {"echo": {"i": 6}}
-    assert server.connections == 6 and len(server.requests) == 6  # a new connection after each, no retry
+    assert client.call_raw("POST", "/v1/x", {"i": 8}) == {"echo": {"i": 8}}
+    assert server.connections == 8 and len(server.requests) == 8  # a new connection after each, no retry
+    status, _ = client.exchange("POST", "/v1/x", b"{}", {"Host": "elsewhere", "Content-Length": "99"})
+    assert status == 200 and server.requests[-1][1]["host"] == server.url.split("//")[1]  # the framing is ours
 
 
 def test_request_lines_and_headers_cannot_be_split_by_the_caller(serve):
