@@ -25,11 +25,18 @@ CONTROL = re.compile(r"[\x00-\x20\x7f]")  # not in a request target
 LINE_BREAK = re.compile(r"[\x00\r\n]")  # not in a header
 OWN_HEADERS = ("host", "content-length", "transfer-encoding")  # a request's framing: this class writes it
 MAX_BODY_BYTES = 1 << 30  # an answer said to be larger is not a kvstore server's
+TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a method or a header name
+DIGITS = re.compile(r"[0-9]+")
 
 
 class Disconnected(ConnectionError):
     """The server closed the connection before any byte of its answer: it may never have read the
     request (an idle keep-alive connection it had closed), so a reused connection asks again."""
+
+
+class Unsendable(ValueError):
+    """A request that cannot be written as HTTP/1.1 as given (a line break in a header, a space in
+    the path, a character outside latin-1): the caller's mistake, nothing was sent."""
 
 
 class Response:
@@ -43,10 +50,11 @@ class Connection:
 
     def __init__(self, host: str, port: int | None, context: ssl.SSLContext | None = None) -> None:
         default = 443 if context is not None else 80
-        self.host, self.port, self.context = host, port or default, context
+        self.host, self.port, self.context = host, port if port is not None else default, context
         name = f"[{host}]" if ":" in host else host  # an IPv6 address
         self.host_header = name if self.port == default else f"{name}:{self.port}"
         self.sock: socket.socket | None = None
+        self.heard = False  # a byte of the last request's answer arrived
         self._buffer = bytearray()
 
     def connect(self, connect_timeout_s: float, read_timeout_s: float) -> None:
@@ -70,30 +78,39 @@ class Connection:
         """Send one request and read its whole answer (1xx answers skipped). Raises Disconnected
         when the server closed the connection before answering, ValueError for an answer that is
         not HTTP/1.x, OSError for the rest."""
-        if CONTROL.search(target):
-            raise ValueError(f"a request target with spaces or control characters: {target[:100]!r}")
+        if CONTROL.search(target) or not TOKEN.fullmatch(method):
+            raise Unsendable(f"a request line with spaces or control characters: {method[:20]!r} {target[:100]!r}")
         lines = [f"{method} {target} HTTP/1.1", f"host: {self.host_header}"]
-        lines += [f"{name}: {value}" for name, value in headers.items() if name.lower() not in OWN_HEADERS]
-        if any(LINE_BREAK.search(line) for line in lines):
-            raise ValueError("a header with a line break")
+        for name, value in headers.items():
+            if not TOKEN.fullmatch(name) or LINE_BREAK.search(value):
+                raise Unsendable(f"a header that is not one line of a name and a value: {name[:50]!r}")
+            if name.lower() not in OWN_HEADERS:
+                lines.append(f"{name}: {value}")
         if content is not None or method in ("POST", "PUT", "PATCH"):
             lines.append(f"content-length: {len(content or b'')}")
-        self.sock.sendall("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + (content or b""))
+        try:
+            head = "\r\n".join(lines).encode("latin-1")
+        except UnicodeEncodeError:
+            raise Unsendable("a request line or header outside latin-1") from None
+        self.heard = False
+        self.sock.sendall(head + b"\r\n\r\n" + (content or b""))
         while True:
             status, version, fields = self._head()
             if status >= 200:  # a 1xx is followed by the answer
                 break
-        close = "close" in fields.get("connection", "").lower() or (
-            version == "HTTP/1.0" and "keep-alive" not in fields.get("connection", "").lower())
+        connection = fields.get("connection", "").lower()
+        close = "close" in connection or (version == "HTTP/1.0" and "keep-alive" not in connection)
         if method == "HEAD" or status in (204, 304):
             return Response(status, fields, b"", close)
-        if "chunked" in fields.get("transfer-encoding", "").lower():
-            return Response(status, fields, self._chunks(), close)
-        if "content-length" in fields:
-            length = int(fields["content-length"])
-            if not 0 <= length <= MAX_BODY_BYTES:
-                raise ValueError(f"content-length {length}")
-            return Response(status, fields, self._take(length), close)
+        codings = [c.strip().lower() for c in fields["transfer-encoding"].split(",")] \
+            if "transfer-encoding" in fields else []
+        if codings and codings[-1] == "chunked":  # a length beside it means nothing; the connection ends
+            return Response(status, fields, self._chunks(), close or "content-length" in fields)
+        if "content-length" in fields and not codings:
+            said = fields["content-length"]
+            if not DIGITS.fullmatch(said) or int(said) > MAX_BODY_BYTES:
+                raise ValueError(f"content-length {said[:30]!r}")
+            return Response(status, fields, self._take(int(said)), close)
         return Response(status, fields, self._rest(), True)  # read to the close
 
     def _head(self) -> tuple[int, str, dict[str, str]]:
@@ -101,7 +118,7 @@ class Connection:
             if len(self._buffer) > MAX_HEAD_BYTES:
                 raise ValueError(f"an answer's head longer than {MAX_HEAD_BYTES} bytes")
             if not self._receive():
-                if self._buffer:
+                if self.heard:
                     raise ConnectionError("the server closed the connection in the middle of its answer")
                 raise Disconnected("the server closed the connection without answering")
         head = bytes(self._buffer[:end]).decode("latin-1").split("\r\n")
@@ -112,14 +129,20 @@ class Connection:
         fields: dict[str, str] = {}
         for line in head[1:]:
             name, colon, value = line.partition(":")
-            if not colon:
-                raise ValueError(f"a header line without a colon: {line[:100]!r}")
-            fields[name.strip().lower()] = value.strip()
+            if not colon or not TOKEN.fullmatch(name):
+                raise ValueError(f"not a header line: {line[:100]!r}")
+            name, value = name.lower(), value.strip()
+            if name in fields:  # a repeated header is one list; two lengths that differ frame nothing
+                if name == "content-length" and value != fields[name]:
+                    raise ValueError("two content-lengths")
+                value = value if name == "content-length" else f"{fields[name]}, {value}"
+            fields[name] = value
         return int(rest[:3]), version, fields
 
     def _receive(self) -> int:
         data = self.sock.recv(RECV_BYTES)
         self._buffer += data
+        self.heard = self.heard or bool(data)
         return len(data)
 
     def _take(self, n: int) -> bytes:
@@ -159,7 +182,8 @@ class Connection:
 
     def _rest(self) -> bytes:
         while self._receive():
-            pass
+            if len(self._buffer) > MAX_BODY_BYTES:
+                raise ValueError(f"an answer of more than {MAX_BODY_BYTES} bytes")
         data = bytes(self._buffer)
         self._buffer.clear()
         return data
@@ -173,9 +197,11 @@ def closed_by_peer(conn: Connection) -> bool:
     """An idle keep-alive connection the server has closed (or sent stray bytes on) is readable."""
     if conn.sock is None:
         return False  # not connected yet: the exchange opens it
-    if conn.has_stray_bytes():
+    if conn.has_stray_bytes() or (isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending()):
         return True
     try:
-        return bool(select.select([conn.sock], [], [], 0)[0])
+        poller = select.poll()  # select() refuses descriptors past 1023
+        poller.register(conn.sock, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True

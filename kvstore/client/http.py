@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
-from kvstore.client.connection import CONTROL, LINE_BREAK, Connection, Disconnected, closed_by_peer
+from kvstore.client.connection import CONTROL, LINE_BREAK, Connection, Disconnected, Unsendable, closed_by_peer
 from kvstore.core.errors import KVStoreError, Unreachable
 
 M = TypeVar("M", bound=BaseModel)
@@ -52,7 +52,7 @@ class _Server:
     def __init__(self, url: str, ca_file: str | None) -> None:
         self.url = url.strip().rstrip("/")
         parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if parts.scheme not in ("http", "https") or not parts.hostname or CONTROL.search(parts.path):
             raise KVStoreError("invalid", f"not an http(s) URL: {url.strip()!r}")
         self.context = tls_context(ca_file) if parts.scheme == "https" else None
         self.host, self.port, self.prefix = parts.hostname, parts.port, parts.path
@@ -74,8 +74,8 @@ class JsonHttp:
         self._servers = [_Server(u, ca_file) for u in urls]
         self._current = 0
         self.timeout_s = timeout_s
-        if token and LINE_BREAK.search(token):
-            raise KVStoreError("invalid", "a token with a line break")
+        if token and (LINE_BREAK.search(token) or not token.isascii()):
+            raise KVStoreError("invalid", "a token with a line break or outside ASCII")
         self._headers = {"authorization": f"Bearer {token}"} if token else {}
         self._lock = threading.Lock()
 
@@ -114,7 +114,9 @@ class JsonHttp:
             try:
                 status, payload, retry_after = self._exchange(server, method, server.prefix + path, content,
                                                               headers, timeout_s or self.timeout_s)
-            except KVStoreError as exc:  # unreachable
+            except KVStoreError as exc:  # unreachable (a request that cannot be sent is the caller's error)
+                if exc.kind != "unavailable":
+                    raise
                 failure = exc
                 self._failed(server)
                 continue
@@ -168,9 +170,11 @@ class JsonHttp:
                         conn.connect(self._connect_timeout(timeout_s), timeout_s)
                     response = conn.exchange(method, path, content, headers)
                     break
+                except Unsendable as exc:  # nothing was sent
+                    raise KVStoreError("invalid", str(exc)) from None
                 except (Disconnected, ConnectionResetError, BrokenPipeError) as exc:
                     conn.close()
-                    if not reused:
+                    if not reused or conn.heard:  # part of an answer came: the request was served
                         raise _unreachable(server, path, exc) from None
                     reused = False
                 except (OSError, ValueError) as exc:  # ValueError: not HTTP, or a host name not in ASCII

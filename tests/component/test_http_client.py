@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import socketserver
+import struct
 import threading
 import time
 
@@ -17,14 +18,15 @@ from kvstore.core.errors import KVStoreError
 class ScriptedServer(socketserver.ThreadingTCPServer):
     """Answers each request by `script(n)` (n counts requests): "ok", "error" (409), "unready"
     (503), "worker-failed" (502), "close-after" (answer, then close the connection without saying
-    so), "drop" (close without answering) or a list of raw pieces to write (None: close)."""
+    so), "drop" (close without answering) or a list of raw pieces to write (None: close, "reset":
+    close with a RST)."""
 
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, script) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
-        self.script, self.requests, self.connections = script, [], 0
+        self.script, self.requests, self.connections, self.header_lines = script, [], 0, []
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -38,6 +40,7 @@ class Handler(socketserver.StreamRequestHandler):
                 return
             headers = {}
             while (header := self.rfile.readline().strip()):
+                self.server.header_lines.append(header.decode())
                 name, _, value = header.decode().partition(":")
                 headers[name.lower()] = value.strip()
             body = self.rfile.read(int(headers.get("content-length", 0)))
@@ -49,6 +52,10 @@ class Handler(socketserver.StreamRequestHandler):
                 for piece in action:
                     if piece is None:
                         self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    if piece == "reset":  # closed with a RST
+                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        self.connection.close()
                         return
                     self.wfile.write(piece)
                     self.wfile.flush()
@@ -231,29 +238,87 @@ def test_answers_that_are_not_http_or_are_cut_short_are_unavailable_and_never_re
         3: [answer(b'{"short"', "content-length: 100"), None],
         4: [b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"],
         5: [answer(b"zz\r\n", "transfer-encoding: chunked"), None],
+        9: [answer(b"{}", "content-length: +2"), None],
+        10: [answer(b"{}", "content-length: 2", "content-length: 3"), None],
+        11: [b"HTTP/1.1 200 OK\r\nbad name: 1\r\n\r\n"],
         6: [answer(b"-5\r\nabc", "transfer-encoding: chunked"), None],
         7: [answer(b"{}", f"content-length: {(1 << 30) + 1}"), None],
     }
     server = serve(lambda n: script.get(n, "ok"))
     client = JsonHttp(server.url, timeout_s=5)
-    for i in range(1, 8):
+    for i in (1, 2, 3, 4, 5, 6, 7, 9, 10, 11):
+        if i == 9:
+            assert client.call_raw("POST", "/v1/x", {"i": 8}) == {"echo": {"i": 8}}
         with pytest.raises(KVStoreError) as info:
             client.call_raw("POST", "/v1/x", {"i": i})
         assert info.value.kind == "unavailable", i
-    assert client.call_raw("POST", "/v1/x", {"i": 8}) == {"echo": {"i": 8}}
-    assert server.connections == 8 and len(server.requests) == 8  # a new connection after each, no retry
+    assert server.connections == 10 and len(server.requests) == 11  # a new connection after each failure, no retry
+    server.header_lines.clear()
     status, _ = client.exchange("POST", "/v1/x", b"{}", {"Host": "elsewhere", "Content-Length": "99"})
     assert status == 200 and server.requests[-1][1]["host"] == server.url.split("//")[1]  # the framing is ours
+    assert sorted(line.split(":")[0].lower() for line in server.header_lines) == ["content-length", "host"]
 
 
 def test_request_lines_and_headers_cannot_be_split_by_the_caller(serve):
+    """Refused as the caller's error before a byte is sent, through every entry point: a call's
+    path, a forwarded exchange's target, method and headers, a token, a URL's path."""
     server = serve(lambda n: "ok")
     client = JsonHttp(server.url)
-    for path in ("/v1/x y", "/v1/x\r\nx-injected: 1", "/v1/\x00"):
+    refusals = [lambda path=path: client.call_raw("GET", path) for path in ("/v1/x y", "/v1/x\r\nx-injected: 1",
+                                                                            "/v1/\x00")]
+    refusals += [lambda: client.exchange("GET", "/v1/x y", None, {}),
+                 lambda: client.exchange("GET /v1/x HTTP/1.1\r\n", "/v1/x", None, {}),
+                 lambda: client.exchange("GET", "/v1/x", None, {"x-a": "1\r\nx-injected: 1"}),
+                 lambda: client.exchange("GET", "/v1/x", None, {"x a": "1"}),
+                 lambda: client.exchange("GET", "/v1/x", None, {"x-a": "caf\u00e9\u20ac"}),
+                 lambda: JsonHttp(server.url, token="abc\r\nx-injected: 1"),
+                 lambda: JsonHttp(server.url, token="t\u20ac"),
+                 lambda: JsonHttp(server.url + "/a b")]
+    for refused in refusals:
         with pytest.raises(KVStoreError) as info:
-            client.call_raw("GET", path)
+            refused()
         assert info.value.kind == "invalid"
+    assert server.requests == [] and client._servers[0].skip_until == 0.0  # nothing sent, no server blamed
+    assert client.call_raw("POST", "/v1/x", {"i": 1}) == {"echo": {"i": 1}}
+
+
+def test_a_reused_connection_is_asked_again_only_when_no_byte_of_an_answer_came(serve):
+    """Dropped before answering: asked again on a new connection (it may never have read the
+    request). Dropped after part of an answer: served already, so not sent twice: unavailable."""
+    server = serve(lambda n: [b"HTTP/1.1 200 OK\r\ncontent-le", None] if n == 2 else "ok")
+    client = JsonHttp(server.url, timeout_s=5)
+    client.call_raw("POST", "/v1/x", {"i": 0})
     with pytest.raises(KVStoreError) as info:
-        JsonHttp(server.url, token="abc\r\nx-injected: 1")
-    assert info.value.kind == "invalid"
-    assert server.requests == []
+        client.call_raw("POST", "/v1/x", {"i": 1})
+    assert info.value.kind == "unavailable" and len(server.requests) == 2
+    continued = serve(lambda n: [b"HTTP/1.1 100 Continue\r\n\r\n", None] if n == 2 else "ok")
+    client = JsonHttp(continued.url, timeout_s=5)
+    client.call_raw("POST", "/v1/x", {"i": 0})
+    with pytest.raises(KVStoreError):
+        client.call_raw("POST", "/v1/x", {"i": 1})
+    assert len(continued.requests) == 2  # a 100 is a byte of the answer too
+    for before, sent in (([], 3), ([b"HTTP/1.1 200 OK\r\ncontent-le"], 2)):  # reset at once / after a part
+        reset = serve(lambda n, before=before: before + ["reset"] if n == 2 else "ok")
+        client = JsonHttp(reset.url, timeout_s=5)
+        client.call_raw("POST", "/v1/x", {"i": 0})
+        try:
+            assert client.call_raw("POST", "/v1/x", {"i": 1}) == {"echo": {"i": 1}} and sent == 3
+        except KVStoreError as exc:
+            assert exc.kind == "unavailable" and sent == 2
+        assert len(reset.requests) == sent
+
+
+def test_bytes_past_an_answer_keep_its_connection_from_being_reused(serve, monkeypatch):
+    import kvstore.client.connection as connection
+
+    extra = answer(b'{"a": 1}', "content-length: 8") + b"HTTP/1.1 200 OK\r\n"  # the start of an answer to nothing
+    server = serve(lambda n: [extra] if n == 1 else "ok")
+    client = JsonHttp(server.url, timeout_s=5)
+    assert client.call_raw("POST", "/v1/x", {"i": 0}) == {"a": 1}
+    assert client.call_raw("POST", "/v1/x", {"i": 1}) == {"echo": {"i": 1}}
+    assert server.connections == 2 and len(server.requests) == 2
+    monkeypatch.setattr(connection, "MAX_BODY_BYTES", 1000)  # an answer to the close may not grow without end
+    endless = serve(lambda n: [answer(b"x" * 600), answer(b"x" * 600), None])
+    with pytest.raises(KVStoreError) as info:
+        JsonHttp(endless.url, timeout_s=5).call_raw("POST", "/v1/x", {"i": 0})
+    assert info.value.kind == "unavailable"
