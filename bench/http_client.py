@@ -67,7 +67,7 @@ def with_socket(port: int, body: specs.LookupRequest):
                       if line.lower().startswith(b"content-length"))
         while len(body_bytes) < length:
             body_bytes += sock.recv(65536)
-        return HASHES if b'"num_hit_blocks":128' in body_bytes.replace(b" ", b"") else -1
+        return HASHES if f'"num_hit_blocks":{HASHES}'.encode() in body_bytes.replace(b" ", b"") else -1
     return call
 
 

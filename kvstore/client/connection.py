@@ -8,7 +8,8 @@
 
 A request is written in one send; the answer is parsed out of one receive buffer: its head split
 on CRLF (names lowercased), its body by Content-Length, by chunks, or up to the close. 1xx answers
-are skipped. What is not HTTP/1.x raises ValueError, a server that closed before answering
+are skipped. A request that cannot be written as given raises `Unsendable` before anything is
+sent; an answer that is not HTTP/1.x ValueError, a server that closed before answering
 `Disconnected`, the rest OSError.
 """
 
@@ -27,6 +28,7 @@ OWN_HEADERS = ("host", "content-length", "transfer-encoding")  # a request's fra
 MAX_BODY_BYTES = 1 << 30  # an answer said to be larger is not a kvstore server's
 TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a method or a header name
 DIGITS = re.compile(r"[0-9]+")
+HEX = re.compile(rb"[0-9a-fA-F]+")
 
 
 class Disconnected(ConnectionError):
@@ -75,9 +77,10 @@ class Connection:
             self.sock = None
 
     def exchange(self, method: str, target: str, content: bytes | None, headers: dict[str, str]) -> Response:
-        """Send one request and read its whole answer (1xx answers skipped). Raises Disconnected
-        when the server closed the connection before answering, ValueError for an answer that is
-        not HTTP/1.x, OSError for the rest."""
+        """Send one request and read its whole answer (1xx answers skipped). Raises Unsendable
+        (before sending) for a request that cannot be written as given, Disconnected when the
+        server closed the connection before answering, ValueError for an answer that is not
+        HTTP/1.x, OSError for the rest."""
         if CONTROL.search(target) or not TOKEN.fullmatch(method):
             raise Unsendable(f"a request line with spaces or control characters: {method[:20]!r} {target[:100]!r}")
         lines = [f"{method} {target} HTTP/1.1", f"host: {self.host_header}"]
@@ -167,9 +170,9 @@ class Connection:
         body = bytearray()
         while True:
             said = self._line().split(b";", 1)[0].strip()  # a size, then maybe an extension
-            size = int(said, 16) if said and all(c in b"0123456789abcdefABCDEF" for c in said) else -1
-            if size < 0:
+            if not HEX.fullmatch(said):
                 raise ValueError(f"not a chunk size: {said[:20]!r}")
+            size = int(said, 16)
             if size == 0:
                 while self._line():  # trailers, up to the empty line
                     pass

@@ -38,6 +38,8 @@ MAX_IDLE = 16  # connections kept open per client and server
 CONNECT_TIMEOUT_S = 3.0  # with several servers, a host that does not answer costs this, not the read timeout
 FAILOVER_STATUSES = (500, 503)  # the server cannot answer now; another one may (502 is a worker's failure)
 BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
+
+
 def tls_context(ca_file: str | None) -> ssl.SSLContext:
     """Certificates checked against `ca_file` (or the system's CAs), host names included."""
     try:
@@ -100,8 +102,6 @@ class JsonHttp:
 
     def _request(self, method: str, path: str, body: BaseModel | dict | None,
                  timeout_s: float | None = None) -> bytes:
-        if CONTROL.search(path):
-            raise KVStoreError("invalid", f"a request path with spaces or control characters: {path[:100]!r}")
         if isinstance(body, BaseModel):
             content, headers = body.model_dump_json().encode(), {**self._headers, **JSON}
         elif body:
