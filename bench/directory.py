@@ -30,7 +30,10 @@ moves KV bytes) with a DRAM tier sized to stay under its watermark. Then:
 8. the directory's resident memory, and its start-up time to ready when it is
    restarted on the full database.
 
-`--only-stalls` runs the fill and step 3 alone.
+`--only-stalls` runs the fill and step 3 alone. The directory's settings come
+from the environment as well: `KVSTORE_EVICTION_ORDER=directory` keeps the
+tiers' eviction orders in its own process (by default they live in a child
+process, whose resident memory is reported beside the directory's).
 
 `--directory-src DIR` runs the directory from another checkout (a before/after
 comparison on the same machine); `--always-locations` for one that predates the
@@ -308,6 +311,17 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def children_rss_mib(pid: int) -> float:
+    """What the directory's child processes hold (the eviction orders' own process, once started)."""
+    children = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):  # a child is listed under the thread that started it
+        try:
+            children.update((task / "children").read_text().split())
+        except OSError:
+            pass
+    return sum(rss_mib(int(child)) for child in children if os.path.exists(f"/proc/{child}"))
+
+
 def start_directory(src: Path, port: int, data: Path, log) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(src), "KVSTORE_HEARTBEAT_TIMEOUT_S": "600"}
     # a checkout from before credentials existed has no such flag (and needs none)
@@ -375,8 +389,11 @@ def main() -> None:
             if args.only_stalls:
                 stalled = stalls(port, namespace_id, chains, chains + 50_000)
                 print_stalls(stalled)
+                resident = {"filled": rss, "after_dry_runs": rss_mib(pid), "children": children_rss_mib(pid)}
+                print(f"directory RSS {resident['filled']:,.0f} MiB after the fill, {resident['after_dry_runs']:,.0f} "
+                      f"MiB after the dry runs; its child processes {resident['children']:,.0f} MiB")
                 write_json(args.json, {"machine": machine(), "blocks": chains * CHAIN, "stalls": stalled,
-                                       "directory_src": str(args.directory_src)})
+                                       "rss_mib": resident, "directory_src": str(args.directory_src)})
                 control.stop()
                 return
             phases = [lookups(port, pid, namespace_id, chains, 1, args.seconds),
@@ -387,7 +404,7 @@ def main() -> None:
             if len(os.sched_getaffinity(0)) > 1:
                 phases.append(lookups(port, pid, namespace_id, chains, 4, args.seconds, split_cores=True))
             stalled = stalls(port, namespace_id, chains, chains + 50_000)
-            rss_stalls = (rss_mib(pid), indexed(http))  # the dry runs built the tier's policy (or a copy of it)
+            rss_stalls = (rss_mib(pid), indexed(http), children_rss_mib(pid))  # the dry runs built the tier's policy
             stores = {}
             next_chain = chains + 100_000
             for size in (64, 1024):
@@ -439,14 +456,15 @@ def main() -> None:
     print_table(["engines saving at once", "blocks/s", "directory CPU µs per block"],
                 [[e["clients"], round(e["blocks_per_s"]), e["directory_cpu_us_per_block"]] for e in engines])
     print(f"\nindexed {chains * CHAIN:,} blocks; fill {chains * CHAIN / fill_s:,.0f} blocks/s; directory RSS "
-          f"{rss:,.0f} MiB after the fill, {rss_stalls[0]:,.0f} MiB after the dry runs ({rss_stalls[1]:,} blocks), "
+          f"{rss:,.0f} MiB after the fill, {rss_stalls[0]:,.0f} MiB after the dry runs ({rss_stalls[1]:,} blocks; "
+          f"its child processes {rss_stalls[2]:,.0f} MiB), "
           f"{rss_after[0]:,.0f} MiB after the run ({rss_after[1]:,} blocks), {rss_restart:,.0f} MiB after a "
           f"restart; restart to ready {start_s:.1f} s")
     write_json(args.json, {"machine": machine(), "blocks": chains * CHAIN, "fill_s": fill_s,
                            "fill_blocks_per_s": chains * CHAIN / fill_s, "lookups": dict(zip(names, phases)),
                            "stalls": stalled, "store": stores, "load": loaded, "eviction": evicted,
                            "engines_saving": engines,
-                           "rss_mib": {"filled": rss, "after_dry_runs": rss_stalls[0], "end": rss_after[0],
+                           "rss_mib": {"filled": rss, "after_dry_runs": rss_stalls[0], "children": rss_stalls[2], "end": rss_after[0],
                                        "restarted": rss_restart},
                            "blocks_indexed": {"after_dry_runs": rss_stalls[1], "end": rss_after[1]},
                            "start_to_ready_s": start_s, "directory_src": str(args.directory_src)})

@@ -43,7 +43,7 @@ DIRECTORY_FLAGS = {
     "heartbeat_interval": "heartbeat_interval_s", "heartbeat_timeout": "heartbeat_timeout_s",
     "reaper_interval": "reaper_interval_s", "move_timeout": "move_timeout_s", "migrate": "migrate_on_start",
     "eviction": "eviction", "admission": "admission", "eviction_by_tier": "eviction_by_tier",
-    "admission_by_tier": "admission_by_tier", "require_auth": "require_auth", "open_metrics": "open_metrics",
+    "admission_by_tier": "admission_by_tier", "eviction_order": "eviction_order", "require_auth": "require_auth", "open_metrics": "open_metrics",
     "engine_rate": "engine_rate", "engine_burst": "engine_burst", "verify_writes": "verify_writes",
     "relaxed_commits": "relaxed_commits", "ca_file": "ca_file", "advertise_url": "advertise_url"}
 WORKER_FLAGS = {name: name for name in (
@@ -109,6 +109,9 @@ def directory_serve(
                                                            f"[{DEFAULT_ADMISSION}]")] = None,
         eviction_by_tier: Annotated[str | None, typer.Option(help='JSON, e.g. {"s3": "lru"}')] = None,
         admission_by_tier: Annotated[str | None, typer.Option(help='JSON, e.g. {"nvme": "always"}')] = None,
+        eviction_order: Annotated[str | None, typer.Option(help="where the eviction orders live: child (a "
+                                                                "process of their own) or directory [child]")]
+        = None,
         require_auth: Annotated[bool | None, typer.Option("--require-auth/--insecure-no-auth",
                                                           help="credentials on every route but /healthz and "
                                                                "/readyz (the default), or none at all: anyone "

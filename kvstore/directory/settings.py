@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -51,6 +52,10 @@ class DirectorySettings(BaseSettings):
     eviction_by_tier: dict[str, str] = Field(default_factory=dict, description='overrides, e.g. {"s3": "lru"}')
     admission_by_tier: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ADMISSION_BY_TIER),
                                               description='overrides; default: NVMe and S3 keep every demoted block')
+    eviction_order: Literal["child", "directory"] = Field(
+        "child", description="where the tiers' eviction orders live: child = a process of their own, which "
+        "builds them from SQL and walks them for dry runs while the directory answers lookups (SQL's "
+        "least-recently-used order while it is not running); directory = the directory's own process")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -95,7 +95,11 @@ def _locked(method):
 
 class TierPolicies:
     """Used by the writer thread (admission, victims, changes the index reports) and by the reaper
-    (hits, in chunks): every call holds `lock`, briefly."""
+    (hits, in chunks): every call holds `lock`, briefly. The eviction orders live in this process
+    (`local`): a caller may sync one from the tier's rows (`victims`). `moves/order.py` keeps them in
+    a child process instead."""
+
+    local = True
 
     def __init__(self, eviction: dict[str, str], admission: dict[str, str]) -> None:
         self._names = eviction, admission  # by tier kind
@@ -174,6 +178,19 @@ class TierPolicies:
         return list(self._expected.items())
 
     @_locked
+    def take_expected(self) -> list[tuple[tuple, Hints]]:
+        """`expected()`, forgotten here: another holder of the orders takes them (`keep_expected`)."""
+        items = list(self._expected.items())
+        self._expected.clear()
+        return items
+
+    @_locked
+    def keep_expected(self, items: list[tuple[tuple, Hints]]) -> None:
+        """Hints that another holder kept until now, as `expected()` lists them."""
+        self._expected.update(items)
+        self._trim_expected()
+
+    @_locked
     def eviction_of(self, tier):
         """The tier's eviction policy (as built so far)."""
         return self._of(tier).eviction
@@ -236,7 +253,7 @@ class TierPolicies:
                             keys.append((block_key(namespace_id, block_hash), hits))
                     with self.lock:  # the admission's counts, as _sync replays them
                         for key, hits in keys:
-                            _record_hits(policy.admission, key, hits)
+                            record_hits(policy.admission, key, hits)
                 read_rows(fill)
                 replayed = 0
                 while True:  # what was reported meanwhile: outside the lock while there is much of it
@@ -278,6 +295,14 @@ class TierPolicies:
         order = getattr(policy.eviction, "order", None)
         return order(n, keep) if policy.built and order is not None else None
 
+    def dry_run(self, tier, limit: int, keep: set[int], to_free: int) -> tuple[int, int] | None:
+        """(replicas, bytes) a dry run would name, where the order is elsewhere; None here: the caller
+        asks `peek`, or `victims` on a copy."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop: the orders are this process's memory."""
+
     @_locked
     def unbuild(self, tier) -> None:
         """The next victims() syncs from the rows again (the policy ran dry while the tier is full)."""
@@ -310,11 +335,11 @@ class TierPolicies:
         for r in paced(new):
             policy.eviction.insert(r.key, r.parent, expected.pop((tier_id, r.key), None))
             if not policy.built:
-                _record_hits(policy.admission, r.name, r.hit_count)
+                record_hits(policy.admission, r.name, r.hit_count)
         policy.built = True
 
 
-def _record_hits(admission, key: str, hits: int) -> None:
+def record_hits(admission, key: str, hits: int) -> None:
     """A block's recorded hits, replayed into a rebuilt admission (at most REPLAY_HITS)."""
     for _ in range(min(hits, REPLAY_HITS)):
         admission.record(key)

@@ -26,6 +26,7 @@ SAMPLES = {
         # per-tier maps merge key by key across sources; the same key shows which source wins
         "eviction_by_tier": ({"s3": "lru"}, {"s3": "arc"}, {"s3": "s3fifo"}),
         "admission_by_tier": ({"s3": "tinylfu"}, {"s3": "doorkeeper"}, {"s3": "always"}),
+        "eviction_order": ("directory", "child", "directory"),
         "require_auth": (False, True, False), "open_metrics": (True, False, True),
         "engine_rate": (100.0, 200.0, 300.0), "engine_burst": (10.0, 20.0, 30.0),
         "verify_writes": (True, False, True), "relaxed_commits": (True, False, True),

@@ -91,6 +91,16 @@ def policy_rows(session: Session, tier_id: int, fill: Callable[[list[tuple]], No
     shrink(session)
 
 
+def order_rows(session: Session, tier_id: int, at_once: int = 10_000):
+    """(block id, namespace id, hash, parent hash, hit count) of every READY replica of a tier, oldest
+    first (deeper blocks first on ties), `at_once` rows at a time: the eviction order's own process
+    builds a tier's order from them and finds parents among them (`moves/order_child.py`)."""
+    yield from stream(session, "SELECT b.id, b.namespace_id, b.hash, b.parent, b.hit_count FROM replicas r "
+                      f"JOIN blocks b ON b.id = r.block_id WHERE r.tier_id = ? AND r.state = '{READY}' "
+                      "ORDER BY b.last_access, b.depth DESC", (tier_id,), at_once)
+    shrink(session)
+
+
 def replica_kinds(session: Session, block_ids: list[int]) -> dict[int, set[str]]:
     """Per block, the tier kinds holding a READY or MOVING replica."""
     kinds: dict[int, set[str]] = {}

@@ -103,13 +103,17 @@ class Movement:
         names go one tier down, or are dropped at the bottom. `dry_run` only says what would go."""
         to_free = max_bytes if max_bytes is not None else 1 << 62
         if dry_run:  # at the bottom every victim would be dropped, above it moved down; read off the writer
+            totals = None
             if namespace_id is None:
                 self._build_policy(tier_id)  # then asked without a copy, or a read of the tier per dry run
-            chosen = self._read(lambda tx: self._victims(tx, repo.tier(tx.session, tier_id), to_free, set(),
-                                                         namespace_id, limit, dry_run=True))
+                totals = self._dry_run_elsewhere(tier_id, limit, to_free)
+            if totals is None:
+                chosen = self._read(lambda tx: self._victims(tx, repo.tier(tx.session, tier_id), to_free, set(),
+                                                             namespace_id, limit, dry_run=True))
+                totals = len(chosen), sum(r.reserved_bytes for r, _ in chosen)
             lower = _lower(self._topology, tier_id, worker_id)
-            return {"replicas": len(chosen), "bytes": sum(r.reserved_bytes for r, _ in chosen),
-                    "demoted": len(chosen) if lower else 0, "dropped": 0 if lower else len(chosen)}
+            return {"replicas": totals[0], "bytes": totals[1],
+                    "demoted": totals[0] if lower else 0, "dropped": 0 if lower else totals[0]}
         return self._demote_tier(tier_id, worker_id, to_free, set(), namespace_id, limit)
 
     def _demote_tier(self, tier_id: int, worker_id: int, to_free: int, protected: set[int],
@@ -189,8 +193,11 @@ class Movement:
         """The tier's eviction policy names the victims; an operator's namespace eviction takes that
         namespace's blocks least recently used first."""
         if namespace_id is not None:
-            candidates = sql.demotion_candidates(tx.session, tier.id, limit + len(protected), namespace_id)
-            return _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
+            return _by_recency(tx, tier.id, to_free, protected, limit, namespace_id)
+        if not self._policies.local:  # the order is in another process: without it, SQL's order
+            if dry_run or not self._policies.built(tier):
+                return _by_recency(tx, tier.id, to_free, protected, limit)
+            return self._victims_from_policy(tx, tier, to_free, protected, limit)
         if dry_run:
             peeked = self._policies.peek(tier, limit, sql.pinned_blocks(tx.session, tier.id) | protected)
             if peeked is not None:
@@ -199,6 +206,15 @@ class Movement:
             return self._policies.victims(tier, _victim_rows(tx, tier.id, self._topology.id_of), protected, to_free,
                                           limit, dry_run)
         return self._victims_from_policy(tx, tier, to_free, protected, limit)
+
+    def _dry_run_elsewhere(self, tier_id: int, limit: int, to_free: int) -> tuple[int, int] | None:
+        """(replicas, bytes) of a dry run that the process holding the tier's order walks and
+        re-checks in SQL; None where the order is this process's (or that process is not there)."""
+        tier = self._topology.tiers.get(tier_id)
+        if self._policies.local or tier is None:
+            return None
+        keep = self._read(lambda tx: sql.pinned_blocks(tx.session, tier_id))
+        return self._policies.dry_run(tier, limit, keep, to_free)
 
     def _build_policy(self, tier_id: int) -> None:
         """The tier's eviction policy, built the first time from its READY replicas read off the
@@ -214,14 +230,20 @@ class Movement:
         """Ask the policy in batches and keep the keys the tier still holds READY and unpinned:
         the cost follows the victims, not the tier. A policy that runs dry is rebuilt once."""
         keep = sql.pinned_blocks(tx.session, tier.id) | protected
-        chosen, freed = [], 0
+        chosen, freed, rebuilt = [], 0, False
         while freed < to_free and len(chosen) < limit:
             ids = self._policies.evict(tier, min(EVICT_BATCH, limit - len(chosen)), keep)
             if ids is None:
                 if chosen:
                     break
                 self._policies.unbuild(tier)  # ran dry with the tier over its mark: sync it again
-                return self._victims(tx, tier, to_free, protected, None, limit)
+                if self._policies.local or rebuilt:
+                    return self._victims(tx, tier, to_free, protected, None, limit)
+                self._build_policy(tier.id)  # in the other process, from SQL; this job waits for it
+                rebuilt = True
+                if not self._policies.built(tier):
+                    return _by_recency(tx, tier.id, to_free, protected, limit)
+                continue
             for replica, block in sql.ready_replicas_of_blocks(tx.session, tier.id, ids):
                 if freed >= to_free or len(chosen) >= limit:
                     keep.add(block.id)
@@ -309,6 +331,13 @@ def _over_high(tier: Tier, reserved: int) -> bool:
 
 def _above_low(tier: Tier, reserved: int) -> int:
     return max(0, tier.used_bytes + reserved - int(tier.low_watermark * (tier.capacity_bytes or 0)))
+
+
+def _by_recency(tx: Tx, tier_id: int, to_free: int, protected: set[int], limit: int,
+                namespace_id: str | None = None) -> list[tuple[sql.VictimReplica, sql.VictimBlock]]:
+    """Least recently used first, as SQL orders them (of one namespace, or where no policy answers)."""
+    candidates = sql.demotion_candidates(tx.session, tier_id, limit + len(protected), namespace_id)
+    return _enough([(r, b) for r, b in candidates if b.id not in protected], to_free)[:limit]
 
 
 def _enough(candidates: list[tuple[sql.VictimReplica, sql.VictimBlock]],

@@ -23,6 +23,7 @@ from kvstore.directory.replica.leader import Leader
 from kvstore.directory.loads.loads import Loads
 from kvstore.directory.metrics import DirectoryMetrics
 from kvstore.directory.moves.move import Moves
+from kvstore.directory.moves.order import ChildOrder
 from kvstore.directory.moves.orphans import Orphans
 from kvstore.directory.moves.spread import Spread
 from kvstore.directory.moves.tiers import Movement
@@ -70,7 +71,8 @@ def build(settings: DirectorySettings | None = None, clock: Callable[[], float] 
     changelog.relaxed = changelog.enabled and settings.relaxed_commits
     metrics = DirectoryMetrics()
 
-    policies = TierPolicies(settings.tier_eviction(), settings.tier_admission())
+    policies = (ChildOrder(settings.tier_eviction(), settings.tier_admission(), settings.database_url)
+                if settings.eviction_order == "child" else TierPolicies(settings.tier_eviction(), settings.tier_admission()))
     index = Index(on_change=policies.changed)
     pools = PagePools()
     writer = Writer(sessions, lambda *commit: index.follow_commit(sessions, *commit), changelog.before_commit,

@@ -260,4 +260,5 @@ class DirectoryService:
     def close(self) -> None:
         self.writer.close()
         self.calls.close()
+        self.policies.close()
 
