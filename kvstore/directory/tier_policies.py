@@ -56,6 +56,10 @@ MAX_EXPECTED = 1 << 20  # hints of reserved blocks kept for their commit; the ol
 _TIER_ID, _BLOCK_ID = 0, 1  # of an expected hint's key once its block is committed
 
 
+class Unanswered(Exception):
+    """The tier's order cannot say now (it lives elsewhere and did not answer): take SQL's order."""
+
+
 def block_key(namespace_id: str, block_hash: str) -> str:
     return f"{namespace_id}/{block_hash}"
 
@@ -279,7 +283,8 @@ class TierPolicies:
 
     @_locked
     def evict(self, tier, n: int, keep: set[int]) -> list[int] | None:
-        """Up to `n` victims from the tier's policy as it stands (no sync); None when it is empty."""
+        """Up to `n` victims from the tier's policy as it stands (no sync); None when it is empty.
+        (An order that lives elsewhere may raise Unanswered; this one always answers.)"""
         policy = self._of(tier)
         victims = policy.eviction.evict(min(n, max(1, len(policy.eviction) - len(keep))), keep)
         if victims is None and n > 1:

@@ -102,6 +102,7 @@ def test_a_dry_run_asks_the_tiers_policy_without_reading_the_tier_or_changing_it
         assert read(s, cold) == 3  # now the most recently used
         s.service.flush()  # its reads reach SQL, which the policy is built from
         monkeypatch.setattr(sql, "ready_replicas_of_tier", whole_tier)
+        monkeypatch.setattr(sql, "demotion_candidates", whole_tier)  # nor took SQL's order instead
         ask = dict(tier="dram", limit=2)
         for _ in range(2):
             dry = s.client.evict_tier(specs.EvictRequest(**ask, dry_run=True))

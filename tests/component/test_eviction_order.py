@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kvstore.core import specs
+from kvstore.directory.db import moves as sql
 from kvstore.directory.moves import order
 from tests.calls import chain, complete, hits, prepare, read
 from tests.stacks import directory_stack, make_settings, worker_endpoint
@@ -61,7 +62,15 @@ def kill(policies) -> None:
     assert policies.pid is None
 
 
-def test_the_child_orders_evictions_and_ends_with_the_directory(database_url, control):
+def sql_order_refused(monkeypatch) -> None:
+    """Victims in SQL's order would fail the test: the child's order must name them."""
+    def refused(*args, **kwargs):
+        raise AssertionError("victims came from SQL's order")
+    monkeypatch.setattr(sql, "demotion_candidates", refused)
+
+
+def test_the_child_orders_evictions_and_ends_with_the_directory(database_url, control, monkeypatch):
+    sql_order_refused(monkeypatch)
     with directory_stack(make_settings(database_url), control) as s:
         policies = s.service.policies
         cold, warm = chain(3), chain(3, start=100)
@@ -94,6 +103,7 @@ def test_while_the_child_is_gone_evictions_take_sqls_order_then_it_starts_again(
         assert evict(s, 1).dropped == 1
         assert hits(s, warm) == 2 and hits(s, cold) == 3
         monkeypatch.setattr(order, "RESTART_AFTER_S", 0.0)
+        sql_order_refused(monkeypatch)
         assert evict(s, 1).dropped == 1  # the next order needed starts it, built from SQL
         assert policies.pid is not None
         assert hits(s, warm) == 1 and hits(s, cold) == 3

@@ -2,7 +2,7 @@
 
     policies = ChildOrder(eviction, admission, database_url)   # admission stays in this process
     policies.build(tier, read_rows)    # the child builds the tier's order from SQL (read_rows unused)
-    policies.evict(tier, n, keep)      # its next victims; None when it ran dry or is not there
+    policies.evict(tier, n, keep)      # its next victims; None: it ran dry; raises Unanswered
     policies.dry_run(tier, limit, keep, to_free) -> (replicas, bytes) | None
     policies.close()
 
@@ -15,9 +15,12 @@ interpreter.
 
 The child starts the first time a tier's order is needed; until then this process keeps saves'
 hints as `TierPolicies` does, and hands them over at the start. Victims it names are re-checked in
-SQL by the caller, as the policies' always were. If it ends (or does not answer within
-ASK_TIMEOUT_S), evictions take SQL's order (least recently used first) until it is started again,
-RESTART_AFTER_S later at the earliest, and builds its orders from SQL anew.
+SQL by the caller, as the policies' always were. A build is asked once per tier and waited for
+outside the writer, as one in this process was; the next victims, asked inside a writer's job, are
+waited for at most EVICT_WAIT_S (behind a dry run or another tier's build), then the job takes SQL's
+order (least recently used first) and victims answered later go back into the order. If the child
+ends, or answers nothing for ASK_TIMEOUT_S, evictions take SQL's order until it is started again,
+RESTART_AFTER_S after its end at the earliest, and it builds its orders from SQL anew.
 """
 
 from __future__ import annotations
@@ -28,35 +31,48 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
-from kvstore.core.pace import paced
 from kvstore.directory.moves.order_child import TierSpec, read_frame, write_frame
-from kvstore.directory.tier_policies import TierPolicies, record_hits
+from kvstore.directory.tier_policies import TierPolicies, Unanswered, record_hits
 
 log = logging.getLogger(__name__)
 RESTART_AFTER_S = 30.0  # after the child ended, the next order it is needed for starts it again
-ASK_TIMEOUT_S = 600.0  # a build of millions of rows on a slow machine; past it the child is stopped
+ASK_TIMEOUT_S = 600.0  # a child that answers nothing for this long is stopped
+EVICT_WAIT_S = 5.0  # a writer's job waits this long for the next victims, then takes SQL's order
 REPLAY_AT_ONCE = 10_000  # admission counts replayed under one hold of the lock
-ENDED = "the eviction order's process is not running"
 
 
 def spec(tier) -> TierSpec:
     return TierSpec(tier.id, tier.kind, tier.capacity_bytes, tier.page_bytes)
 
 
+class _Ask:
+    """An ask on its way: answered (ok, value), or left unanswered when the child ended."""
+
+    def __init__(self, kind: str, then: Callable[[bool, object], None] | None) -> None:
+        self.kind, self.then = kind, then
+        self.done = threading.Event()
+        self.ok, self.value = False, "the eviction order's process is not running"
+        self.abandoned = False  # the asker stopped waiting: `late` gets the answer instead
+        self.late: Callable[[object], None] | None = None
+
+
 class _Child:
     """One run of the child process: its pipe, a thread that writes to it, one that reads answers."""
 
     def __init__(self, eviction: dict[str, str], database_url: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.directory.moves.order_child"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # -P: not the working directory's packages; its own session: a ^C to the directory is not its
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvstore.directory.moves.order_child"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self.alive = True
+        self.ended_at = float("inf")
         self._outbox: deque = deque([("start", eviction, database_url)])
-        self._answers: dict[int, list] = {}  # request id -> [answered, ok, value]
+        self._asks: dict[int, _Ask] = {}
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
+        self._since: float | None = None  # monotonic time since which an ask waits for its answer
         threading.Thread(target=self._send, name="order-send", daemon=True).start()
         threading.Thread(target=self._receive, name="order-receive", daemon=True).start()
 
@@ -66,75 +82,103 @@ class _Child:
                 self._outbox.append(message)
                 self._cond.notify()
 
-    def ask(self, kind: str, *args, timeout_s: float = ASK_TIMEOUT_S) -> tuple[bool, object]:
-        """(True, the answer) or (False, what went wrong); waits without the interpreter."""
-        slot = [threading.Event(), False, ENDED]
+    def request(self, kind: str, *args, then: Callable[[bool, object], None] | None = None) -> _Ask:
+        """Sends an ask; `then(ok, value)` runs on the answer (on the reading thread)."""
+        ask = _Ask(kind, then)
         with self._cond:
             if not self.alive:
-                return False, ENDED
+                ask.done.set()
+                return ask
             request = next(self._ids)
-            self._answers[request] = slot
+            self._asks[request] = ask
+            if self._since is None:
+                self._since = time.monotonic()
             self._outbox.append((kind, request, *args))
             self._cond.notify()
-        if not slot[0].wait(timeout_s):
-            self.stop(f"no answer to {kind} within {timeout_s:.0f} s")
+        return ask
+
+    def ask(self, kind: str, *args, timeout_s: float = ASK_TIMEOUT_S,
+            late: Callable[[object], None] | None = None) -> tuple[bool, object]:
+        """(True, the answer) or (False, why not); waits without the interpreter. Unanswered within
+        `timeout_s`, the ask is left to `late` (its answer, if one comes)."""
+        ask = self.request(kind, *args)
+        if not ask.done.wait(timeout_s):
+            with self._cond:
+                ask.abandoned, ask.late = True, late
             return False, f"no answer within {timeout_s:.0f} s"
-        return slot[1], slot[2]
+        return ask.ok, ask.value
+
+    def stalled(self) -> bool:
+        """An ask its caller stopped waiting for is still unanswered (the next would wait as long);
+        one unanswered for ASK_TIMEOUT_S stops the child."""
+        with self._cond:
+            since = self._since
+            stalled = any(a.abandoned for a in self._asks.values())
+        if since is not None and time.monotonic() - since > ASK_TIMEOUT_S:
+            self.stop(f"no answer for {ASK_TIMEOUT_S:.0f} s")
+            return True
+        return stalled
 
     def _send(self) -> None:
-        while True:
-            with self._cond:
-                while self.alive and not self._outbox:
-                    self._cond.wait()
-                if not self.alive:
-                    return
-                batch = list(self._outbox)
-                self._outbox.clear()
-            try:
+        try:
+            while True:
+                with self._cond:
+                    while self.alive and not self._outbox:
+                        self._cond.wait()
+                    if not self.alive:
+                        return
+                    batch = list(self._outbox)
+                    self._outbox.clear()
                 for message in batch:
                     write_frame(self.proc.stdin, message)
-            except (OSError, ValueError):  # a closed pipe: the child ended
-                self._ended("its input closed")
-                return
+        except Exception as exc:  # a closed pipe (the child ended), or a message that cannot be sent
+            self.stop(f"writing to it failed: {type(exc).__name__}: {exc}")
 
     def _receive(self) -> None:
-        while True:
-            try:
-                message = read_frame(self.proc.stdout)
-            except Exception:  # a torn frame: the child ended mid-answer
-                message = None
-            if message is None:
-                self._ended("its output closed")
-                return
-            request, ok, value = message
-            with self._cond:
-                slot = self._answers.pop(request, None)
-            if slot is not None:
-                slot[1], slot[2] = ok, value
-                slot[0].set()
-
-    def _ended(self, why: str, expected: bool = False) -> None:
-        with self._cond:
-            was, self.alive = self.alive, False
-            waiting = list(self._answers.values())
-            self._answers.clear()
-            self._cond.notify_all()
-        for slot in waiting:
-            slot[0].set()  # unanswered: (False, ENDED)
-        if was and not expected:
-            log.error("the eviction order's process ended (%s; exit status %s): evictions take SQL's order "
-                      "until it is started again", why, self.proc.poll())
+        try:
+            while (message := read_frame(self.proc.stdout)) is not None:
+                request, ok, value = message
+                with self._cond:
+                    ask = self._asks.pop(request, None)
+                    self._since = time.monotonic() if self._asks else None
+                if ask is None:
+                    continue
+                ask.ok, ask.value = ok, value
+                if ask.then is not None:
+                    ask.then(ok, value)
+                ask.done.set()
+                if ask.abandoned and ok and ask.late is not None:
+                    ask.late(value)
+            self.stop("its output closed")
+        except Exception as exc:  # a torn or foreign frame
+            self.stop(f"reading from it failed: {type(exc).__name__}: {exc}")
 
     def stop(self, why: str | None = None) -> None:
-        """Ends the child (why: unexpectedly, which is logged)."""
-        self._ended(why or "stopped", expected=why is None)
-        try:
-            self.proc.stdin.close()  # the child ends at the end of its input
-            self.proc.wait(timeout=5)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
+        """Ends the child (why: unexpectedly, which is logged); what it was asked goes unanswered."""
+        with self._cond:
+            was, self.alive = self.alive, False
+            if was:
+                self.ended_at = time.monotonic()
+            asks = list(self._asks.values())
+            self._asks.clear()
+            self._since = None
+            self._cond.notify_all()
+        if not was:
+            return
+        if why is not None:
+            log.error("the eviction order's process ended (%s; exit status %s): evictions take SQL's order "
+                      "until it is started again", why, self.proc.poll())
+        self.proc.kill()  # it holds nothing to save; a writer blocked on a full pipe is released
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except (OSError, ValueError):  # a buffered write that cannot be flushed any more
+                pass
+        for ask in asks:
+            if ask.then is not None:
+                ask.then(False, ask.value)
+            ask.done.set()
 
 
 class ChildOrder(TierPolicies):
@@ -142,14 +186,14 @@ class ChildOrder(TierPolicies):
 
     local = False
 
-    def __init__(self, eviction: dict[str, str], admission: dict[str, str], database_url: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, eviction: dict[str, str], admission: dict[str, str], database_url: str) -> None:
         super().__init__(eviction, admission)
         self._url = database_url
-        self._clock = clock
         self._child: _Child | None = None
-        self._started_at = float("-inf")
         self._built: set[int] = set()  # tiers whose order the running child holds
+        self._building: dict[int, _Ask] = {}  # tier id -> its build, asked and not answered yet
+        self._generation: Counter = Counter()  # tier id -> bumped when its order is dropped
+        self._replayed: set[int] = set()  # tiers whose admission took the recorded hits (once)
         self._closed = False
 
     def _running(self) -> _Child | None:
@@ -157,16 +201,15 @@ class ChildOrder(TierPolicies):
         return child if child is not None and child.alive else None
 
     def _start(self) -> _Child | None:
-        """The running child; started if there is none (again RESTART_AFTER_S after one ended), with
-        the hints kept here meanwhile. Under `lock`, so no hint or change passes it on the way."""
+        """The running child; started if there is none (RESTART_AFTER_S after one ended), with the
+        hints kept here meanwhile. Under `lock`, so no hint or change passes it on the way."""
         if (child := self._running()) is not None:
             return child
-        if self._closed or self._clock() - self._started_at < RESTART_AFTER_S:
+        if self._closed or (self._child is not None and
+                            time.monotonic() - self._child.ended_at < RESTART_AFTER_S):
             return None
-        if self._child is not None:
-            self._child.stop()
-        self._started_at = self._clock()
         self._built.clear()
+        self._building.clear()
         try:
             self._child = _Child(self._names[0], self._url)
         except OSError as exc:
@@ -215,15 +258,21 @@ class ChildOrder(TierPolicies):
     def forget(self, tier_id: int) -> None:
         with self.lock:
             super().forget(tier_id)
-            self._built.discard(tier_id)
+            self._drop(tier_id)
             if (child := self._running()) is not None:
                 child.tell(("forget", None, tier_id))
 
     def unbuild(self, tier) -> None:
         with self.lock:
-            self._built.discard(tier.id)
+            self._drop(tier.id)
             if (child := self._running()) is not None:
                 child.tell(("unbuild", None, spec(tier)))
+
+    def _drop(self, tier_id: int) -> None:
+        """The child's order of the tier is gone or going: a build under way no longer counts."""
+        self._built.discard(tier_id)
+        self._building.pop(tier_id, None)
+        self._generation[tier_id] += 1
 
     # ---- asked ----------------------------------------------------------------------------
 
@@ -232,37 +281,61 @@ class ChildOrder(TierPolicies):
             return tier.id in self._built and self._running() is not None
 
     def build(self, tier, read_rows=None) -> None:
-        """The child builds the tier's order from SQL (unless it holds it); the admission replays
-        the read blocks' hits here, in chunks."""
+        """The child builds the tier's order from SQL (unless it holds it or is building it); waits
+        up to ASK_TIMEOUT_S for it. Its answer, whenever it comes, makes the tier built here unless
+        its order was dropped meanwhile, and the admission replays the hits of the blocks it read
+        (the first time only)."""
         with self.lock:
             self._of(tier)
-            child = self._start()
-        if child is None:
-            return
-        ok, recorded = child.ask("build", spec(tier))
+            if (child := self._start()) is None or tier.id in self._built:  # a new child holds no order yet
+                return
+            ask = self._building.get(tier.id)
+            if ask is None:
+                generation = self._generation[tier.id]
+                ask = self._building[tier.id] = child.request(
+                    "build", spec(tier), then=lambda ok, value: self._built_answer(tier, child, generation, ok, value))
+        ask.done.wait(ASK_TIMEOUT_S)
+
+    def _built_answer(self, tier, child: _Child, generation: int, ok: bool, recorded) -> None:
         if not ok:
             log.error("the eviction order of tier %d was not built: %s", tier.id, recorded)
-            return
-        policy = self._of(tier)
-        for start in range(0, len(recorded), REPLAY_AT_ONCE):
             with self.lock:
-                for key, hits in paced(recorded[start : start + REPLAY_AT_ONCE]):
-                    record_hits(policy.admission, key, hits)
+                if self._generation[tier.id] == generation:
+                    self._building.pop(tier.id, None)
+            return
+        if tier.id not in self._replayed:
+            self._replayed.add(tier.id)
+            for start in range(0, len(recorded), REPLAY_AT_ONCE):
+                with self.lock:
+                    admission = self._of(tier).admission
+                    for key, hits in recorded[start : start + REPLAY_AT_ONCE]:
+                        record_hits(admission, key, hits)
         with self.lock:
-            if child is self._child and child.alive:
+            if child is self._child and child.alive and self._generation[tier.id] == generation:
+                self._building.pop(tier.id, None)
                 self._built.add(tier.id)
 
     def evict(self, tier, n: int, keep: set[int]) -> list[int] | None:
+        """The next victims of the tier's order; None when it ran dry. Raises Unanswered when the
+        child is not running, left an earlier ask unanswered, or answers nothing within EVICT_WAIT_S
+        (behind another tier's build, say): the caller then takes SQL's order."""
         child = self._running()
-        if child is None:
-            return None
-        ok, victims = child.ask("evict", spec(tier), n, keep)
-        return victims if ok else None
+        if child is None or child.stalled() or not self.built(tier):
+            raise Unanswered("the eviction order is not at hand")
+
+        def late(victims) -> None:  # named, but nobody took them: back into the order
+            if victims:
+                self.changed([(block_id, None, "", "", [tier.id], []) for block_id in victims])
+        ok, victims = child.ask("evict", spec(tier), n, keep, timeout_s=EVICT_WAIT_S, late=late)
+        if not ok:
+            raise Unanswered(str(victims))
+        return victims
 
     def peek(self, tier, n: int, keep: set[int]) -> None:
         return None  # a dry run asks `dry_run`
 
     def dry_run(self, tier, limit: int, keep: set[int], to_free: int) -> tuple[int, int] | None:
+        """The child walks its order and re-checks the victims in SQL; None when it cannot."""
         child = self._running()
         if child is None or not self.built(tier):
             return None

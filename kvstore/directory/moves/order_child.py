@@ -177,8 +177,10 @@ def serve(source: BinaryIO, out: BinaryIO) -> None:
 
 
 def main() -> None:
+    answers = os.fdopen(os.dup(1), "wb")  # the frames' own descriptor
+    os.dup2(2, 1)  # whatever else prints to standard output lands in the log, not among the frames
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    serve(sys.stdin.buffer, sys.stdout.buffer)
+    serve(sys.stdin.buffer, answers)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from kvstore.directory.db.views import Hit
 from kvstore.directory.db.models import Tier
 from kvstore.directory.db.models.replica import DELETING
 from kvstore.directory.moves.move import Moves
-from kvstore.directory.tier_policies import TierPolicies, VictimRow, block_key
+from kvstore.directory.tier_policies import TierPolicies, Unanswered, VictimRow, block_key
 from kvstore.directory.workers.credit import PagePools
 from kvstore.directory.workers.reclaim import Reclaim
 from kvstore.core.pace import paced, tier_sized
@@ -230,20 +230,22 @@ class Movement:
         """Ask the policy in batches and keep the keys the tier still holds READY and unpinned:
         the cost follows the victims, not the tier. A policy that runs dry is rebuilt once."""
         keep = sql.pinned_blocks(tx.session, tier.id) | protected
-        chosen, freed, rebuilt = [], 0, False
+        chosen, freed = [], 0
         while freed < to_free and len(chosen) < limit:
-            ids = self._policies.evict(tier, min(EVICT_BATCH, limit - len(chosen)), keep)
+            try:
+                ids = self._policies.evict(tier, min(EVICT_BATCH, limit - len(chosen)), keep)
+            except Unanswered:  # kept in another process, which cannot answer now
+                if chosen:
+                    break
+                return _by_recency(tx, tier.id, to_free, protected, limit)
             if ids is None:
                 if chosen:
                     break
                 self._policies.unbuild(tier)  # ran dry with the tier over its mark: sync it again
-                if self._policies.local or rebuilt:
+                if self._policies.local:
                     return self._victims(tx, tier, to_free, protected, None, limit)
-                self._build_policy(tier.id)  # in the other process, from SQL; this job waits for it
-                rebuilt = True
-                if not self._policies.built(tier):
-                    return _by_recency(tx, tier.id, to_free, protected, limit)
-                continue
+                # rebuilt in the other process, outside this job (the next round's _build_policy)
+                return _by_recency(tx, tier.id, to_free, protected, limit)
             for replica, block in sql.ready_replicas_of_blocks(tx.session, tier.id, ids):
                 if freed >= to_free or len(chosen) >= limit:
                     keep.add(block.id)
