@@ -186,9 +186,11 @@ class ChildOrder(TierPolicies):
 
     local = False
 
-    def __init__(self, eviction: dict[str, str], admission: dict[str, str], database_url: str) -> None:
+    def __init__(self, eviction: dict[str, str], admission: dict[str, str], database_url: str,
+                 spawn: Callable[[dict[str, str], str], _Child] = _Child) -> None:
         super().__init__(eviction, admission)
         self._url = database_url
+        self._spawn = spawn  # a child from (eviction names, database URL)
         self._child: _Child | None = None
         self._built: set[int] = set()  # tiers whose order the running child holds
         self._building: dict[int, _Ask] = {}  # tier id -> its build, asked and not answered yet
@@ -211,7 +213,7 @@ class ChildOrder(TierPolicies):
         self._built.clear()
         self._building.clear()
         try:
-            self._child = _Child(self._names[0], self._url)
+            self._child = self._spawn(self._names[0], self._url)
         except OSError as exc:
             log.error("the eviction order's process could not start (%s): evictions take SQL's order", exc)
             self._child = None
