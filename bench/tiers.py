@@ -1,6 +1,7 @@
 """Tier moves through the store vs the raw paths, side by side in one run.
 
-    python bench/tiers.py [--sizes 1MiB,4MiB] [--batch-bytes 32MiB] [--repeats 3] [--nvme-direct auto] [--json OUT]
+    python bench/tiers.py [--sizes 1MiB,4MiB] [--batch-bytes 32MiB] [--long-bytes 256MiB] [--repeats 3]
+                          [--nvme-direct auto] [--json OUT]
 
 NVMe: the store's demotion (DRAM -> NVMe, `POST /v1/admin/evict`: directory plan,
 worker checksum + NIXL POSIX WRITE + manifest) and promotion (NVMe -> DRAM inside
@@ -9,6 +10,9 @@ registered buffer and a pre-allocated file in the same directory, from this
 process, for both POSIX queues (aio, io_uring), and the aio write followed by an
 fdatasync of the file (the store syncs slab data before its manifest line); the
 same through a file opened with O_DIRECT (aio), which bypasses the page cache.
+A long demotion (`--long-bytes`, one evict of that many bytes: one round of the directory's, one
+worker request, up to 256 blocks) against one raw O_DIRECT request of the same bytes + fdatasync;
+`--long-bytes 0` leaves it out.
 S3 (a local moto_server, which is pure Python and the bottleneck): demotion
 NVMe -> S3 and promotion S3 -> DRAM vs raw NIXL OBJ (one request, all objects)
 and boto3 (one object at a time) with the same object sizes.
@@ -125,6 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1MiB,4MiB")
     parser.add_argument("--batch-bytes", default="32MiB")
+    parser.add_argument("--long-bytes", default="256MiB", help="one long demotion of this many bytes (0: none)")
     parser.add_argument("--s3-batch-bytes", default="8MiB", help="moto is slow: fewer bytes for S3")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nvme-direct", default="auto", choices=("auto", "on", "off"),
@@ -132,7 +137,8 @@ def main() -> None:
     parser.add_argument("--json", default="bench/out/tiers.json")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    batch, s3_batch = parse_size(args.batch_bytes), parse_size(args.s3_batch_bytes)
+    batch, s3_batch, long = parse_size(args.batch_bytes), parse_size(args.s3_batch_bytes), parse_size(args.long_bytes)
+    tier_bytes = format_size(max(4 * batch, 2 * long)).replace(" ", "")
     for key, value in MotoServer.CREDENTIALS.items():
         os.environ[key] = value
     results = []
@@ -141,12 +147,12 @@ def main() -> None:
         tmp = Path(tmp)
         s3 = MotoServer(tmp / "moto.log").start()
         s3.client().create_bucket(Bucket="bench")
-        stack_args = ("--nvme-bytes", format_size(4 * batch).replace(" ", ""), "--nvme-dir", str(tmp / "nvme"),
+        stack_args = ("--nvme-bytes", tier_bytes, "--nvme-dir", str(tmp / "nvme"),
                       "--s3-bucket", "bench", "--s3-endpoint", s3.url, "--bounce-bytes", "64MiB",
                       *(("--nvme-direct", args.nvme_direct) if args.nvme_direct != "auto" else ()))
         try:
             pids: dict[str, int] = {}
-            with local_stack(dram_bytes=format_size(4 * batch).replace(" ", ""), worker_args=stack_args,
+            with local_stack(dram_bytes=tier_bytes, worker_args=stack_args,
                              pids=pids) as url:
                 for size in sizes:
                     print(f"block {format_size(size)} ...", flush=True)
@@ -158,6 +164,11 @@ def main() -> None:
                            "posix_direct": raw_posix(tmp, "aio", size, n, args.repeats, direct=True),
                            "s3_store": store_moves(url, size, n3, args.repeats, "s3", pids["directory"]),
                            "s3_raw": raw_s3(s3, size, n3, args.repeats)}
+                    if long:
+                        nl = max(1, long // size)
+                        row.update(blocks_long=nl, long_store=store_moves(url, size, nl, args.repeats, "nvme",
+                                                                           pids["directory"]),
+                                   long_direct=raw_posix(tmp, "aio", size, nl, args.repeats, direct=True))
                     results.append(row)
         finally:
             s3.stop()
@@ -177,6 +188,14 @@ def main() -> None:
                   r["nvme_store"]["promote_gbps"] / r["posix_aio"]["read_gbps"],
                   f'{r["nvme_store"]["directory_share_demote"]:.0%}/{r["nvme_store"]["directory_share_promote"]:.0%}']
                  for r in results])
+    if long:
+        print()
+        print_table(["block", "long demote->NVMe", "raw O_DIRECT W+fds", "demote/raw", "directory CPU share"],
+                    [[format_size(r["block_bytes"]), r["long_store"]["demote_gbps"],
+                      r["long_direct"]["write_sync_gbps"],
+                      r["long_store"]["demote_gbps"] / r["long_direct"]["write_sync_gbps"],
+                      f'{r["long_store"]["directory_share_demote"]:.0%}'] for r in results])
+        print(f"(one demotion of {format_size(long)} against one raw O_DIRECT request of the same bytes)")
     print()
     print_table(["block", "NVMe->S3", "raw OBJ W", "boto3 W", "S3->DRAM", "raw OBJ R", "boto3 R",
                  "demote/OBJ W", "promote/OBJ R", "directory CPU share demote/promote"],
@@ -192,7 +211,7 @@ def main() -> None:
           " manifest line; directory CPU share: the directory process's CPU time over the moves' wall time, all\n"
           " repeats)")
     write_json(args.json, {"benchmark": "tiers", "machine": machine(), "batch_bytes": batch,
-                           "nvme_direct": args.nvme_direct,
+                           "nvme_direct": args.nvme_direct, "long_bytes": long,
                            "s3_batch_bytes": s3_batch, "repeats": args.repeats, "results": results})
     os._exit(0)  # skip interpreter teardown: NIXL's UCX threads can crash it
 

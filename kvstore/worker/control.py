@@ -63,12 +63,14 @@ ENGINE_ROUTES = ("/v1/push", "/v1/push/forget")  # signed by the directory, not 
 
 class ControlServer:
     def __init__(self, allocators: dict[str, PageAllocator], host: str = "127.0.0.1", port: int = 0,
-                 mover=None, on_free=None, object_tiers: dict | None = None, verifier=None,
+                 mover=None, on_free=None, after_free=None, object_tiers: dict | None = None, verifier=None,
                  max_connections: int = MAX_CONNECTIONS, secret: str | None = None,
                  tls: tuple[str, str] | None = None, metrics: WorkerMetrics | None = None,
                  open_metrics: bool = False, metrics_token: str | None = None, advertise: str | None = None,
                  fence: MoveFence | None = None, pushes: Pushes | None = None) -> None:
-        """`secret`: what every call must carry (None: no check, for tests in one process);
+        """`on_free(kind, token, runs)`: pages given back (runs None: every page of the token);
+        `after_free()`: once a free request's pages are all given back (one manifest sync for them all);
+        `secret`: what every call must carry (None: no check, for tests in one process);
         `tls`: (certificate file, key file) to serve HTTPS; `metrics`: what GET /metrics serves, to
         anyone with `open_metrics`, else to callers with `metrics_token` or the secret; `advertise`:
         the host in `url` when it is not the bound address; `fence`: the moves running here (shared with
@@ -82,6 +84,7 @@ class ControlServer:
         self.object_tiers = object_tiers or {}  # kind -> callable(name, token) deleting an object
         self.mover = mover  # callable MoveRequest -> MoveResult, or None: no moves here
         self.on_free = on_free  # callable (kind, token, runs) after pages are given back
+        self.after_free = after_free  # callable () once a free request is done
         self.verifier = verifier  # callable VerifyRequest -> VerifyResult, or None: nothing verified here
         self.fence = fence or MoveFence()
         self.pushes = pushes
@@ -164,6 +167,8 @@ class ControlServer:
                     break
             else:
                 log.warning("free of pages not held by token %s ignored", item.token)
+        if self.after_free:
+            self.after_free()
         return freed
 
     def _release(self, token: str) -> int:

@@ -94,7 +94,8 @@ class StorageWorker:
         self.secret = secrets.token_urlsafe(32)  # the directory's calls must carry it; new at every start
         tls = (str(settings.tls_cert), str(settings.tls_key)) if settings.tls_cert and settings.tls_key else None
         self.control = ControlServer(allocators, settings.host, settings.port, mover=self.mover.move,
-                                     on_free=self._freed, object_tiers={"s3": self.s3.delete} if self.s3 else {},
+                                     on_free=self._freed, after_free=self._frees_done,
+                                     object_tiers={"s3": self.s3.delete} if self.s3 else {},
                                      verifier=self.mover.verify, secret=self.secret, tls=tls, metrics=self.metrics,
                                      open_metrics=settings.open_metrics, metrics_token=settings.metrics_token,
                                      advertise=settings.advertise_host, fence=fence,
@@ -110,13 +111,20 @@ class StorageWorker:
             if settings.arena_dir is not None else None
 
     def _freed(self, kind: str, token: str, runs: list[specs.PageRun] | None) -> None:
-        """Pages given back (`runs` None: every page the token held)."""
+        """Pages given back (`runs` None: every page the token held): their "free" line is queued
+        as they go back, and written by `_frees_done`."""
         if kind == "nvme" and self.nvme:
             self.nvme.forget(token, runs)
+
+    def _frees_done(self) -> None:
+        """A free request's "free" lines written in one manifest sync (a line per block and a sync
+        each made a free of 256 NVMe blocks 256 syncs). A lost line could resurrect pages that were
+        reused: whatever a sync writes, it writes the queued frees before any put."""
+        if self.nvme:
             try:
-                self.nvme.sync()  # a lost "free" line could resurrect pages that were reused
+                self.nvme.sync()
             except KVStoreError as exc:  # written before any line that reuses the pages, by a later sync
-                log.warning("%s; the free of %s is written later", exc.message, token)
+                log.warning("%s; the frees are written later", exc.message)
 
     def tier_specs(self) -> list[specs.TierSpec]:
         tiers = [specs.TierSpec(kind="dram", capacity_bytes=self.arena.nbytes,

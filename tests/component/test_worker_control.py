@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from kvstore.core import moving, page_calls, specs
 from kvstore.core.keys import MAX_BLOCK_BYTES
 from kvstore.core.pages import PageAllocator
 from kvstore.worker.control import MAX_BODY, ControlServer
+from kvstore.worker.nvme import MANIFEST, NvmeTier
 from tests.helpers import raw_request
 
 
@@ -343,3 +345,26 @@ def test_engines_hold_a_few_slots_at_most_and_cannot_push_without_a_grant(monkey
         assert (status, answer["error"]) == (403, "forbidden")
     finally:
         server.stop()
+
+
+def test_a_free_request_of_many_nvme_blocks_writes_their_lines_in_one_manifest_sync(tmp_path, monkeypatch):
+    """The control endpoint gives the pages of a whole free request back, then writes their "free"
+    lines in one sync: a sync per block made a free of 256 NVMe blocks 256 syncs."""
+    page = 4096
+    tier, pages = NvmeTier(tmp_path, 16 * page, page), PageAllocator(16, page)
+    server = ControlServer({"nvme": pages}, on_free=lambda kind, token, runs: tier.forget(token, runs),
+                           after_free=tier.sync)
+    placed = {f"t{k}": pages.allocate(f"t{k}", page) for k in range(8)}
+    for token, runs in placed.items():
+        tier.record(_placed(token, page, dst_runs=runs, allocate=False))
+    tier.sync()
+    synced: list[int] = []
+    real_fdatasync = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real_fdatasync(fd)))
+    freed = server.free(page_calls.FreeRequest(items=[page_calls.FreeItem(token=token, runs=runs)
+                                                      for token, runs in placed.items()]))
+    assert freed == 8 and pages.free_pages == 16 and synced == [tier._manifest]
+    lines = [json.loads(line)["op"] for line in (tmp_path / MANIFEST).read_text().splitlines()]
+    assert lines == ["meta"] + ["put"] * 8 + ["free"] * 8
+    tier.close()
+    assert NvmeTier(tmp_path, 16 * page, page).survivors() == []

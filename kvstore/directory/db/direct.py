@@ -184,11 +184,19 @@ def set_pages(session: Session, pages: dict[int, tuple[str, list]]) -> None:
 
 def expire_loaded(session: Session, model, ids, attributes: list[str] | None = None) -> None:
     """Rows of `model` the driver just changed: the ones this session holds as ORM objects are
-    expired (those `attributes`, or all), so what they read next is the database's."""
-    for key in ids:
-        loaded = session.identity_map.get(session.identity_key(model, key))
-        if loaded is not None:
-            session.expire(loaded, attributes)
+    expired (those `attributes`, or all), so what they read next is the database's. The shorter of
+    the two is walked: a job that changes 256 replicas usually holds a few ORM objects or none, and
+    an identity key costs microseconds to build."""
+    held = session.identity_map
+    if not held:
+        return
+    if len(held) < len(ids):
+        wanted = ids if isinstance(ids, (set, dict)) else set(ids)
+        loaded = [obj for (cls, pk, *_), obj in list(held.items()) if cls is model and pk[0] in wanted]
+    else:
+        loaded = [obj for obj in (held.get(session.identity_key(model, key)) for key in ids) if obj is not None]
+    for obj in loaded:
+        session.expire(obj, attributes)
 
 
 def json_value(value):

@@ -178,8 +178,8 @@ class Movement:
         lower = own.get(lower_kind) if lower_kind else None
         victims = self._victims(tx, tier, to_free, protected, namespace_id, limit)
         kinds = sql.replica_kinds(tx.session, [b.id for _, b in victims])
-        copy = {r.id: (b.id, b.namespace_id, b.hash) for r, b in victims
-                if lower is not None and lower.kind not in kinds.get(b.id, set()) and self._keep_below(lower, b)}
+        wanted = [(r, b) for r, b in victims if lower is not None and lower.kind not in kinds.get(b.id, set())]
+        copy = {r.id: (b.id, b.namespace_id, b.hash) for r, b in self._kept_below(lower, wanted)}
         drop = [(r, b) for r, b in victims if r.id not in copy]  # the bottom tier, or a lower copy exists
         direct.set_states(tx.session, {r.id: DELETING for r, _ in drop})
         repo.touched(tx.session, {b.id for _, b in drop})
@@ -255,9 +255,13 @@ class Movement:
                 freed += replica.reserved_bytes
         return chosen
 
-    def _keep_below(self, lower: Tier, block: sql.VictimBlock) -> bool:
-        """The lower tier's admission: is this victim worth keeping one tier down?"""
-        return isinstance(self._policies.admit(lower, block_key(block.namespace_id, block.hash), block.nbytes), Admit)
+    def _kept_below(self, lower: Tier | None, victims: list[tuple[sql.VictimReplica, sql.VictimBlock]]):
+        """The victims the lower tier's admission finds worth keeping one tier down (asked at once)."""
+        if not victims:
+            return []
+        decisions = self._policies.admit_many(lower, [(block_key(b.namespace_id, b.hash), b.nbytes, None)
+                                                      for _, b in victims])
+        return [victim for victim, decision in zip(victims, decisions) if isinstance(decision, Admit)]
 
     def drain(self, worker_ids: list[int]) -> int:
         """One round for draining workers: their memory tiers go down (dropped if there is no tier
