@@ -69,7 +69,8 @@ class ControlServer:
                  open_metrics: bool = False, metrics_token: str | None = None, advertise: str | None = None,
                  fence: MoveFence | None = None, pushes: Pushes | None = None) -> None:
         """`on_free(kind, token, runs)`: pages given back (runs None: every page of the token);
-        `after_free()`: once a free request's pages are all given back (one manifest sync for them all);
+        `after_free()`: once a free request's pages are all given back, if any were of a durable tier
+        (one manifest sync for them all);
         `secret`: what every call must carry (None: no check, for tests in one process);
         `tls`: (certificate file, key file) to serve HTTPS; `metrics`: what GET /metrics serves, to
         anyone with `open_metrics`, else to callers with `metrics_token` or the secret; `advertise`:
@@ -149,26 +150,30 @@ class ControlServer:
         return page_calls.GrantResult(runs=self._allocator(req.kind).grant(req.token, req.max_pages))
 
     def free(self, req: page_calls.FreeRequest) -> int:
-        freed = 0
-        for item in req.items:
-            if item.object is not None:
-                for delete in self.object_tiers.values():
-                    delete(item.object, item.token)
-                freed += 1
-                continue
-            if item.all_pages:
-                freed += self._release(item.token)
-                continue
-            for kind, allocator in self.allocators.items():
-                if allocator.free(item.token, item.runs):
-                    freed += sum(r.count for r in item.runs)
-                    if self.on_free:
-                        self.on_free(kind, item.token, item.runs)
-                    break
-            else:
-                log.warning("free of pages not held by token %s ignored", item.token)
-        if self.after_free:
-            self.after_free()
+        freed, durable = 0, False  # durable: pages of a tier that keeps a record (after_free writes it)
+        try:
+            for item in req.items:
+                if item.object is not None:
+                    for delete in self.object_tiers.values():
+                        delete(item.object, item.token)
+                    freed += 1
+                    continue
+                if item.all_pages:
+                    released = self._release(item.token)
+                    freed, durable = freed + released, durable or released > 0
+                    continue
+                for kind, allocator in self.allocators.items():
+                    if allocator.free(item.token, item.runs):
+                        freed += sum(r.count for r in item.runs)
+                        durable = durable or kind not in MEMORY
+                        if self.on_free:
+                            self.on_free(kind, item.token, item.runs)
+                        break
+                else:
+                    log.warning("free of pages not held by token %s ignored", item.token)
+        finally:
+            if durable and self.after_free:
+                self.after_free()
         return freed
 
     def _release(self, token: str) -> int:

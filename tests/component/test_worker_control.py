@@ -349,10 +349,11 @@ def test_engines_hold_a_few_slots_at_most_and_cannot_push_without_a_grant(monkey
 
 def test_a_free_request_of_many_nvme_blocks_writes_their_lines_in_one_manifest_sync(tmp_path, monkeypatch):
     """The control endpoint gives the pages of a whole free request back, then writes their "free"
-    lines in one sync: a sync per block made a free of 256 NVMe blocks 256 syncs."""
+    lines in one sync: a sync per block made a free of 256 NVMe blocks 256 syncs. A free of memory
+    pages alone syncs nothing."""
     page = 4096
-    tier, pages = NvmeTier(tmp_path, 16 * page, page), PageAllocator(16, page)
-    server = ControlServer({"nvme": pages}, on_free=lambda kind, token, runs: tier.forget(token, runs),
+    tier, pages, dram = NvmeTier(tmp_path, 16 * page, page), PageAllocator(16, page), PageAllocator(4, page)
+    server = ControlServer({"dram": dram, "nvme": pages}, on_free=lambda kind, token, runs: tier.forget(token, runs),
                            after_free=tier.sync)
     placed = {f"t{k}": pages.allocate(f"t{k}", page) for k in range(8)}
     for token, runs in placed.items():
@@ -366,5 +367,9 @@ def test_a_free_request_of_many_nvme_blocks_writes_their_lines_in_one_manifest_s
     assert freed == 8 and pages.free_pages == 16 and synced == [tier._manifest]
     lines = [json.loads(line)["op"] for line in (tmp_path / MANIFEST).read_text().splitlines()]
     assert lines == ["meta"] + ["put"] * 8 + ["free"] * 8
+    tier.record(_placed("t9", page, dst_runs=pages.allocate("t9", page), allocate=False))  # a move's, not synced
+    in_dram = dram.allocate("d", page)
+    assert server.free(page_calls.FreeRequest(items=[page_calls.FreeItem(token="d", runs=in_dram)])) == 1
+    assert synced == [tier._manifest]  # a free of memory pages syncs nothing
     tier.close()
-    assert NvmeTier(tmp_path, 16 * page, page).survivors() == []
+    assert NvmeTier(tmp_path, 16 * page, page).survivors() == []  # t9's line was never written

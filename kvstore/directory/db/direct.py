@@ -190,6 +190,7 @@ def expire_loaded(session: Session, model, ids, attributes: list[str] | None = N
     held = session.identity_map
     if not held:
         return
+    ids = ids if hasattr(ids, "__len__") else list(ids)
     if len(held) < len(ids):
         wanted = ids if isinstance(ids, (set, dict)) else set(ids)
         loaded = [obj for (cls, pk, *_), obj in list(held.items()) if cls is model and pk[0] in wanted]
