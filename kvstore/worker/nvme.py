@@ -176,9 +176,9 @@ class NvmeTier:
         (`fdatasync`: the slabs are allocated whole, so no metadata a read needs changes), then the
         manifest lines naming it, frees before puts, in one append. Called once per move request
         before it is answered (so a block the directory commits is in the manifest) and once per
-        free request. If the append fails (a full disk) the manifest is cut back to where it was, nothing is
-        lost from memory, and `KVStoreError("unavailable")` says why: the caller fails the moves it
-        made; the frees are written by the next sync that succeeds."""
+        free request. If the append fails (a full disk) the manifest is cut back to where it was,
+        nothing is lost from memory, and `KVStoreError("unavailable")` says why: the caller fails
+        the moves it made; the frees are written by the next sync that succeeds."""
         with self._lock:
             if not self._pending and not self._frees:
                 return
